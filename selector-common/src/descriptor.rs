@@ -1,0 +1,221 @@
+//! Protocol descriptors: where a request id sits in a UDP payload and how a
+//! read is recognised. Readers are closures over payload offsets so the same
+//! code walks a host slice in tests and a bounds-checked packet in the kernel.
+
+/// Longest request id, in bytes.
+pub const MAX_ID_LEN: u8 = 8;
+/// Longest read prefix, in bytes.
+pub const MAX_PREFIX_LEN: u8 = 16;
+/// Offsets plus lengths stay below this, which also bounds kernel packet reads.
+pub const MAX_DESCRIPTOR_SPAN: u16 = 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Descriptor {
+    pub id_offset: u16,
+    pub id_len: u8,
+    /// 0: every request is a read.
+    pub prefix_len: u8,
+    pub prefix_offset: u16,
+    pub _pad: u16,
+    pub prefix: [u8; MAX_PREFIX_LEN as usize],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DescriptorError {
+    IdLength,
+    PrefixLength,
+    OutOfRange,
+}
+
+impl core::fmt::Display for DescriptorError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Self::IdLength => write!(f, "request id length must be 1..={MAX_ID_LEN} bytes"),
+            Self::PrefixLength => write!(f, "read prefix must be at most {MAX_PREFIX_LEN} bytes"),
+            Self::OutOfRange => write!(
+                f,
+                "request id and read prefix must end within the first {MAX_DESCRIPTOR_SPAN} payload bytes"
+            ),
+        }
+    }
+}
+
+impl Descriptor {
+    /// memcached's UDP frame header: a 16-bit request id at offset 0, then
+    /// 6 more header bytes, then the ASCII command. `get` also matches `gets`.
+    pub const fn memcached() -> Self {
+        let mut prefix = [0u8; MAX_PREFIX_LEN as usize];
+        prefix[0] = b'g';
+        prefix[1] = b'e';
+        prefix[2] = b't';
+        Self {
+            id_offset: 0,
+            id_len: 2,
+            prefix_len: 3,
+            prefix_offset: 8,
+            _pad: 0,
+            prefix,
+        }
+    }
+
+    /// DNS: the 16-bit message id at offset 0; every query is a read.
+    pub const fn dns() -> Self {
+        Self {
+            id_offset: 0,
+            id_len: 2,
+            prefix_len: 0,
+            prefix_offset: 0,
+            _pad: 0,
+            prefix: [0; MAX_PREFIX_LEN as usize],
+        }
+    }
+
+    /// A custom descriptor, checked.
+    pub fn custom(
+        id_offset: u16,
+        id_len: u8,
+        prefix_offset: u16,
+        read_prefix: &[u8],
+    ) -> Result<Self, DescriptorError> {
+        if read_prefix.len() > MAX_PREFIX_LEN as usize {
+            return Err(DescriptorError::PrefixLength);
+        }
+        let mut prefix = [0u8; MAX_PREFIX_LEN as usize];
+        prefix[..read_prefix.len()].copy_from_slice(read_prefix);
+        let d = Self {
+            id_offset,
+            id_len,
+            prefix_len: read_prefix.len() as u8,
+            prefix_offset,
+            _pad: 0,
+            prefix,
+        };
+        d.validate()?;
+        Ok(d)
+    }
+
+    pub fn validate(&self) -> Result<(), DescriptorError> {
+        if self.id_len == 0 || self.id_len > MAX_ID_LEN {
+            return Err(DescriptorError::IdLength);
+        }
+        if self.prefix_len > MAX_PREFIX_LEN {
+            return Err(DescriptorError::PrefixLength);
+        }
+        let id_end = u32::from(self.id_offset) + u32::from(self.id_len);
+        let prefix_end = u32::from(self.prefix_offset) + u32::from(self.prefix_len);
+        if id_end > u32::from(MAX_DESCRIPTOR_SPAN) || prefix_end > u32::from(MAX_DESCRIPTOR_SPAN) {
+            return Err(DescriptorError::OutOfRange);
+        }
+        Ok(())
+    }
+
+    /// The request id, big-endian, or `None` if the payload is too short or
+    /// the descriptor is invalid.
+    #[inline(always)]
+    pub fn request_id(&self, byte_at: impl Fn(usize) -> Option<u8>) -> Option<u64> {
+        let len = self.id_len as usize;
+        if len == 0 || len > MAX_ID_LEN as usize {
+            return None;
+        }
+        let base = (self.id_offset % MAX_DESCRIPTOR_SPAN) as usize;
+        let mut id = 0u64;
+        let mut i = 0;
+        while i < MAX_ID_LEN as usize {
+            if i < len {
+                id = (id << 8) | u64::from(byte_at(base + i)?);
+            }
+            i += 1;
+        }
+        Some(id)
+    }
+
+    /// Whether the payload is a read: no prefix configured, or it starts with
+    /// the prefix at the prefix offset.
+    #[inline(always)]
+    pub fn is_read(&self, byte_at: impl Fn(usize) -> Option<u8>) -> bool {
+        let len = self.prefix_len as usize;
+        if len > MAX_PREFIX_LEN as usize {
+            return false;
+        }
+        let base = (self.prefix_offset % MAX_DESCRIPTOR_SPAN) as usize;
+        let mut i = 0;
+        while i < MAX_PREFIX_LEN as usize {
+            if i < len && byte_at(base + i) != Some(self.prefix[i]) {
+                return false;
+            }
+            i += 1;
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reader(payload: &[u8]) -> impl Fn(usize) -> Option<u8> + '_ {
+        |i| payload.get(i).copied()
+    }
+
+    const MC_GET: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00get foo\r\n";
+    const MC_GETS: &[u8] = b"\xab\xcd\x00\x00\x00\x01\x00\x00gets foo\r\n";
+    const MC_SET: &[u8] = b"\x00\x07\x00\x00\x00\x01\x00\x00set foo 0 0 1\r\nx\r\n";
+
+    #[test]
+    fn memcached_id_and_reads() {
+        let d = Descriptor::memcached();
+        d.validate().unwrap();
+        assert_eq!(d.request_id(reader(MC_GET)), Some(0x1234));
+        assert_eq!(d.request_id(reader(MC_GETS)), Some(0xabcd));
+        assert!(d.is_read(reader(MC_GET)));
+        assert!(d.is_read(reader(MC_GETS)));
+        assert!(!d.is_read(reader(MC_SET)));
+        assert_eq!(d.request_id(reader(MC_SET)), Some(7));
+    }
+
+    #[test]
+    fn memcached_short_payloads() {
+        let d = Descriptor::memcached();
+        assert_eq!(d.request_id(reader(b"\x12")), None);
+        // Header only: has an id but no command, so not a read.
+        assert!(!d.is_read(reader(&MC_GET[..8])));
+        assert!(!d.is_read(reader(&MC_GET[..10])));
+    }
+
+    #[test]
+    fn dns_every_query_is_a_read() {
+        let d = Descriptor::dns();
+        let q = b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00";
+        assert_eq!(d.request_id(reader(q)), Some(0xbeef));
+        assert!(d.is_read(reader(q)));
+        assert!(d.is_read(reader(b"")));
+    }
+
+    #[test]
+    fn custom_offsets_and_lengths() {
+        let d = Descriptor::custom(4, 4, 0, b"R").unwrap();
+        let p = b"R...\x01\x02\x03\x04tail";
+        assert_eq!(d.request_id(reader(p)), Some(0x0102_0304));
+        assert!(d.is_read(reader(p)));
+        assert!(!d.is_read(reader(b"W...\x01\x02\x03\x04")));
+        let wide = Descriptor::custom(0, 8, 0, b"").unwrap();
+        assert_eq!(
+            wide.request_id(reader(&[1, 2, 3, 4, 5, 6, 7, 8, 9])),
+            Some(0x0102_0304_0506_0708)
+        );
+    }
+
+    #[test]
+    fn custom_rejects_bad_descriptors() {
+        assert_eq!(Descriptor::custom(0, 0, 0, b""), Err(DescriptorError::IdLength));
+        assert_eq!(Descriptor::custom(0, 9, 0, b""), Err(DescriptorError::IdLength));
+        assert_eq!(
+            Descriptor::custom(0, 2, 0, &[b'x'; 17]),
+            Err(DescriptorError::PrefixLength)
+        );
+        assert_eq!(Descriptor::custom(255, 2, 0, b""), Err(DescriptorError::OutOfRange));
+        assert_eq!(Descriptor::custom(0, 2, 250, b"abcdefg"), Err(DescriptorError::OutOfRange));
+        assert!(Descriptor::custom(254, 2, 240, &[b'x'; 16]).is_ok());
+    }
+}

@@ -1,0 +1,14 @@
+//! Map layouts, constants and the pure logic shared by the selector's kernel
+//! programs and its agent. Everything here is `no_std` so the same code runs in
+//! the kernel and in host unit tests.
+#![no_std]
+
+pub mod checksum;
+pub mod descriptor;
+pub mod latency;
+pub mod maps;
+pub mod policy;
+
+pub use descriptor::Descriptor;
+pub use maps::*;
+pub use policy::Policy;

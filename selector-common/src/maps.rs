@@ -1,0 +1,226 @@
+//! Keys and values of the BPF maps. All `#[repr(C)]` with explicit padding so
+//! the kernel and the agent agree on every byte.
+
+/// Most backends the maps hold; backend indices are `0..MAX_BACKENDS`.
+pub const MAX_BACKENDS: u32 = 256;
+/// Most replica groups.
+pub const MAX_GROUPS: u32 = 64;
+/// Most members of one replica group.
+pub const MAX_GROUP_MEMBERS: usize = 8;
+/// Default size of the in-flight table (entries, not bytes).
+pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
+
+/// Map names, as the kernel object declares them.
+pub mod names {
+    pub const CONFIG: &str = "CONFIG";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const BACKEND_TABLE: &str = "BACKEND_TABLE";
+    pub const GROUPS: &str = "GROUPS";
+    pub const PENDING: &str = "PENDING";
+    pub const EXPIRED: &str = "EXPIRED";
+    pub const INFLIGHT: &str = "INFLIGHT";
+    pub const STATS: &str = "STATS";
+    pub const LATENCY: &str = "LATENCY";
+}
+
+/// Program names, as the kernel object declares them.
+pub mod programs {
+    pub const EGRESS: &str = "selector_egress";
+    pub const INGRESS_XDP: &str = "selector_ingress";
+    pub const INGRESS_TC: &str = "selector_ingress_tc";
+}
+
+/// An IP endpoint. Addresses are 16 bytes in network order, IPv4 as
+/// IPv4-mapped IPv6 (`::ffff:a.b.c.d`), so IPv6 needs no new key layout.
+/// The port is in host order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad: u16,
+}
+
+impl Endpoint {
+    pub const fn ipv4(octets: [u8; 4], port: u16) -> Self {
+        let mut addr = [0u8; 16];
+        addr[10] = 0xff;
+        addr[11] = 0xff;
+        addr[12] = octets[0];
+        addr[13] = octets[1];
+        addr[14] = octets[2];
+        addr[15] = octets[3];
+        Self {
+            addr,
+            port,
+            _pad: 0,
+        }
+    }
+
+    /// The IPv4 address if this endpoint is IPv4-mapped.
+    pub fn ipv4_octets(&self) -> Option<[u8; 4]> {
+        let prefix = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
+        if self.addr[..12] == prefix {
+            Some([self.addr[12], self.addr[13], self.addr[14], self.addr[15]])
+        } else {
+            None
+        }
+    }
+}
+
+/// Backend is up and may be chosen.
+pub const BACKEND_ACTIVE: u32 = 0;
+/// Backend is drained: it keeps its pending count but is never chosen.
+pub const BACKEND_DRAINED: u32 = 1;
+
+/// One backend, indexed by backend index in `BACKEND_TABLE`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendEntry {
+    pub endpoint: Endpoint,
+    pub group: u32,
+    /// `BACKEND_ACTIVE` or `BACKEND_DRAINED`.
+    pub state: u32,
+}
+
+/// A replica group: backend indices in preference order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Group {
+    pub members: [u32; MAX_GROUP_MEMBERS],
+    pub len: u32,
+    pub _pad: u32,
+}
+
+/// Requests issued to and completed by one backend. Only the kernel writes
+/// these, with atomic adds; the agent owns `EXPIRED`. A backend's pending
+/// count is `issued - completed - expired`: each counter has one writer and
+/// only grows, so the count cannot drift.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PendingCounters {
+    pub issued: u64,
+    pub completed: u64,
+}
+
+impl PendingCounters {
+    pub fn pending(&self, expired: u64) -> u64 {
+        self.issued
+            .wrapping_sub(self.completed)
+            .wrapping_sub(expired)
+    }
+}
+
+/// Identifies one outstanding request: who asked, which group, which id.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct InflightKey {
+    pub client_addr: [u8; 16],
+    pub client_port: u16,
+    pub _pad: u16,
+    pub group: u32,
+    pub request_id: u64,
+}
+
+/// Where an outstanding request was meant to go, where it went, and when.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InflightEntry {
+    pub primary: u32,
+    pub chosen: u32,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at send.
+    pub sent_ns: u64,
+}
+
+/// Per-backend counters, one copy per CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendStats {
+    /// Requests the application addressed to this backend (as primary).
+    pub requests: u64,
+    /// Responses from this backend that completed an in-flight request.
+    pub responses: u64,
+    /// Requests addressed here that were sent to another replica.
+    pub redirected_away: u64,
+    /// Requests addressed elsewhere that were sent here.
+    pub redirected_to: u64,
+    /// Requests addressed here that passed untracked (in-flight table full).
+    pub untracked: u64,
+    /// Redirects abandoned because the replica's next hop was unresolved.
+    pub nexthop_misses: u64,
+    /// Responses from this backend that matched no in-flight request
+    /// (late after expiry, duplicate, or from the wrong replica).
+    pub unmatched_responses: u64,
+}
+
+impl BackendStats {
+    pub fn add(&mut self, other: &Self) {
+        self.requests += other.requests;
+        self.responses += other.responses;
+        self.redirected_away += other.redirected_away;
+        self.redirected_to += other.redirected_to;
+        self.untracked += other.untracked;
+        self.nexthop_misses += other.nexthop_misses;
+        self.unmatched_responses += other.unmatched_responses;
+    }
+}
+
+/// Tunables, one entry in `CONFIG`; the agent may rewrite it at run time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    /// `Policy as u32`.
+    pub policy: u32,
+    pub threshold: u32,
+    pub descriptor: crate::Descriptor,
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all are repr(C), Copy, with explicit padding and no pointers.
+    unsafe impl aya::Pod for Endpoint {}
+    unsafe impl aya::Pod for BackendEntry {}
+    unsafe impl aya::Pod for Group {}
+    unsafe impl aya::Pod for PendingCounters {}
+    unsafe impl aya::Pod for InflightKey {}
+    unsafe impl aya::Pod for InflightEntry {}
+    unsafe impl aya::Pod for BackendStats {}
+    unsafe impl aya::Pod for Config {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_have_no_implicit_padding() {
+        assert_eq!(size_of::<Endpoint>(), 20);
+        assert_eq!(size_of::<BackendEntry>(), 28);
+        assert_eq!(size_of::<Group>(), 40);
+        assert_eq!(size_of::<InflightKey>(), 32);
+        assert_eq!(size_of::<InflightEntry>(), 16);
+        assert_eq!(size_of::<Config>(), 8 + size_of::<crate::Descriptor>());
+    }
+
+    #[test]
+    fn ipv4_mapped_round_trip() {
+        let e = Endpoint::ipv4([10, 1, 2, 3], 11211);
+        assert_eq!(e.ipv4_octets(), Some([10, 1, 2, 3]));
+        assert_eq!(&e.addr[..12], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]);
+        let mut v6 = e;
+        v6.addr[0] = 0x20;
+        assert_eq!(v6.ipv4_octets(), None);
+    }
+
+    #[test]
+    fn pending_is_issued_minus_completed_minus_expired() {
+        let c = PendingCounters {
+            issued: 10,
+            completed: 6,
+        };
+        assert_eq!(c.pending(3), 1);
+        assert_eq!(c.pending(4), 0);
+    }
+}

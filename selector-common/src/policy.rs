@@ -1,0 +1,179 @@
+//! The replica selection policy (BookKeeper issue 1489 / PR 1504).
+
+use crate::maps::MAX_GROUP_MEMBERS;
+
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Redirect when `pending[primary] >= pending[best] + threshold`.
+    Threshold = 0,
+    /// Redirect when `pending[primary] >= threshold`, to the least pending.
+    Absolute = 1,
+    /// Count, never redirect.
+    Observe = 2,
+}
+
+impl Policy {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::Threshold),
+            1 => Some(Self::Absolute),
+            2 => Some(Self::Observe),
+            _ => None,
+        }
+    }
+}
+
+/// The group as the policy sees it: pending counts by member position and a
+/// bit per position that may be chosen (active, next hop known).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupLoad {
+    pub pending: [u64; MAX_GROUP_MEMBERS],
+    pub usable: u8,
+    pub len: usize,
+}
+
+impl GroupLoad {
+    fn is_usable(&self, pos: usize) -> bool {
+        pos < self.len && pos < MAX_GROUP_MEMBERS && self.usable & (1 << pos) != 0
+    }
+
+    /// First usable member with the strict minimum pending count.
+    pub fn least_pending(&self) -> Option<usize> {
+        let mut best: Option<usize> = None;
+        let mut best_pending = u64::MAX;
+        let mut pos = 0;
+        while pos < MAX_GROUP_MEMBERS {
+            if self.is_usable(pos) && (best.is_none() || self.pending[pos] < best_pending) {
+                best = Some(pos);
+                best_pending = self.pending[pos];
+            }
+            pos += 1;
+        }
+        best
+    }
+}
+
+/// Picks the member position a request for `primary` goes to. Returns
+/// `primary` whenever no other usable member is better; a drained primary is
+/// left for the least pending usable member when there is one.
+pub fn choose(policy: Policy, threshold: u32, primary: usize, load: &GroupLoad) -> usize {
+    if policy == Policy::Observe || primary >= load.len || primary >= MAX_GROUP_MEMBERS {
+        return primary;
+    }
+    let Some(best) = load.least_pending() else {
+        return primary;
+    };
+    if !load.is_usable(primary) {
+        return best;
+    }
+    let primary_pending = load.pending[primary];
+    let over = match policy {
+        Policy::Threshold => {
+            primary_pending >= load.pending[best].saturating_add(u64::from(threshold))
+        }
+        Policy::Absolute => primary_pending >= u64::from(threshold),
+        Policy::Observe => false,
+    };
+    if over { best } else { primary }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(pending: &[u64]) -> GroupLoad {
+        let mut l = GroupLoad {
+            len: pending.len(),
+            usable: ((1u16 << pending.len()) - 1) as u8,
+            ..Default::default()
+        };
+        l.pending[..pending.len()].copy_from_slice(pending);
+        l
+    }
+
+    #[test]
+    fn threshold_stays_below_and_moves_at_threshold() {
+        assert_eq!(choose(Policy::Threshold, 3, 0, &load(&[4, 2, 5])), 0);
+        assert_eq!(choose(Policy::Threshold, 3, 0, &load(&[5, 2, 5])), 1);
+    }
+
+    #[test]
+    fn threshold_best_is_first_strict_minimum() {
+        // Members 1 and 2 tie at the minimum: the first in group order wins.
+        assert_eq!(choose(Policy::Threshold, 1, 0, &load(&[3, 1, 1])), 1);
+        assert_eq!(choose(Policy::Threshold, 1, 2, &load(&[1, 1, 3])), 0);
+    }
+
+    #[test]
+    fn threshold_primary_tied_with_an_earlier_member_stays_only_if_threshold_positive() {
+        // Primary 2 ties member 0 at 0 pending: 0 >= 0 + 1 is false.
+        assert_eq!(choose(Policy::Threshold, 1, 2, &load(&[0, 4, 0])), 2);
+    }
+
+    #[test]
+    fn primary_that_is_the_minimum_stays() {
+        assert_eq!(choose(Policy::Threshold, 1, 1, &load(&[5, 0, 5])), 1);
+        assert_eq!(choose(Policy::Absolute, 10, 1, &load(&[5, 0, 5])), 1);
+    }
+
+    #[test]
+    fn absolute_compares_primary_alone() {
+        assert_eq!(choose(Policy::Absolute, 4, 0, &load(&[3, 9, 9])), 0);
+        assert_eq!(choose(Policy::Absolute, 4, 0, &load(&[4, 9, 2])), 2);
+    }
+
+    #[test]
+    fn observe_never_moves() {
+        assert_eq!(choose(Policy::Observe, 1, 0, &load(&[100, 0, 0])), 0);
+    }
+
+    #[test]
+    fn drained_members_are_never_chosen() {
+        let mut l = load(&[9, 0, 3]);
+        l.usable &= !(1 << 1);
+        assert_eq!(choose(Policy::Threshold, 1, 0, &l), 2);
+        assert_eq!(choose(Policy::Absolute, 1, 0, &l), 2);
+    }
+
+    #[test]
+    fn drained_primary_goes_to_least_pending_usable() {
+        let mut l = load(&[0, 5, 3]);
+        l.usable &= !1;
+        assert_eq!(choose(Policy::Threshold, 100, 0, &l), 2);
+    }
+
+    #[test]
+    fn nothing_usable_keeps_primary() {
+        let mut l = load(&[9, 0, 0]);
+        l.usable = 0;
+        assert_eq!(choose(Policy::Threshold, 1, 0, &l), 0);
+    }
+
+    #[test]
+    fn one_member_group_never_moves() {
+        assert_eq!(choose(Policy::Threshold, 1, 0, &load(&[1000])), 0);
+        assert_eq!(choose(Policy::Absolute, 1, 0, &load(&[1000])), 0);
+    }
+
+    #[test]
+    fn huge_pending_does_not_overflow() {
+        assert_eq!(
+            choose(Policy::Threshold, u32::MAX, 0, &load(&[u64::MAX, u64::MAX])),
+            0
+        );
+    }
+
+    #[test]
+    fn primary_out_of_range_is_returned_unchanged() {
+        assert_eq!(choose(Policy::Threshold, 1, 5, &load(&[9, 0])), 5);
+    }
+
+    #[test]
+    fn policy_round_trips_through_u32() {
+        for p in [Policy::Threshold, Policy::Absolute, Policy::Observe] {
+            assert_eq!(Policy::from_u32(p as u32), Some(p));
+        }
+        assert_eq!(Policy::from_u32(3), None);
+    }
+}

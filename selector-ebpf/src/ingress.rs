@@ -1,0 +1,63 @@
+//! Response path (XDP, or TC ingress): complete the in-flight request and
+//! make a redirected reply look like it came from the primary.
+
+use aya_ebpf::helpers::bpf_ktime_get_ns;
+use selector_common::{Endpoint, InflightKey};
+
+use crate::{
+    accounting,
+    maps::{BACKEND_TABLE, BACKENDS, CONFIG, INFLIGHT},
+    packet::{self, Packet},
+    rewrite::{Rewrite, Side, Target},
+};
+
+pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
+    let dgram = packet::parse_ipv4_udp(ctx)?;
+    let src = Endpoint::ipv4(dgram.src_addr, dgram.src_port);
+    let backend = *unsafe { BACKENDS.get(&src) }.ok_or(())?;
+    let group = BACKEND_TABLE.get(backend).ok_or(())?.group;
+    let config = CONFIG.get(0).ok_or(())?;
+    let request_id = config
+        .descriptor
+        .request_id(|i| dgram.payload_byte(ctx, i))
+        .ok_or(())?;
+    let key = InflightKey {
+        client_addr: Endpoint::ipv4(dgram.dst_addr, 0).addr,
+        client_port: dgram.dst_port,
+        _pad: 0,
+        group,
+        request_id,
+    };
+    let Some(entry) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+        accounting::count(backend, |s| &mut s.unmatched_responses);
+        return Ok(());
+    };
+    // Only the backend the request went to can complete it.
+    if entry.chosen != backend {
+        accounting::count(backend, |s| &mut s.unmatched_responses);
+        return Ok(());
+    }
+    // The response path and the agent's expiry sweep race to delete; only
+    // the side whose delete succeeds subtracts.
+    if INFLIGHT.remove(&key).is_ok() {
+        accounting::add_completed(backend);
+        accounting::count(backend, |s| &mut s.responses);
+        let now = unsafe { bpf_ktime_get_ns() };
+        accounting::record_latency(backend, now.saturating_sub(entry.sent_ns));
+    } else {
+        accounting::count(backend, |s| &mut s.unmatched_responses);
+    }
+    if entry.primary != backend {
+        // Even if the sweep won, the application may still be waiting.
+        let primary = BACKEND_TABLE.get(entry.primary).ok_or(())?;
+        let addr = primary.endpoint.ipv4_octets().ok_or(())?;
+        ctx.rewrite(
+            Side::Source,
+            Target {
+                addr,
+                port: primary.endpoint.port,
+            },
+        )?;
+    }
+    Ok(())
+}

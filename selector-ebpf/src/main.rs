@@ -1,0 +1,51 @@
+//! The selector's kernel programs. Entry points are thin: each calls a
+//! `try_*` function and passes the packet untouched on any error.
+#![no_std]
+#![no_main]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+mod accounting;
+mod egress;
+mod ingress;
+mod maps;
+mod nexthop;
+mod packet;
+mod rewrite;
+
+use aya_ebpf::{
+    bindings::{TC_ACT_PIPE, xdp_action},
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
+
+/// TC verdict for "carry on": the packet continues, rewritten or not.
+pub const TC_CONTINUE: i32 = TC_ACT_PIPE;
+
+#[classifier]
+pub fn selector_egress(ctx: TcContext) -> i32 {
+    let _ = egress::try_egress(&ctx);
+    TC_CONTINUE
+}
+
+#[xdp]
+pub fn selector_ingress(ctx: XdpContext) -> u32 {
+    let _ = ingress::try_ingress(&ctx);
+    xdp_action::XDP_PASS
+}
+
+#[classifier]
+pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
+    let _ = ingress::try_ingress(&ctx);
+    TC_CONTINUE
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
