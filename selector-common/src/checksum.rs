@@ -125,7 +125,9 @@ mod tests {
             let updated = replace_u32(c, u32::from_be_bytes(old), u32::from_be_bytes(new));
             // Incremental and full results may differ only as +0/-0.
             let full = u16::from_be_bytes([after[10], after[11]]);
-            assert!(updated == full || (updated, full) == (0xffff, 0) || (updated, full) == (0, 0xffff));
+            assert!(
+                updated == full || (updated, full) == (0xffff, 0) || (updated, full) == (0, 0xffff)
+            );
         }
     }
 

@@ -208,14 +208,26 @@ mod tests {
 
     #[test]
     fn custom_rejects_bad_descriptors() {
-        assert_eq!(Descriptor::custom(0, 0, 0, b""), Err(DescriptorError::IdLength));
-        assert_eq!(Descriptor::custom(0, 9, 0, b""), Err(DescriptorError::IdLength));
+        assert_eq!(
+            Descriptor::custom(0, 0, 0, b""),
+            Err(DescriptorError::IdLength)
+        );
+        assert_eq!(
+            Descriptor::custom(0, 9, 0, b""),
+            Err(DescriptorError::IdLength)
+        );
         assert_eq!(
             Descriptor::custom(0, 2, 0, &[b'x'; 17]),
             Err(DescriptorError::PrefixLength)
         );
-        assert_eq!(Descriptor::custom(255, 2, 0, b""), Err(DescriptorError::OutOfRange));
-        assert_eq!(Descriptor::custom(0, 2, 250, b"abcdefg"), Err(DescriptorError::OutOfRange));
+        assert_eq!(
+            Descriptor::custom(255, 2, 0, b""),
+            Err(DescriptorError::OutOfRange)
+        );
+        assert_eq!(
+            Descriptor::custom(0, 2, 250, b"abcdefg"),
+            Err(DescriptorError::OutOfRange)
+        );
         assert!(Descriptor::custom(254, 2, 240, &[b'x'; 16]).is_ok());
     }
 }

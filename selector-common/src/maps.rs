@@ -1,20 +1,33 @@
 //! Keys and values of the BPF maps. All `#[repr(C)]` with explicit padding so
 //! the kernel and the agent agree on every byte.
 
-/// Most backends the maps hold; backend indices are `0..MAX_BACKENDS`.
-pub const MAX_BACKENDS: u32 = 256;
 /// Most replica groups.
 pub const MAX_GROUPS: u32 = 64;
 /// Most members of one replica group.
 pub const MAX_GROUP_MEMBERS: usize = 8;
+/// Most backends. A backend's id is `group * MAX_GROUP_MEMBERS + position`,
+/// so the kernel finds a backend's group and its counters without lookups.
+pub const MAX_BACKENDS: u32 = MAX_GROUPS * MAX_GROUP_MEMBERS as u32;
 /// Default size of the in-flight table (entries, not bytes).
 pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
+
+/// The id of the member at `position` of `group`.
+pub const fn backend_id(group: u32, position: usize) -> u32 {
+    group * MAX_GROUP_MEMBERS as u32 + position as u32
+}
+
+/// (group, position) of a backend id.
+pub const fn split_backend_id(id: u32) -> (u32, usize) {
+    (
+        id / MAX_GROUP_MEMBERS as u32,
+        (id % MAX_GROUP_MEMBERS as u32) as usize,
+    )
+}
 
 /// Map names, as the kernel object declares them.
 pub mod names {
     pub const CONFIG: &str = "CONFIG";
     pub const BACKENDS: &str = "BACKENDS";
-    pub const BACKEND_TABLE: &str = "BACKEND_TABLE";
     pub const GROUPS: &str = "GROUPS";
     pub const PENDING: &str = "PENDING";
     pub const EXPIRED: &str = "EXPIRED";
@@ -68,47 +81,42 @@ impl Endpoint {
     }
 }
 
-/// Backend is up and may be chosen.
-pub const BACKEND_ACTIVE: u32 = 0;
-/// Backend is drained: it keeps its pending count but is never chosen.
-pub const BACKEND_DRAINED: u32 = 1;
-
-/// One backend, indexed by backend index in `BACKEND_TABLE`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BackendEntry {
-    pub endpoint: Endpoint,
-    pub group: u32,
-    /// `BACKEND_ACTIVE` or `BACKEND_DRAINED`.
-    pub state: u32,
-}
-
-/// A replica group: backend indices in preference order.
+/// A replica group: members in preference order, and which may be chosen.
+/// One lookup gives the kernel everything it needs to choose and rewrite.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Group {
-    pub members: [u32; MAX_GROUP_MEMBERS],
+    pub endpoints: [Endpoint; MAX_GROUP_MEMBERS],
     pub len: u32,
-    pub _pad: u32,
+    /// Bit `p` set: member `p` is active. Clear: drained, never chosen.
+    pub active: u32,
 }
 
-/// Requests issued to and completed by one backend. Only the kernel writes
-/// these, with atomic adds; the agent owns `EXPIRED`. A backend's pending
-/// count is `issued - completed - expired`: each counter has one writer and
-/// only grows, so the count cannot drift.
+/// Requests issued to and completed by each member of a group. Only the
+/// kernel writes these, with atomic adds; the agent owns `GroupExpired`.
+/// A member's pending count is `issued - completed - expired`: each counter
+/// has one writer and only grows, so the count cannot drift.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PendingCounters {
-    pub issued: u64,
-    pub completed: u64,
+pub struct GroupCounters {
+    pub issued: [u64; MAX_GROUP_MEMBERS],
+    pub completed: [u64; MAX_GROUP_MEMBERS],
 }
 
-impl PendingCounters {
-    pub fn pending(&self, expired: u64) -> u64 {
-        self.issued
-            .wrapping_sub(self.completed)
-            .wrapping_sub(expired)
-    }
+/// Requests per member the agent expired (lost requests or responses).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupExpired {
+    pub count: [u64; MAX_GROUP_MEMBERS],
+}
+
+/// Pending requests of member `position`.
+#[inline(always)]
+pub fn pending(counters: &GroupCounters, expired: &GroupExpired, position: usize) -> u64 {
+    let p = position % MAX_GROUP_MEMBERS;
+    counters.issued[p]
+        .wrapping_sub(counters.completed[p])
+        .wrapping_sub(expired.count[p])
 }
 
 /// Identifies one outstanding request: who asked, which group, which id.
@@ -126,6 +134,7 @@ pub struct InflightKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InflightEntry {
+    /// Backend ids.
     pub primary: u32,
     pub chosen: u32,
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at send.
@@ -180,9 +189,9 @@ mod pod {
     use super::*;
     // SAFETY: all are repr(C), Copy, with explicit padding and no pointers.
     unsafe impl aya::Pod for Endpoint {}
-    unsafe impl aya::Pod for BackendEntry {}
     unsafe impl aya::Pod for Group {}
-    unsafe impl aya::Pod for PendingCounters {}
+    unsafe impl aya::Pod for GroupCounters {}
+    unsafe impl aya::Pod for GroupExpired {}
     unsafe impl aya::Pod for InflightKey {}
     unsafe impl aya::Pod for InflightEntry {}
     unsafe impl aya::Pod for BackendStats {}
@@ -197,8 +206,8 @@ mod tests {
     #[test]
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<Endpoint>(), 20);
-        assert_eq!(size_of::<BackendEntry>(), 28);
-        assert_eq!(size_of::<Group>(), 40);
+        assert_eq!(size_of::<Group>(), 20 * 8 + 8);
+        assert_eq!(size_of::<GroupCounters>(), 128);
         assert_eq!(size_of::<InflightKey>(), 32);
         assert_eq!(size_of::<InflightEntry>(), 16);
         assert_eq!(size_of::<Config>(), 8 + size_of::<crate::Descriptor>());
@@ -216,11 +225,26 @@ mod tests {
 
     #[test]
     fn pending_is_issued_minus_completed_minus_expired() {
-        let c = PendingCounters {
-            issued: 10,
-            completed: 6,
-        };
-        assert_eq!(c.pending(3), 1);
-        assert_eq!(c.pending(4), 0);
+        let mut c = GroupCounters::default();
+        let mut e = GroupExpired::default();
+        c.issued[2] = 10;
+        c.completed[2] = 6;
+        e.count[2] = 3;
+        assert_eq!(pending(&c, &e, 2), 1);
+        e.count[2] = 4;
+        assert_eq!(pending(&c, &e, 2), 0);
+        assert_eq!(pending(&c, &e, 1), 0);
+    }
+
+    #[test]
+    fn backend_ids_encode_group_and_position() {
+        assert_eq!(backend_id(0, 0), 0);
+        assert_eq!(backend_id(3, 5), 29);
+        assert_eq!(split_backend_id(29), (3, 5));
+        assert_eq!(
+            split_backend_id(backend_id(MAX_GROUPS - 1, 7)),
+            (MAX_GROUPS - 1, 7)
+        );
+        assert_eq!(backend_id(MAX_GROUPS - 1, 7), MAX_BACKENDS - 1);
     }
 }

@@ -3,35 +3,47 @@
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
-use selector_common::{BackendStats, latency};
+use selector_common::{
+    BackendStats, GroupExpired, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, split_backend_id,
+};
 
-use crate::maps::{EXPIRED, LATENCY, PENDING, STATS};
+use crate::maps::{EXPIRED, GROUPS, LATENCY, PENDING, STATS};
 
-/// Requests outstanding at `backend`.
+/// The load of group `group`: one lookup per map, no branch per member.
 #[inline(always)]
-pub fn pending(backend: u32) -> u64 {
-    let Some(counters) = PENDING.get_ptr(backend) else {
-        return 0;
-    };
-    let expired = EXPIRED.get_ptr(backend).map_or(0, |p| unsafe { p.read_volatile() });
-    unsafe { counters.read_volatile() }.pending(expired)
+pub fn group_load(group: u32) -> Option<GroupLoad> {
+    let g = GROUPS.get(group)?;
+    let counters = PENDING.get(group)?;
+    let expired = EXPIRED
+        .get(group)
+        .copied()
+        .unwrap_or(GroupExpired::default());
+    Some(GroupLoad::of(g, counters, &expired))
+}
+
+#[inline(always)]
+fn add(backend: u32, completed: bool) {
+    let (group, position) = split_backend_id(backend);
+    if let Some(c) = PENDING.get_ptr_mut(group) {
+        let position = position % MAX_GROUP_MEMBERS;
+        let field = if completed {
+            unsafe { &raw mut (*c).completed[position] }
+        } else {
+            unsafe { &raw mut (*c).issued[position] }
+        };
+        // The return value must stay unused: see DESIGN.md on XADD.
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(field, 1) };
+    }
 }
 
 #[inline(always)]
 pub fn add_issued(backend: u32) {
-    if let Some(c) = PENDING.get_ptr_mut(backend) {
-        // The return value must stay unused: see DESIGN.md on XADD.
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).issued, 1) };
-    }
+    add(backend, false);
 }
 
 #[inline(always)]
 pub fn add_completed(backend: u32) {
-    if let Some(c) = PENDING.get_ptr_mut(backend) {
-        unsafe {
-            atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(&raw mut (*c).completed, 1)
-        };
-    }
+    add(backend, true);
 }
 
 /// Bumps one per-CPU counter of `backend`.

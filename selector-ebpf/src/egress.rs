@@ -3,34 +3,36 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, programs::TcContext};
 use aya_log_ebpf::debug;
 use selector_common::{
-    BACKEND_ACTIVE, BackendEntry, Endpoint, InflightEntry, InflightKey, MAX_GROUP_MEMBERS, Policy,
-    policy::{self, GroupLoad},
+    Config, Endpoint, InflightEntry, InflightKey, MAX_GROUP_MEMBERS, Policy, backend_id, policy,
+    split_backend_id,
 };
 
 use crate::{
     accounting,
-    maps::{BACKEND_TABLE, BACKENDS, CONFIG, GROUPS, INFLIGHT},
-    nexthop,
+    maps::{BACKENDS, CONFIG, GROUPS, INFLIGHT},
+    nexthop::{self, NextHop},
     packet::{self, Datagram, PARSE_SPAN},
     rewrite::{self, Rewrite, Side, Target},
 };
 
 pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
     // Make the headers and descriptor span readable if the skb is paged.
-    if ctx.data_end() - ctx.data() < PARSE_SPAN && (ctx.len() as usize) > ctx.data_end() - ctx.data() {
-        let want = if (ctx.len() as usize) < PARSE_SPAN { ctx.len() } else { PARSE_SPAN as u32 };
+    let linear = ctx.data_end() - ctx.data();
+    if linear < PARSE_SPAN && (ctx.len() as usize) > linear {
+        let want = if (ctx.len() as usize) < PARSE_SPAN {
+            ctx.len()
+        } else {
+            PARSE_SPAN as u32
+        };
         ctx.pull_data(want).map_err(|_| ())?;
     }
     let dgram = packet::parse_ipv4_udp(ctx)?;
     let dst = Endpoint::ipv4(dgram.dst_addr, dgram.dst_port);
     let primary = *unsafe { BACKENDS.get(&dst) }.ok_or(())?;
-    let primary_entry = *BACKEND_TABLE.get(primary).ok_or(())?;
+    let (group, primary_pos) = split_backend_id(primary);
     let config = *CONFIG.get(0).ok_or(())?;
 
-    let Some(request_id) = config
-        .descriptor
-        .request_id(|i| dgram.payload_byte(ctx, i))
-    else {
+    let Some(request_id) = config.descriptor.request_id(|i| dgram.payload_byte(ctx, i)) else {
         accounting::count(primary, |s| &mut s.untracked);
         return Ok(());
     };
@@ -38,7 +40,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
         client_addr: Endpoint::ipv4(dgram.src_addr, 0).addr,
         client_port: dgram.src_port,
         _pad: 0,
-        group: primary_entry.group,
+        group,
         request_id,
     };
 
@@ -54,16 +56,17 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
     accounting::count(primary, |s| &mut s.requests);
     let mut chosen = primary;
     if config.descriptor.is_read(|i| dgram.payload_byte(ctx, i)) {
-        chosen = choose_replica(&config, primary, &primary_entry);
+        chosen = backend_id(group, choose_position(&config, group, primary_pos));
     }
     let mut next_hop = None;
     if chosen != primary {
-        let target = BACKEND_TABLE.get(chosen).ok_or(())?;
-        let octets = target.endpoint.ipv4_octets().ok_or(())?;
-        next_hop = nexthop::lookup(ctx, &dgram, octets, target.endpoint.port);
+        next_hop = lookup_next_hop(ctx, &dgram, chosen);
         if next_hop.is_none() {
             accounting::count(primary, |s| &mut s.nexthop_misses);
-            debug!(ctx, "no next hop for backend {}: request stays on primary", chosen);
+            debug!(
+                ctx,
+                "no next hop for backend {}: request stays on primary", chosen
+            );
             chosen = primary;
         }
     }
@@ -73,7 +76,10 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
         chosen,
         sent_ns: unsafe { bpf_ktime_get_ns() },
     };
-    if INFLIGHT.insert(&key, &entry, u64::from(BPF_NOEXIST)).is_err() {
+    if INFLIGHT
+        .insert(&key, &entry, u64::from(BPF_NOEXIST))
+        .is_err()
+    {
         // Table full (or a racing copy won): never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
         return Ok(());
@@ -87,18 +93,25 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
     Ok(())
 }
 
+/// The endpoint of backend `id`.
+#[inline(always)]
+fn endpoint_of(id: u32) -> Option<([u8; 4], u16)> {
+    let (group, position) = split_backend_id(id);
+    let e = GROUPS.get(group)?.endpoints[position % MAX_GROUP_MEMBERS];
+    Some((e.ipv4_octets()?, e.port))
+}
+
+#[inline(always)]
+fn lookup_next_hop(ctx: &TcContext, dgram: &Datagram, id: u32) -> Option<NextHop> {
+    let (addr, port) = endpoint_of(id)?;
+    nexthop::lookup(ctx, dgram, addr, port)
+}
+
 /// Rewrites the destination to backend `chosen` and its next hop (looked
 /// up here on the retransmit path, where `hop` is not known yet).
 #[inline(always)]
-fn steer(
-    ctx: &TcContext,
-    dgram: &Datagram,
-    chosen: u32,
-    hop: Option<nexthop::NextHop>,
-) -> Result<(), ()> {
-    let target = BACKEND_TABLE.get(chosen).ok_or(())?;
-    let addr = target.endpoint.ipv4_octets().ok_or(())?;
-    let port = target.endpoint.port;
+fn steer(ctx: &TcContext, dgram: &Datagram, chosen: u32, hop: Option<NextHop>) -> Result<(), ()> {
+    let (addr, port) = endpoint_of(chosen).ok_or(())?;
     let hop = match hop {
         Some(hop) => Some(hop),
         None => nexthop::lookup(ctx, dgram, addr, port),
@@ -111,39 +124,17 @@ fn steer(
 
 /// Applies the configured policy to the primary's group.
 #[inline(always)]
-fn choose_replica(config: &selector_common::Config, primary: u32, entry: &BackendEntry) -> u32 {
+fn choose_position(config: &Config, group: u32, primary_pos: usize) -> usize {
     let Some(policy) = Policy::from_u32(config.policy) else {
-        return primary;
+        return primary_pos;
     };
-    let Some(group) = GROUPS.get(entry.group) else {
-        return primary;
+    let Some(load) = accounting::group_load(group) else {
+        return primary_pos;
     };
-    let mut load = GroupLoad {
-        len: group.len as usize,
-        ..GroupLoad::default()
-    };
-    let mut primary_pos = MAX_GROUP_MEMBERS;
-    let mut pos = 0;
-    while pos < MAX_GROUP_MEMBERS {
-        if pos < load.len {
-            let member = group.members[pos];
-            if member == primary {
-                primary_pos = pos;
-            }
-            load.pending[pos] = accounting::pending(member);
-            if BACKEND_TABLE
-                .get(member)
-                .is_some_and(|b| b.state == BACKEND_ACTIVE)
-            {
-                load.usable |= 1 << pos;
-            }
-        }
-        pos += 1;
-    }
-    let chosen_pos = policy::choose(policy, config.threshold, primary_pos, &load);
-    if chosen_pos < MAX_GROUP_MEMBERS && chosen_pos < load.len {
-        group.members[chosen_pos]
+    let chosen = policy::choose(policy, config.threshold, primary_pos, &load);
+    if chosen < load.len {
+        chosen
     } else {
-        primary
+        primary_pos
     }
 }

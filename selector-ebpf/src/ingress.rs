@@ -2,11 +2,11 @@
 //! make a redirected reply look like it came from the primary.
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use selector_common::{Endpoint, InflightKey};
+use selector_common::{Endpoint, InflightKey, MAX_GROUP_MEMBERS, split_backend_id};
 
 use crate::{
     accounting,
-    maps::{BACKEND_TABLE, BACKENDS, CONFIG, INFLIGHT},
+    maps::{BACKENDS, CONFIG, GROUPS, INFLIGHT},
     packet::{self, Packet},
     rewrite::{Rewrite, Side, Target},
 };
@@ -15,7 +15,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     let dgram = packet::parse_ipv4_udp(ctx)?;
     let src = Endpoint::ipv4(dgram.src_addr, dgram.src_port);
     let backend = *unsafe { BACKENDS.get(&src) }.ok_or(())?;
-    let group = BACKEND_TABLE.get(backend).ok_or(())?.group;
+    let (group, _) = split_backend_id(backend);
     let config = CONFIG.get(0).ok_or(())?;
     let request_id = config
         .descriptor
@@ -49,13 +49,14 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     }
     if entry.primary != backend {
         // Even if the sweep won, the application may still be waiting.
-        let primary = BACKEND_TABLE.get(entry.primary).ok_or(())?;
-        let addr = primary.endpoint.ipv4_octets().ok_or(())?;
+        let (primary_group, position) = split_backend_id(entry.primary);
+        let primary = GROUPS.get(primary_group).ok_or(())?.endpoints[position % MAX_GROUP_MEMBERS];
+        let addr = primary.ipv4_octets().ok_or(())?;
         ctx.rewrite(
             Side::Source,
             Target {
                 addr,
-                port: primary.endpoint.port,
+                port: primary.port,
             },
         )?;
     }

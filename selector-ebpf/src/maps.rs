@@ -6,40 +6,38 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use selector_common::{
-    BackendEntry, BackendStats, Config, DEFAULT_INFLIGHT_MAX, Endpoint, Group, InflightEntry,
-    InflightKey, MAX_BACKENDS, MAX_GROUPS, PendingCounters, latency::LATENCY_BUCKETS,
+    BackendStats, Config, DEFAULT_INFLIGHT_MAX, Endpoint, Group, GroupCounters, GroupExpired,
+    InflightEntry, InflightKey, MAX_BACKENDS, MAX_GROUPS, latency::LATENCY_BUCKETS,
 };
 
 #[map]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
 
-/// Backend endpoint -> backend index.
+/// Backend endpoint -> backend id (`group * 8 + position`).
 #[map]
 pub static BACKENDS: HashMap<Endpoint, u32> = HashMap::with_max_entries(MAX_BACKENDS, 0);
 
 #[map]
-pub static BACKEND_TABLE: Array<BackendEntry> = Array::with_max_entries(MAX_BACKENDS, 0);
-
-#[map]
 pub static GROUPS: Array<Group> = Array::with_max_entries(MAX_GROUPS, 0);
 
-/// Issued/completed per backend, kernel-written with atomic adds.
+/// Issued/completed per group member, kernel-written with atomic adds.
 #[map]
-pub static PENDING: Array<PendingCounters> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub static PENDING: Array<GroupCounters> = Array::with_max_entries(MAX_GROUPS, 0);
 
-/// Requests per backend the agent expired; the agent is the only writer.
+/// Requests per group member the agent expired; the agent is the only writer.
 #[map]
-pub static EXPIRED: Array<u64> = Array::with_max_entries(MAX_BACKENDS, 0);
+pub static EXPIRED: Array<GroupExpired> = Array::with_max_entries(MAX_GROUPS, 0);
 
 /// Outstanding requests. The agent resizes it (`--inflight-max`) at load.
 #[map]
 pub static INFLIGHT: HashMap<InflightKey, InflightEntry> =
     HashMap::with_max_entries(DEFAULT_INFLIGHT_MAX, 0);
 
+/// Per backend id.
 #[map]
 pub static STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
-/// `backend * LATENCY_BUCKETS + bucket` -> responses.
+/// `backend id * LATENCY_BUCKETS + bucket` -> responses.
 #[map]
 pub static LATENCY: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(MAX_BACKENDS * LATENCY_BUCKETS, 0);

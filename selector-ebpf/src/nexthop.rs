@@ -22,7 +22,12 @@ pub struct NextHop {
 
 /// The MACs to use for `dst_addr`, if it leaves by this same device.
 #[inline(always)]
-pub fn lookup(ctx: &TcContext, dgram: &Datagram, dst_addr: [u8; 4], dst_port: u16) -> Option<NextHop> {
+pub fn lookup(
+    ctx: &TcContext,
+    dgram: &Datagram,
+    dst_addr: [u8; 4],
+    dst_port: u16,
+) -> Option<NextHop> {
     let ifindex = unsafe { (*ctx.skb.skb).ifindex };
     let mut params: bpf_fib_lookup = unsafe { core::mem::zeroed() };
     params.family = AF_INET;

@@ -1,2 +1,16 @@
+//! The selector agent as a library: the `selector` binary, the integration
+//! tests and the demo/benchmark drive the same code.
+
+pub mod cli;
+pub mod loader;
+pub mod neighbours;
+pub mod settings;
+pub mod sweep;
+pub mod sys;
+pub mod telemetry;
+
+pub use loader::Selector;
+pub use settings::{IngressMode, Settings};
+
 /// The compiled kernel programs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/selector"));

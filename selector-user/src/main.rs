@@ -1,1 +1,25 @@
-fn main() {}
+use clap::Parser as _;
+use selector_user::cli::{Cli, Command};
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = match cli.command {
+        Command::Run(args) => runtime.block_on(selector_user::cli::run(args)),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

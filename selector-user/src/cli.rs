@@ -1,0 +1,348 @@
+//! The `selector` command line and its run loop.
+
+use std::{net::SocketAddrV4, time::Duration};
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
+
+use crate::{
+    Selector, neighbours,
+    settings::{IngressMode, Settings, parse_group},
+    sys, telemetry,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "selector",
+    version,
+    about = "Kernel-space replica selector: steers reads away from a stalled replica",
+    long_about = "Kernel-space replica selector.\n\n\
+        eBPF programs on the client's interface count the requests pending at each \
+        backend. A read whose primary has THRESHOLD more pending requests than the \
+        least-loaded replica of its group is sent to that replica instead (the \
+        BookKeeper rule), and its response is rewritten to come from the primary, \
+        so the application needs no change."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Attach to an interface and steer until interrupted (or --duration).
+    Run(RunArgs),
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PolicyArg {
+    /// Redirect when pending[primary] >= pending[least loaded] + threshold.
+    Threshold,
+    /// Redirect when pending[primary] >= threshold, to the least loaded.
+    Absolute,
+    /// Count and report, never redirect.
+    Observe,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ProtoArg {
+    /// memcached UDP: 16-bit request id in the frame header; reads are get/gets.
+    Memcached,
+    /// DNS: 16-bit message id; every query is a read.
+    Dns,
+    /// Set with --req-id-offset, --req-id-len and optionally --read-prefix.
+    Custom,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum IngressArg {
+    /// XDP on the interface.
+    Xdp,
+    /// TC ingress (for devices where XDP does not fit).
+    Tc,
+}
+
+/// One replica group: members in preference order.
+#[derive(Clone, Debug)]
+pub struct GroupArg(pub Vec<SocketAddrV4>);
+
+fn group_arg(s: &str) -> Result<GroupArg, String> {
+    parse_group(s).map(GroupArg)
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Network interface the application's traffic leaves by.
+    #[arg(long)]
+    pub iface: String,
+    /// A replica group, e.g. 10.0.0.1:11211,10.0.0.2:11211,10.0.0.3:11211.
+    /// Repeat for more groups. Requests addressed to a member may go to
+    /// any member of its group.
+    #[arg(long = "group", required = true, value_parser = group_arg)]
+    pub groups: Vec<GroupArg>,
+    #[arg(long, value_enum, default_value_t = PolicyArg::Threshold)]
+    pub policy: PolicyArg,
+    /// Pending requests: the margin (threshold policy) or the limit
+    /// (absolute policy) at which reads leave the primary.
+    #[arg(long, default_value_t = 4)]
+    pub threshold: u32,
+    #[arg(long, value_enum, default_value_t = ProtoArg::Memcached)]
+    pub proto: ProtoArg,
+    /// Custom protocol: byte offset of the request id in the UDP payload.
+    #[arg(long)]
+    pub req_id_offset: Option<u16>,
+    /// Custom protocol: request id length in bytes (1-8).
+    #[arg(long)]
+    pub req_id_len: Option<u8>,
+    /// Custom protocol: reads start with these bytes (default: every request is a read).
+    #[arg(long)]
+    pub read_prefix: Option<String>,
+    /// Custom protocol: offset of the read prefix in the UDP payload.
+    #[arg(long, default_value_t = 0)]
+    pub read_prefix_offset: u16,
+    /// Milliseconds after which an unanswered request is expired.
+    #[arg(long, default_value_t = 1000)]
+    pub timeout: u64,
+    /// Capacity of the in-flight table; requests beyond it pass untracked.
+    #[arg(long, default_value_t = DEFAULT_INFLIGHT_MAX)]
+    pub inflight_max: u32,
+    /// Milliseconds between table prints (the sweep runs at least this often).
+    #[arg(long, default_value_t = 1000)]
+    pub interval: u64,
+    #[arg(long, value_enum, default_value_t = IngressArg::Xdp)]
+    pub ingress: IngressArg,
+    /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Print only the final summary, not the live table.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+impl RunArgs {
+    pub fn settings(&self) -> Result<Settings> {
+        let custom_flags = self.req_id_offset.is_some()
+            || self.req_id_len.is_some()
+            || self.read_prefix.is_some()
+            || self.read_prefix_offset != 0;
+        let descriptor = match self.proto {
+            ProtoArg::Memcached | ProtoArg::Dns if custom_flags => {
+                bail!(
+                    "--req-id-offset, --req-id-len and --read-prefix[-offset] need --proto custom"
+                )
+            }
+            ProtoArg::Memcached => Descriptor::memcached(),
+            ProtoArg::Dns => Descriptor::dns(),
+            ProtoArg::Custom => {
+                let (Some(offset), Some(len)) = (self.req_id_offset, self.req_id_len) else {
+                    bail!("--proto custom needs --req-id-offset and --req-id-len");
+                };
+                let prefix = self.read_prefix.as_deref().unwrap_or("");
+                Descriptor::custom(offset, len, self.read_prefix_offset, prefix.as_bytes())
+                    .map_err(|e| anyhow::anyhow!("bad protocol descriptor: {e}"))?
+            }
+        };
+        if self.interval == 0 {
+            bail!("--interval must be greater than 0");
+        }
+        if self.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+            bail!("--duration must be a positive number of seconds");
+        }
+        let settings = Settings {
+            iface: self.iface.clone(),
+            groups: self.groups.iter().map(|g| g.0.clone()).collect(),
+            policy: match self.policy {
+                PolicyArg::Threshold => Policy::Threshold,
+                PolicyArg::Absolute => Policy::Absolute,
+                PolicyArg::Observe => Policy::Observe,
+            },
+            threshold: self.threshold,
+            descriptor,
+            timeout: Duration::from_millis(self.timeout),
+            inflight_max: self.inflight_max,
+            ingress: match self.ingress {
+                IngressArg::Xdp => IngressMode::Xdp,
+                IngressArg::Tc => IngressMode::Tc,
+            },
+        };
+        settings.plan()?;
+        Ok(settings)
+    }
+}
+
+/// How often the neighbour entries of the backends are refreshed.
+const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
+
+/// Attaches, then sweeps and prints until a signal or the duration ends.
+pub async fn run(args: RunArgs) -> Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+
+    let settings = args.settings()?;
+    let mut selector = Selector::attach(&settings)?;
+    let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
+    let unresolved = neighbours::warm_up(&addrs, Duration::from_millis(500));
+    println!(
+        "selector: attached to {} ({} ingress), {} backends in {} groups, policy {:?} threshold {}, timeout {} ms",
+        settings.iface,
+        match settings.ingress {
+            IngressMode::Xdp => "XDP",
+            IngressMode::Tc => "TC",
+        },
+        addrs.len(),
+        settings.groups.len(),
+        settings.policy,
+        settings.threshold,
+        args.timeout
+    );
+    if !unresolved.is_empty() {
+        println!(
+            "selector: no neighbour entry yet for {:?} (fine if routed; redirects to them wait until resolved)",
+            unresolved
+        );
+    }
+
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let interval = Duration::from_millis(args.interval);
+    // Sweep often enough that an expiry is at most a quarter timeout late.
+    let sweep_every = interval
+        .min(settings.timeout / 4)
+        .max(Duration::from_millis(1));
+    let mut sweep_tick = tokio::time::interval(sweep_every);
+    let mut print_tick = tokio::time::interval(interval);
+    let mut refresh_tick = tokio::time::interval(NEIGHBOUR_REFRESH);
+    let deadline = args
+        .duration
+        .map(|d| tokio::time::Instant::now() + Duration::from_secs_f64(d));
+    let until_deadline = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(until_deadline);
+    print_tick.tick().await;
+    refresh_tick.tick().await;
+    let mut last = selector.snapshot()?;
+    loop {
+        tokio::select! {
+            _ = sigint.recv() => break,
+            _ = sigterm.recv() => break,
+            _ = &mut until_deadline => break,
+            _ = sweep_tick.tick() => {
+                selector.sweep(sys::monotonic_ns())?;
+                selector.flush_kernel_logs();
+            }
+            _ = refresh_tick.tick() => neighbours::probe(&addrs),
+            _ = print_tick.tick() => {
+                let now = selector.snapshot()?;
+                if !args.quiet {
+                    println!("{}", telemetry::render_table(&selector.backends, &last, &now));
+                }
+                last = now;
+            }
+        }
+    }
+    selector.sweep(sys::monotonic_ns())?;
+    let end = selector.snapshot()?;
+    println!("selector: detaching from {}; totals:", settings.iface);
+    print!("{}", telemetry::render_summary(&selector.backends, &end));
+    drop(selector);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Settings> {
+        let mut argv = vec!["selector", "run"];
+        argv.extend_from_slice(args);
+        let cli = Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let Command::Run(run) = cli.command;
+        run.settings()
+    }
+
+    #[test]
+    fn defaults_are_memcached_threshold_xdp() {
+        let s = parse(&["--iface", "eth0", "--group", "10.0.0.1:1,10.0.0.2:1"]).unwrap();
+        assert_eq!(s.policy, Policy::Threshold);
+        assert_eq!(s.descriptor, Descriptor::memcached());
+        assert_eq!(s.ingress, IngressMode::Xdp);
+        assert_eq!(s.groups[0].len(), 2);
+    }
+
+    #[test]
+    fn custom_descriptor_needs_its_flags() {
+        let base = ["--iface", "eth0", "--group", "10.0.0.1:1"];
+        let mut a = base.to_vec();
+        a.extend(["--proto", "custom"]);
+        assert!(
+            parse(&a)
+                .unwrap_err()
+                .to_string()
+                .contains("--req-id-offset")
+        );
+        a.extend([
+            "--req-id-offset",
+            "4",
+            "--req-id-len",
+            "4",
+            "--read-prefix",
+            "GET",
+        ]);
+        let s = parse(&a).unwrap();
+        assert_eq!((s.descriptor.id_offset, s.descriptor.id_len), (4, 4));
+        assert_eq!(&s.descriptor.prefix[..3], b"GET");
+        let mut b = base.to_vec();
+        b.extend(["--req-id-len", "4"]);
+        assert!(
+            parse(&b)
+                .unwrap_err()
+                .to_string()
+                .contains("--proto custom")
+        );
+    }
+
+    #[test]
+    fn bad_values_are_rejected_before_anything_runs() {
+        assert!(parse(&["--iface", "eth0", "--group", "10.0.0.1"]).is_err());
+        assert!(parse(&["--iface", "eth0"]).is_err());
+        assert!(
+            parse(&[
+                "--iface",
+                "eth0",
+                "--group",
+                "10.0.0.1:1",
+                "--group",
+                "10.0.0.1:1"
+            ])
+            .unwrap_err()
+            .to_string()
+            .contains("group 1 and group 2")
+        );
+        assert!(
+            parse(&[
+                "--iface",
+                "eth0",
+                "--group",
+                "10.0.0.1:1",
+                "--interval",
+                "0"
+            ])
+            .is_err()
+        );
+        assert!(
+            parse(&[
+                "--iface",
+                "eth0",
+                "--group",
+                "10.0.0.1:1",
+                "--policy",
+                "fastest"
+            ])
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! Loading, configuring and attaching the kernel programs. `Selector::attach`
+//! either returns a fully configured, attached selector or fails with nothing
+//! left attached (dropping the `Ebpf` detaches whatever did attach).
+
+use std::{
+    collections::HashMap as StdHashMap,
+    net::SocketAddrV4,
+    os::fd::{AsFd as _, AsRawFd as _, RawFd},
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray},
+    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
+    util::KernelVersion,
+};
+use log::debug;
+use selector_common::{
+    BackendStats, Config, Endpoint, Group, GroupCounters, GroupExpired, InflightEntry, InflightKey,
+    MAX_BACKENDS, Policy, names, programs, split_backend_id,
+};
+
+use crate::{
+    EBPF_OBJECT,
+    settings::{BackendPlan, IngressMode, Settings},
+};
+
+/// A loaded, configured and attached selector. Dropping it detaches.
+pub struct Selector {
+    ebpf: Ebpf,
+    // Must outlive the programs: dropping it closes the log map.
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    pub settings: Settings,
+    pub backends: Vec<BackendPlan>,
+    /// The agent's own expired counts by backend id (it is the only
+    /// writer of EXPIRED).
+    pub(crate) expired: Vec<u64>,
+}
+
+pub(crate) fn endpoint(addr: SocketAddrV4) -> Endpoint {
+    Endpoint::ipv4(addr.ip().octets(), addr.port())
+}
+
+fn interface_index(iface: &str) -> Result<u32> {
+    let name = std::ffi::CString::new(iface).map_err(|_| anyhow!("bad interface name"))?;
+    // SAFETY: valid NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        bail!("interface '{iface}' not found");
+    }
+    Ok(index)
+}
+
+impl Selector {
+    /// Validates `settings`, loads the programs, fills the maps and attaches.
+    pub fn attach(settings: &Settings) -> Result<Self> {
+        let backends = settings.plan()?;
+        interface_index(&settings.iface)?;
+        let mut ebpf = EbpfLoader::new()
+            .map_max_entries(names::INFLIGHT, settings.inflight_max)
+            .load(EBPF_OBJECT)
+            .context("loading the kernel programs")?;
+        let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                debug!("kernel logging unavailable: {e}");
+                None
+            }
+        };
+        let mut selector = Self {
+            ebpf,
+            logger,
+            settings: settings.clone(),
+            expired: vec![0; MAX_BACKENDS as usize],
+            backends,
+        };
+        selector.write_tables()?;
+        selector.attach_programs()?;
+        Ok(selector)
+    }
+
+    fn write_tables(&mut self) -> Result<()> {
+        self.write_config(self.settings.policy, self.settings.threshold)?;
+        let backends = self.backends.clone();
+        {
+            let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
+            let mut by_group: StdHashMap<u32, Group> = StdHashMap::new();
+            for b in &backends {
+                let g = by_group.entry(b.group).or_default();
+                g.endpoints[g.len as usize] = endpoint(b.addr);
+                g.active |= 1 << g.len;
+                g.len += 1;
+            }
+            for (index, group) in by_group {
+                groups.set(index, group, 0)?;
+            }
+        }
+        // The lookup table last: from here on the programs act on backends.
+        let mut index: HashMap<_, Endpoint, u32> =
+            HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
+        for b in &backends {
+            index.insert(endpoint(b.addr), b.index, 0)?;
+        }
+        Ok(())
+    }
+
+    fn attach_programs(&mut self) -> Result<()> {
+        let iface = self.settings.iface.clone();
+        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
+            // Netlink TC needs clsact; TCX (6.6+) does not. An existing one is fine.
+            let _ = tc::qdisc_add_clsact(&iface);
+        }
+        let egress: &mut SchedClassifier = self.program_mut(programs::EGRESS)?.try_into()?;
+        egress.load()?;
+        egress
+            .attach(&iface, TcAttachType::Egress)
+            .with_context(|| format!("attaching TC egress to {iface}"))?;
+        match self.settings.ingress {
+            IngressMode::Xdp => {
+                let ingress: &mut Xdp = self.program_mut(programs::INGRESS_XDP)?.try_into()?;
+                ingress.load()?;
+                ingress
+                    .attach(&iface, XdpMode::Default)
+                    .with_context(|| format!("attaching XDP to {iface} (try --ingress tc)"))?;
+            }
+            IngressMode::Tc => {
+                let ingress: &mut SchedClassifier =
+                    self.program_mut(programs::INGRESS_TC)?.try_into()?;
+                ingress.load()?;
+                ingress
+                    .attach(&iface, TcAttachType::Ingress)
+                    .with_context(|| format!("attaching TC ingress to {iface}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn program_mut(&mut self, name: &str) -> Result<&mut aya::programs::Program> {
+        self.ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("program {name} missing from the object"))
+    }
+
+    pub(crate) fn map_mut(&mut self, name: &str) -> Result<&mut aya::maps::Map> {
+        self.ebpf
+            .map_mut(name)
+            .ok_or_else(|| anyhow!("map {name} missing from the object"))
+    }
+
+    pub(crate) fn map(&self, name: &str) -> Result<&aya::maps::Map> {
+        self.ebpf
+            .map(name)
+            .ok_or_else(|| anyhow!("map {name} missing from the object"))
+    }
+
+    /// Changes policy and threshold while running.
+    pub fn write_config(&mut self, policy: Policy, threshold: u32) -> Result<()> {
+        let descriptor = self.settings.descriptor;
+        let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
+        config.set(
+            0,
+            Config {
+                policy: policy as u32,
+                threshold,
+                descriptor,
+            },
+            0,
+        )?;
+        self.settings.policy = policy;
+        self.settings.threshold = threshold;
+        Ok(())
+    }
+
+    /// Marks a backend drained (never chosen) or active again.
+    pub fn set_drained(&mut self, id: u32, drained: bool) -> Result<()> {
+        let (group, position) = split_backend_id(id);
+        let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
+        let mut entry = groups.get(&group, 0)?;
+        if drained {
+            entry.active &= !(1 << position);
+        } else {
+            entry.active |= 1 << position;
+        }
+        groups.set(group, entry, 0)?;
+        Ok(())
+    }
+
+    /// Pending requests per backend (`issued - completed - expired`).
+    pub fn pending(&self) -> Result<Vec<u64>> {
+        let counters: Array<_, GroupCounters> = Array::try_from(self.map(names::PENDING)?)?;
+        let expired: Array<_, GroupExpired> = Array::try_from(self.map(names::EXPIRED)?)?;
+        self.backends
+            .iter()
+            .map(|b| {
+                let (group, position) = split_backend_id(b.index);
+                let c = counters.get(&group, 0)?;
+                let e = expired.get(&group, 0)?;
+                Ok(selector_common::pending(&c, &e, position))
+            })
+            .collect()
+    }
+
+    /// Per-backend statistics summed over CPUs.
+    pub fn stats(&self) -> Result<Vec<BackendStats>> {
+        let stats: PerCpuArray<_, BackendStats> = PerCpuArray::try_from(self.map(names::STATS)?)?;
+        self.backends
+            .iter()
+            .map(|b| {
+                let mut total = BackendStats::default();
+                for s in stats.get(&b.index, 0)?.iter() {
+                    total.add(s);
+                }
+                Ok(total)
+            })
+            .collect()
+    }
+
+    /// Latency histogram buckets per backend, summed over CPUs.
+    pub fn latency(&self) -> Result<Vec<Vec<u64>>> {
+        use selector_common::latency::LATENCY_BUCKETS;
+        let hist: PerCpuArray<_, u64> = PerCpuArray::try_from(self.map(names::LATENCY)?)?;
+        self.backends
+            .iter()
+            .map(|b| {
+                (0..LATENCY_BUCKETS)
+                    .map(|i| Ok(hist.get(&(b.index * LATENCY_BUCKETS + i), 0)?.iter().sum()))
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// Entries in the in-flight table now.
+    pub fn inflight(&self) -> Result<Vec<(InflightKey, InflightEntry)>> {
+        let table: HashMap<_, InflightKey, InflightEntry> =
+            HashMap::try_from(self.map(names::INFLIGHT)?)?;
+        let bound = self.settings.inflight_max as usize * 2;
+        Ok(table.iter().take(bound).filter_map(|r| r.ok()).collect())
+    }
+
+    pub(crate) fn inflight_fd(&self) -> Result<RawFd> {
+        let table: HashMap<&MapData, InflightKey, InflightEntry> =
+            HashMap::try_from(self.map(names::INFLIGHT)?)?;
+        Ok(table.map().fd().as_fd().as_raw_fd())
+    }
+
+    /// Passes kernel log records (rare events only) to the logger.
+    pub fn flush_kernel_logs(&mut self) {
+        if let Some(l) = self.logger.as_mut() {
+            l.flush();
+        }
+    }
+
+    /// Backend index of `addr`, if configured.
+    pub fn backend_index(&self, addr: SocketAddrV4) -> Option<u32> {
+        self.backends
+            .iter()
+            .find(|b| b.addr == addr)
+            .map(|b| b.index)
+    }
+
+    /// Requests expired per configured backend (in `backends` order).
+    pub fn expired(&self) -> Vec<u64> {
+        self.backends
+            .iter()
+            .map(|b| self.expired[b.index as usize])
+            .collect()
+    }
+
+    /// Publishes the agent's expired counts of `group`.
+    pub(crate) fn write_expired(&mut self, group: u32) -> Result<()> {
+        let base = group as usize * selector_common::MAX_GROUP_MEMBERS;
+        let mut value = GroupExpired::default();
+        value
+            .count
+            .copy_from_slice(&self.expired[base..base + selector_common::MAX_GROUP_MEMBERS]);
+        let mut expired: Array<_, GroupExpired> = Array::try_from(self.map_mut(names::EXPIRED)?)?;
+        expired.set(group, value, 0)?;
+        Ok(())
+    }
+}
