@@ -155,8 +155,6 @@ pub struct BackendStats {
     pub redirected_to: u64,
     /// Requests addressed here that passed untracked (in-flight table full).
     pub untracked: u64,
-    /// Redirects abandoned because the replica's next hop was unresolved.
-    pub nexthop_misses: u64,
     /// Responses from this backend that matched no in-flight request
     /// (late after expiry, duplicate, or from the wrong replica).
     pub unmatched_responses: u64,
@@ -169,7 +167,6 @@ impl BackendStats {
         self.redirected_away += other.redirected_away;
         self.redirected_to += other.redirected_to;
         self.untracked += other.untracked;
-        self.nexthop_misses += other.nexthop_misses;
         self.unmatched_responses += other.unmatched_responses;
     }
 }

@@ -8,14 +8,15 @@ use selector_common::{
 };
 
 use crate::{
-    accounting,
+    TC_CONTINUE, accounting,
     maps::{BACKENDS, CONFIG, GROUPS, INFLIGHT},
-    nexthop::{self, NextHop},
-    packet::{self, Datagram, PARSE_SPAN},
-    rewrite::{self, Rewrite, Side, Target},
+    nexthop,
+    packet::{self, PARSE_SPAN},
+    rewrite::{Rewrite, Side, Target},
 };
 
-pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
+/// Returns the TC verdict: continue, or redirect after a rewrite.
+pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     // Make the headers and descriptor span readable if the skb is paged.
     let linear = ctx.data_end() - ctx.data();
     if linear < PARSE_SPAN && (ctx.len() as usize) > linear {
@@ -34,7 +35,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
 
     let Some(request_id) = config.descriptor.request_id(|i| dgram.payload_byte(ctx, i)) else {
         accounting::count(primary, |s| &mut s.untracked);
-        return Ok(());
+        return Ok(TC_CONTINUE);
     };
     let key = InflightKey {
         client_addr: Endpoint::ipv4(dgram.src_addr, 0).addr,
@@ -48,27 +49,15 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
     if let Some(first) = unsafe { INFLIGHT.get(&key) } {
         let chosen = first.chosen;
         if chosen != primary {
-            steer(ctx, &dgram, chosen, None)?;
+            return steer(ctx, chosen);
         }
-        return Ok(());
+        return Ok(TC_CONTINUE);
     }
 
     accounting::count(primary, |s| &mut s.requests);
     let mut chosen = primary;
     if config.descriptor.is_read(|i| dgram.payload_byte(ctx, i)) {
         chosen = backend_id(group, choose_position(&config, group, primary_pos));
-    }
-    let mut next_hop = None;
-    if chosen != primary {
-        next_hop = lookup_next_hop(ctx, &dgram, chosen);
-        if next_hop.is_none() {
-            accounting::count(primary, |s| &mut s.nexthop_misses);
-            debug!(
-                ctx,
-                "no next hop for backend {}: request stays on primary", chosen
-            );
-            chosen = primary;
-        }
     }
 
     let entry = InflightEntry {
@@ -82,15 +71,19 @@ pub fn try_egress(ctx: &TcContext) -> Result<(), ()> {
     {
         // Table full (or a racing copy won): never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
-        return Ok(());
+        debug!(
+            ctx,
+            "in-flight table full: request to backend {} untracked", primary
+        );
+        return Ok(TC_CONTINUE);
     }
     accounting::add_issued(chosen);
-    if chosen != primary {
-        accounting::count(primary, |s| &mut s.redirected_away);
-        accounting::count(chosen, |s| &mut s.redirected_to);
-        steer(ctx, &dgram, chosen, next_hop)?;
+    if chosen == primary {
+        return Ok(TC_CONTINUE);
     }
-    Ok(())
+    accounting::count(primary, |s| &mut s.redirected_away);
+    accounting::count(chosen, |s| &mut s.redirected_to);
+    steer(ctx, chosen)
 }
 
 /// The endpoint of backend `id`.
@@ -101,25 +94,13 @@ fn endpoint_of(id: u32) -> Option<([u8; 4], u16)> {
     Some((e.ipv4_octets()?, e.port))
 }
 
+/// Rewrites the destination to backend `chosen` and sends the packet on
+/// through the neighbour subsystem.
 #[inline(always)]
-fn lookup_next_hop(ctx: &TcContext, dgram: &Datagram, id: u32) -> Option<NextHop> {
-    let (addr, port) = endpoint_of(id)?;
-    nexthop::lookup(ctx, dgram, addr, port)
-}
-
-/// Rewrites the destination to backend `chosen` and its next hop (looked
-/// up here on the retransmit path, where `hop` is not known yet).
-#[inline(always)]
-fn steer(ctx: &TcContext, dgram: &Datagram, chosen: u32, hop: Option<NextHop>) -> Result<(), ()> {
+fn steer(ctx: &TcContext, chosen: u32) -> Result<i32, ()> {
     let (addr, port) = endpoint_of(chosen).ok_or(())?;
-    let hop = match hop {
-        Some(hop) => Some(hop),
-        None => nexthop::lookup(ctx, dgram, addr, port),
-    };
-    if let Some(hop) = hop {
-        rewrite::set_macs(ctx, hop.dst_mac, hop.src_mac)?;
-    }
-    ctx.rewrite(Side::Destination, Target { addr, port })
+    ctx.rewrite(Side::Destination, Target { addr, port })?;
+    Ok(nexthop::redirect(ctx))
 }
 
 /// Applies the configured policy to the primary's group.

@@ -24,8 +24,7 @@ pub const TC_CONTINUE: i32 = TC_ACT_PIPE;
 
 #[classifier]
 pub fn selector_egress(ctx: TcContext) -> i32 {
-    let _ = egress::try_egress(&ctx);
-    TC_CONTINUE
+    egress::try_egress(&ctx).unwrap_or(TC_CONTINUE)
 }
 
 #[xdp]

@@ -99,12 +99,3 @@ impl Rewrite for XdpContext {
         Ok(())
     }
 }
-
-/// Sets the Ethernet destination and source (TC only: egress next hop).
-#[inline(always)]
-pub fn set_macs(ctx: &TcContext, dst: [u8; 6], src: [u8; 6]) -> Result<(), ()> {
-    let mut macs = [0u8; 12];
-    macs[..6].copy_from_slice(&dst);
-    macs[6..].copy_from_slice(&src);
-    ctx.store(0, &macs, 0).map_err(|_| ())
-}

@@ -55,8 +55,17 @@ fn interface_index(iface: &str) -> Result<u32> {
 impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
-        let backends = settings.plan()?;
         interface_index(&settings.iface)?;
+        let mut selector = Self::load(settings)?;
+        selector.attach_programs()?;
+        Ok(selector)
+    }
+
+    /// Validates `settings`, loads the programs into the kernel and fills the
+    /// maps, without attaching (packet-fixture tests and benchmarks run the
+    /// programs with BPF_PROG_TEST_RUN).
+    pub fn load(settings: &Settings) -> Result<Self> {
+        let backends = settings.plan()?;
         let mut ebpf = EbpfLoader::new()
             .map_max_entries(names::INFLIGHT, settings.inflight_max)
             .load(EBPF_OBJECT)
@@ -76,8 +85,23 @@ impl Selector {
             backends,
         };
         selector.write_tables()?;
-        selector.attach_programs()?;
+        for name in [programs::EGRESS, programs::INGRESS_TC] {
+            let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
+            p.load()?;
+        }
+        let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
+        p.load()?;
         Ok(selector)
+    }
+
+    /// The loaded object, for tests and benchmarks that drive maps and
+    /// programs directly.
+    pub fn ebpf(&self) -> &Ebpf {
+        &self.ebpf
+    }
+
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
     }
 
     fn write_tables(&mut self) -> Result<()> {
@@ -112,14 +136,12 @@ impl Selector {
             let _ = tc::qdisc_add_clsact(&iface);
         }
         let egress: &mut SchedClassifier = self.program_mut(programs::EGRESS)?.try_into()?;
-        egress.load()?;
         egress
             .attach(&iface, TcAttachType::Egress)
             .with_context(|| format!("attaching TC egress to {iface}"))?;
         match self.settings.ingress {
             IngressMode::Xdp => {
                 let ingress: &mut Xdp = self.program_mut(programs::INGRESS_XDP)?.try_into()?;
-                ingress.load()?;
                 ingress
                     .attach(&iface, XdpMode::Default)
                     .with_context(|| format!("attaching XDP to {iface} (try --ingress tc)"))?;
@@ -127,7 +149,6 @@ impl Selector {
             IngressMode::Tc => {
                 let ingress: &mut SchedClassifier =
                     self.program_mut(programs::INGRESS_TC)?.try_into()?;
-                ingress.load()?;
                 ingress
                     .attach(&iface, TcAttachType::Ingress)
                     .with_context(|| format!("attaching TC ingress to {iface}"))?;

@@ -76,11 +76,11 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
         );
     }
     let untracked: u64 = now.stats.iter().map(|s| s.untracked).sum();
-    let misses: u64 = now.stats.iter().map(|s| s.nexthop_misses).sum();
+    let unmatched: u64 = now.stats.iter().map(|s| s.unmatched_responses).sum();
     let _ = writeln!(
         out,
-        "in flight {}  untracked {}  next-hop misses {}",
-        now.inflight, untracked, misses
+        "in flight {}  untracked {}  unmatched responses {}",
+        now.inflight, untracked, unmatched
     );
     out
 }

@@ -1,1 +1,13 @@
+//! A testbed of network namespaces with real servers, shared by the
+//! integration tests, the demo (`cargo xtask run`) and the benchmark.
+//!
+//! Every namespace gets a name unique to the process and the testbed, and
+//! is removed when its owner is dropped, also when a test fails.
 
+pub mod memcached;
+pub mod netns;
+pub mod topology;
+
+pub use memcached::{LoadReport, LoadSpec, MemcachedClient, Replica, preload, run_load};
+pub use netns::{Namespace, sh};
+pub use topology::Testbed;

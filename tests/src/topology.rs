@@ -1,0 +1,120 @@
+//! The standard topology: a client and N replicas on one L2 segment (a
+//! bridge in its own namespace), all addresses in 10.77.0.0/24, nothing in
+//! the host's namespace.
+//!
+//! ```text
+//! client 10.77.0.1 (eth0) --- [switch: br0] --- replica i 10.77.0.(10+i) (eth0)
+//! ```
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::Result;
+
+use crate::{
+    memcached::Replica,
+    netns::{Namespace, unique_tag},
+};
+
+pub const CLIENT_ADDR: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
+pub const MEMCACHED_PORT: u16 = 11211;
+/// The client's interface, where the selector attaches.
+pub const CLIENT_IFACE: &str = "eth0";
+
+pub fn replica_addr(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 0, 10 + i as u8)
+}
+
+/// Namespaces and replicas; everything goes away on drop (replicas first).
+pub struct Testbed {
+    pub replicas: Vec<Replica>,
+    pub client: Namespace,
+    pub replica_ns: Vec<Namespace>,
+    pub switch: Namespace,
+}
+
+impl Testbed {
+    /// Creates the namespaces and links, with checksum offloads off on
+    /// every host interface so that receivers really verify UDP checksums
+    /// and senders put full checksums on the wire.
+    pub fn new(prefix: &str, replicas: usize) -> Result<Self> {
+        let tag = unique_tag();
+        let switch = Namespace::create(&format!("{prefix}-{tag}-sw"))?;
+        switch.ip(&["link", "add", "br0", "type", "bridge"])?;
+        switch.ip(&["link", "set", "br0", "up"])?;
+        let client = Namespace::create(&format!("{prefix}-{tag}-c"))?;
+        let mut replica_ns = Vec::new();
+        for i in 0..replicas {
+            replica_ns.push(Namespace::create(&format!("{prefix}-{tag}-r{i}"))?);
+        }
+        let hosts: Vec<(&Namespace, Ipv4Addr)> = std::iter::once((&client, CLIENT_ADDR))
+            .chain(
+                replica_ns
+                    .iter()
+                    .enumerate()
+                    .map(|(i, ns)| (ns, replica_addr(i))),
+            )
+            .collect();
+        for (port, (ns, addr)) in hosts.iter().enumerate() {
+            let peer = format!("p{port}");
+            // Create the pair inside the switch so no name touches the host.
+            switch.ip(&[
+                "link",
+                "add",
+                &peer,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                CLIENT_IFACE,
+                "netns",
+                &ns.name,
+            ])?;
+            switch.ip(&["link", "set", &peer, "master", "br0", "up"])?;
+            ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", CLIENT_IFACE])?;
+            ns.ip(&["link", "set", CLIENT_IFACE, "up"])?;
+            ns.exec("ethtool", &["-K", CLIENT_IFACE, "rx", "off", "tx", "off"])?;
+        }
+        Ok(Self {
+            replicas: Vec::new(),
+            client,
+            replica_ns,
+            switch,
+        })
+    }
+
+    /// Starts memcached (UDP) on every replica.
+    pub fn start_memcached(&mut self) -> Result<()> {
+        for (i, ns) in self.replica_ns.iter().enumerate() {
+            self.replicas.push(Replica::start(
+                ns,
+                SocketAddrV4::new(replica_addr(i), MEMCACHED_PORT),
+            )?);
+        }
+        for r in &self.replicas {
+            r.wait_ready(&self.client)?;
+        }
+        Ok(())
+    }
+
+    pub fn replica_endpoints(&self) -> Vec<SocketAddrV4> {
+        (0..self.replica_ns.len())
+            .map(|i| SocketAddrV4::new(replica_addr(i), MEMCACHED_PORT))
+            .collect()
+    }
+
+    /// UDP checksum errors seen by every host so far.
+    pub fn udp_checksum_errors(&self) -> Result<u64> {
+        let mut total = self.client.snmp("Udp", "InCsumErrors")?;
+        for ns in &self.replica_ns {
+            total += ns.snmp("Udp", "InCsumErrors")?;
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        // Replicas before their namespaces.
+        self.replicas.clear();
+    }
+}

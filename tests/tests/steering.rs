@@ -1,0 +1,246 @@
+//! End to end, in network namespaces with real memcached replicas and a
+//! client on a connected UDP socket: the selector steers reads away from a
+//! stalled primary, replies still come from the primary's address with the
+//! right values, observe mode never rewrites, and pending counts drain to
+//! exactly zero.
+
+use std::{
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::Duration,
+};
+
+use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
+use selector_testbed::{LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
+use selector_user::{IngressMode, Selector, Settings, sys};
+
+const KEYS: usize = 200;
+
+fn testbed(prefix: &str) -> Testbed {
+    let mut tb = Testbed::new(prefix, 3).expect("testbed");
+    tb.start_memcached().expect("memcached");
+    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
+    tb
+}
+
+fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duration) -> Settings {
+    Settings {
+        iface: CLIENT_IFACE.into(),
+        groups: vec![tb.replica_endpoints()],
+        policy,
+        threshold: 2,
+        descriptor: Descriptor::memcached(),
+        timeout,
+        inflight_max: DEFAULT_INFLIGHT_MAX,
+        ingress,
+    }
+}
+
+/// A selector attached in the client namespace, swept every 10 ms.
+struct Running {
+    selector: Arc<Mutex<Selector>>,
+    stop: Arc<AtomicBool>,
+    sweeper: Option<thread::JoinHandle<()>>,
+}
+
+impl Running {
+    fn start(tb: &Testbed, settings: Settings) -> Self {
+        let selector = tb
+            .client
+            .run(move || Selector::attach(&settings))
+            .unwrap()
+            .expect("attach");
+        let addrs = tb.replica_endpoints();
+        tb.client
+            .run(move || selector_user::neighbours::warm_up(&addrs, Duration::from_secs(1)))
+            .unwrap();
+        let selector = Arc::new(Mutex::new(selector));
+        let stop = Arc::new(AtomicBool::new(false));
+        let sweeper = {
+            let (selector, stop) = (selector.clone(), stop.clone());
+            thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
+                    s.sweep(sys::monotonic_ns()).expect("sweep");
+                    thread::sleep(Duration::from_millis(10));
+                }
+            })
+        };
+        Self {
+            selector,
+            stop,
+            sweeper: Some(sweeper),
+        }
+    }
+
+    fn stop_sweeper(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(s) = self.sweeper.take() {
+            // A failed sweep already failed the test; do not panic twice.
+            let _ = s.join();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop_sweeper();
+    }
+}
+
+/// Load at `rate` for `secs`; stops the primary for `stall` halfway.
+fn load_with_stall(
+    tb: &Testbed,
+    rate: u32,
+    secs: f64,
+    stall: Duration,
+) -> selector_testbed::LoadReport {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate,
+        duration: Duration::from_secs_f64(secs),
+        keys: KEYS,
+        drain: Duration::from_secs(1),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    thread::sleep(Duration::from_secs_f64(secs / 2.0));
+    tb.replicas[0].stop();
+    thread::sleep(stall);
+    tb.replicas[0].resume();
+    load.join().unwrap().expect("load")
+}
+
+fn wait_for_zero_pending(running: &Running, timeout: Duration) -> Vec<u64> {
+    let deadline = std::time::Instant::now() + timeout * 3 + Duration::from_secs(1);
+    loop {
+        let pending = running.selector.lock().unwrap().pending().unwrap();
+        if pending.iter().all(|p| *p == 0) || std::time::Instant::now() > deadline {
+            return pending;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn stall_redirects_and_every_reply_arrives(ingress: IngressMode, prefix: &str) {
+    let tb = testbed(prefix);
+    let timeout = Duration::from_millis(500);
+    let running = Running::start(&tb, settings(&tb, Policy::Threshold, ingress, timeout));
+    let report = load_with_stall(&tb, 2000, 1.5, Duration::from_millis(50));
+
+    let sel = running.selector.lock().unwrap();
+    let stats = sel.stats().unwrap();
+    drop(sel);
+    assert_eq!(
+        report.lost(),
+        0,
+        "every response must arrive: {} of {}",
+        report.received,
+        report.sent
+    );
+    assert_eq!(
+        report.wrong_values, 0,
+        "every response must carry the key's value"
+    );
+    assert!(
+        stats[0].redirected_away > 0,
+        "reads must leave the stalled primary: {stats:?}"
+    );
+    let redirected_to: u64 = stats[1..].iter().map(|s| s.redirected_to).sum();
+    assert_eq!(redirected_to, stats[0].redirected_away);
+    let replica_responses: u64 = stats[1..].iter().map(|s| s.responses).sum();
+    assert!(
+        replica_responses > 0,
+        "replicas must have answered: {stats:?}"
+    );
+    assert_eq!(
+        tb.udp_checksum_errors().unwrap(),
+        0,
+        "rewritten datagrams must verify"
+    );
+    let pending = wait_for_zero_pending(&running, timeout);
+    assert_eq!(pending, vec![0, 0, 0]);
+    let total_responses: u64 = stats.iter().map(|s| s.responses).sum();
+    assert_eq!(total_responses, report.sent);
+}
+
+#[test]
+fn stall_redirects_reads_and_replies_come_from_the_primary_xdp() {
+    stall_redirects_and_every_reply_arrives(IngressMode::Xdp, "selx");
+}
+
+#[test]
+fn stall_redirects_reads_and_replies_come_from_the_primary_tc_ingress() {
+    stall_redirects_and_every_reply_arrives(IngressMode::Tc, "selt");
+}
+
+#[test]
+fn observe_mode_counts_but_never_rewrites() {
+    let tb = testbed("selo");
+    let timeout = Duration::from_millis(500);
+    let running = Running::start(
+        &tb,
+        settings(&tb, Policy::Observe, IngressMode::Xdp, timeout),
+    );
+    let report = load_with_stall(&tb, 2000, 1.0, Duration::from_millis(50));
+    let stats = running.selector.lock().unwrap().stats().unwrap();
+    assert_eq!(report.lost(), 0);
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(
+        stats[0].requests, report.sent,
+        "observe still counts: {stats:?}"
+    );
+    assert_eq!(stats[0].responses, report.sent);
+    for s in &stats {
+        assert_eq!((s.redirected_away, s.redirected_to), (0, 0), "{stats:?}");
+    }
+    assert_eq!(stats[1].responses + stats[2].responses, 0);
+    assert_eq!(wait_for_zero_pending(&running, timeout), vec![0, 0, 0]);
+}
+
+#[test]
+fn lost_requests_expire_and_pending_returns_to_exactly_zero() {
+    let mut tb = testbed("sell");
+    let timeout = Duration::from_millis(200);
+    let running = Running::start(
+        &tb,
+        settings(&tb, Policy::Threshold, IngressMode::Xdp, timeout),
+    );
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 3000,
+        duration: Duration::from_secs(1),
+        keys: KEYS,
+        drain: Duration::from_millis(300),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    // The primary crashes mid-load: what it had queued and every request
+    // still sent to it are lost, so only the sweep can settle them.
+    thread::sleep(Duration::from_millis(400));
+    tb.replicas[0].crash();
+    let report = load.join().unwrap().unwrap();
+    assert!(report.lost() > 0, "the crash must lose some requests");
+    assert!(
+        report.received > report.sent / 2,
+        "reads must move to the live replicas: {} of {}",
+        report.received,
+        report.sent
+    );
+    let pending = wait_for_zero_pending(&running, timeout);
+    assert_eq!(pending, vec![0, 0, 0], "pending must drain exactly");
+    let sel = running.selector.lock().unwrap();
+    let stats = sel.stats().unwrap();
+    let expired: u64 = sel.expired().iter().sum();
+    let responses: u64 = stats.iter().map(|s| s.responses).sum();
+    let requests: u64 = stats.iter().map(|s| s.requests).sum();
+    assert!(expired > 0);
+    assert_eq!(requests, report.sent);
+    assert_eq!(
+        responses + expired,
+        requests,
+        "every request completes exactly once"
+    );
+    assert!(sel.inflight().unwrap().is_empty());
+}
