@@ -41,6 +41,9 @@ pub mod programs {
     pub const EGRESS: &str = "selector_egress";
     pub const INGRESS_XDP: &str = "selector_ingress";
     pub const INGRESS_TC: &str = "selector_ingress_tc";
+    /// Empty programs, the baselines for per-packet cost measurements.
+    pub const BASELINE_TC: &str = "selector_baseline_tc";
+    pub const BASELINE_XDP: &str = "selector_baseline_xdp";
 }
 
 /// An IP endpoint. Addresses are 16 bytes in network order, IPv4 as

@@ -39,6 +39,18 @@ pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
     TC_CONTINUE
 }
 
+/// Does nothing: the baseline that per-packet costs are measured against.
+#[classifier]
+pub fn selector_baseline_tc(_ctx: TcContext) -> i32 {
+    TC_CONTINUE
+}
+
+/// Does nothing: the XDP baseline for per-packet costs.
+#[xdp]
+pub fn selector_baseline_xdp(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
 #[cfg(not(test))]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {

@@ -1,1 +1,178 @@
-fn main() {}
+//! `cargo xtask`: setup, build, run (demo or agent), test and bench.
+//!
+//! xtask depends on nothing that needs the BPF toolchain, so it compiles on a
+//! fresh machine and installs that toolchain before anything else builds.
+
+mod setup;
+
+use std::process::Command;
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    about = "Build, run, test and benchmark the selector"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Install what is missing: nightly rust-src, bpf-linker (LLVM 22), Debian packages.
+    Setup,
+    /// Build the agent (and the kernel programs it embeds).
+    Build {
+        #[arg(long)]
+        release: bool,
+    },
+    /// With no arguments: the demo (3 memcached replicas in namespaces, a
+    /// stalling primary, the live table). With arguments: `selector` itself,
+    /// e.g. `cargo xtask run -- run --iface eth0 --group ...`.
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Formatting and lint checks, host unit tests, packet-fixture and
+    /// namespace integration tests (needs root).
+    Test {
+        /// Skip fmt and clippy.
+        #[arg(long)]
+        no_lint: bool,
+    },
+    /// The replica-stall benchmark and per-packet costs (see BENCHMARKS.md).
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+/// Runs a command, echoing it, failing on a non-zero exit.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {}", describe(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {}", describe(cmd)))?;
+    if !status.success() {
+        bail!("{} failed ({status})", describe(cmd));
+    }
+    Ok(())
+}
+
+fn describe(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program().to_string_lossy().into_owned())
+        .chain(cmd.get_args().map(|a| a.to_string_lossy().into_owned()))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.env("PATH", setup::path_with_cargo_bin());
+    c
+}
+
+fn require_root(what: &str) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc_geteuid() } != 0 {
+        bail!("{what} needs root (BPF programs and network namespaces)");
+    }
+    Ok(())
+}
+
+unsafe extern "C" {
+    #[link_name = "geteuid"]
+    fn libc_geteuid() -> u32;
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Task::Setup => setup::setup(),
+        Task::Build { release } => {
+            setup::setup()?;
+            let mut c = cargo();
+            c.args(["build", "--package", "selector-user"]);
+            if release {
+                c.arg("--release");
+            }
+            run(&mut c)
+        }
+        Task::Run { args } => {
+            setup::setup()?;
+            require_root("running the selector")?;
+            let mut c = cargo();
+            if args.is_empty() {
+                c.args([
+                    "run",
+                    "--release",
+                    "--package",
+                    "selector-tests",
+                    "--bin",
+                    "selector-demo",
+                ]);
+            } else {
+                c.args([
+                    "run",
+                    "--release",
+                    "--package",
+                    "selector-user",
+                    "--bin",
+                    "selector",
+                    "--",
+                ]);
+                c.args(&args);
+            }
+            run(&mut c)
+        }
+        Task::Test { no_lint } => {
+            setup::setup()?;
+            require_root("the integration tests")?;
+            if !no_lint {
+                lint()?;
+            }
+            run(cargo().args(["test", "--", "--test-threads=2"]))
+        }
+        Task::Bench { args } => {
+            setup::setup()?;
+            require_root("the benchmark")?;
+            let mut c = cargo();
+            c.args([
+                "run",
+                "--release",
+                "--package",
+                "selector-tests",
+                "--bin",
+                "selector-bench",
+                "--",
+            ]);
+            c.args(&args);
+            run(&mut c)
+        }
+    }
+}
+
+/// fmt and clippy, for the host crates and for the kernel crate on its target.
+fn lint() -> Result<()> {
+    run(cargo().args(["fmt", "--all", "--check"]))?;
+    // Default members: every crate but the kernel one, which is linted next.
+    run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+    let root = setup::workspace_root();
+    run(Command::new("cargo")
+        .env("PATH", setup::path_with_cargo_bin())
+        .current_dir(root.join("selector-ebpf"))
+        .args([
+            "+nightly",
+            "clippy",
+            "--target",
+            "bpfel-unknown-none",
+            "-Z",
+            "build-std=core",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+}
