@@ -1,0 +1,474 @@
+//! Packet fixtures through BPF_PROG_TEST_RUN: exact input packets, exact
+//! expected output packets and verdicts, checksums checked by an independent
+//! implementation (etherparse). Programs are loaded, not attached.
+
+use std::time::Duration;
+
+use aya::{
+    maps::{Array, HashMap, PerCpuArray},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+};
+use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
+use selector_common::{
+    BackendStats, Descriptor, GroupCounters, InflightEntry, InflightKey, Policy, latency, names,
+    programs,
+};
+use selector_user::{IngressMode, Selector, Settings, sys};
+
+const TC_ACT_PIPE: u32 = 3;
+const TC_ACT_REDIRECT: u32 = 7;
+const XDP_PASS: u32 = 2;
+
+const CLIENT: [u8; 4] = [10, 77, 0, 1];
+const CLIENT_PORT: u16 = 40_000;
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+const PRIMARY_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+/// Replica i: 10.77.0.(10+i), port 11211+i (ports differ so port rewrites show).
+fn replica(i: usize) -> ([u8; 4], u16) {
+    ([10, 77, 0, 10 + i as u8], 11211 + i as u16)
+}
+
+const GET: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00get foo\r\n";
+const SET: &[u8] = b"\x12\x35\x00\x00\x00\x01\x00\x00set foo 0 0 1\r\nx\r\n";
+const VALUE: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00VALUE foo 0 3\r\nbar\r\nEND\r\n";
+
+fn selector() -> Selector {
+    let settings = Settings {
+        iface: "lo".into(),
+        groups: vec![
+            (0..3)
+                .map(|i| {
+                    let (a, p) = replica(i);
+                    std::net::SocketAddrV4::new(a.into(), p)
+                })
+                .collect(),
+        ],
+        policy: Policy::Threshold,
+        threshold: 1,
+        descriptor: Descriptor::memcached(),
+        timeout: Duration::from_secs(1),
+        inflight_max: 1024,
+        ingress: IngressMode::Xdp,
+    };
+    Selector::load(&settings).expect("load")
+}
+
+fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+        .ipv4(src.0, dst.0, 64)
+        .udp(src.1, dst.1)
+        .write(&mut out, payload)
+        .unwrap();
+    out
+}
+
+fn request(payload: &[u8]) -> Vec<u8> {
+    udp((CLIENT, CLIENT_PORT), replica(0), payload)
+}
+
+fn response_from(i: usize) -> Vec<u8> {
+    udp(replica(i), (CLIENT, CLIENT_PORT), VALUE)
+}
+
+fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
+    let prog: &mut SchedClassifier = sel
+        .ebpf_mut()
+        .program_mut(name)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .unwrap();
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+fn run_xdp(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
+    let prog: &mut Xdp = sel
+        .ebpf_mut()
+        .program_mut(programs::INGRESS_XDP)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .unwrap();
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+fn egress(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
+    run_tc(sel, programs::EGRESS, input)
+}
+
+fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
+    let mut m: Array<_, GroupCounters> =
+        Array::try_from(sel.ebpf_mut().map_mut(names::PENDING).unwrap()).unwrap();
+    let mut c = m.get(&0, 0).unwrap();
+    c.issued[position] = issued;
+    m.set(0, c, 0).unwrap();
+}
+
+fn counters(sel: &Selector) -> GroupCounters {
+    let m: Array<_, GroupCounters> =
+        Array::try_from(sel.ebpf().map(names::PENDING).unwrap()).unwrap();
+    m.get(&0, 0).unwrap()
+}
+
+fn stats(sel: &Selector) -> Vec<BackendStats> {
+    sel.stats().unwrap()
+}
+
+fn key(id: u64) -> InflightKey {
+    InflightKey {
+        client_addr: selector_common::Endpoint::ipv4(CLIENT, 0).addr,
+        client_port: CLIENT_PORT,
+        _pad: 0,
+        group: 0,
+        request_id: id,
+    }
+}
+
+fn insert_inflight(sel: &mut Selector, id: u64, primary: u32, chosen: u32) {
+    let mut m: HashMap<_, InflightKey, InflightEntry> =
+        HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
+    let entry = InflightEntry {
+        primary,
+        chosen,
+        sent_ns: sys::monotonic_ns() - 1_000_000,
+    };
+    m.insert(key(id), entry, 0).unwrap();
+}
+
+/// Byte offsets in an Ethernet + 20-byte IPv4 + UDP frame.
+const IP_CHECK: std::ops::Range<usize> = 24..26;
+const IP_SRC: std::ops::Range<usize> = 26..30;
+const IP_DST: std::ops::Range<usize> = 30..34;
+const UDP_SRC: std::ops::Range<usize> = 34..36;
+const UDP_DST: std::ops::Range<usize> = 36..38;
+const UDP_CHECK: std::ops::Range<usize> = 40..42;
+
+/// Asserts `out` equals `input` except in `changed` ranges.
+fn assert_only_changed(input: &[u8], out: &[u8], changed: &[std::ops::Range<usize>]) {
+    assert_eq!(input.len(), out.len(), "length changed");
+    for (i, (a, b)) in input.iter().zip(out).enumerate() {
+        if !changed.iter().any(|r| r.contains(&i)) {
+            assert_eq!(a, b, "byte {i} changed but should not have");
+        }
+    }
+}
+
+/// Checks both checksums of `frame` with etherparse's own arithmetic and
+/// returns (src, dst) as parsed.
+fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
+        panic!("not IPv4")
+    };
+    assert_eq!(
+        ip.header_checksum,
+        ip.calc_header_checksum(),
+        "IPv4 checksum"
+    );
+    let Some(TransportHeader::Udp(u)) = h.transport else {
+        panic!("not UDP")
+    };
+    let expected = u.calc_checksum_ipv4(&ip, h.payload.slice()).unwrap();
+    assert_eq!(u.checksum, expected, "UDP checksum");
+    (
+        (ip.source, u.source_port),
+        (ip.destination, u.destination_port),
+    )
+}
+
+#[test]
+fn redirected_request_changes_only_destination_and_checksums() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5); // primary 5 pending, replica 1 has 0: over threshold 1
+    let input = request(GET);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_only_changed(&input, &out, &[IP_CHECK, IP_DST, UDP_DST, UDP_CHECK]);
+    let (src, dst) = verified_endpoints(&out);
+    assert_eq!(src, (CLIENT, CLIENT_PORT));
+    assert_eq!(dst, replica(1));
+    assert_ne!(out[UDP_CHECK], input[UDP_CHECK]);
+
+    let c = counters(&sel);
+    assert_eq!((c.issued[0], c.issued[1]), (5, 1));
+    let s = stats(&sel);
+    assert_eq!(
+        (s[0].requests, s[0].redirected_away, s[1].redirected_to),
+        (1, 1, 1)
+    );
+    let inflight = sel.inflight().unwrap();
+    assert_eq!(inflight.len(), 1);
+    assert_eq!(inflight[0].0, key(0x1234));
+    assert_eq!((inflight[0].1.primary, inflight[0].1.chosen), (0, 1));
+
+    // A retransmit follows the first copy and is not counted again, and the
+    // redirected copy seen again on egress (now addressed to the replica)
+    // is neither counted nor steered.
+    let (verdict, again) = egress(&mut sel, &input);
+    assert_eq!((verdict, &again), (TC_ACT_REDIRECT, &out));
+    let (verdict, seen_again) = egress(&mut sel, &out);
+    assert_eq!((verdict, &seen_again), (TC_ACT_PIPE, &out));
+    assert_eq!(counters(&sel).issued[1], 1);
+    assert_eq!(stats(&sel)[0].requests, 1);
+    assert_eq!(stats(&sel)[1].requests, 0);
+}
+
+#[test]
+fn request_under_threshold_is_tracked_and_untouched() {
+    let mut sel = selector();
+    let input = request(GET);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!((verdict, &out), (TC_ACT_PIPE, &input));
+    assert_eq!(counters(&sel).issued[0], 1);
+    assert_eq!(sel.pending().unwrap(), vec![1, 0, 0]);
+    assert_eq!(sel.inflight().unwrap()[0].1.chosen, 0);
+}
+
+#[test]
+fn writes_are_tracked_but_never_redirected() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 50);
+    let input = request(SET);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!((verdict, &out), (TC_ACT_PIPE, &input));
+    assert_eq!(counters(&sel).issued[0], 51);
+    assert_eq!(stats(&sel)[0].redirected_away, 0);
+}
+
+#[test]
+fn observe_policy_never_redirects() {
+    let mut sel = selector();
+    sel.write_config(Policy::Observe, 1).unwrap();
+    set_issued(&mut sel, 0, 50);
+    let input = request(GET);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    assert_eq!(counters(&sel).issued[0], 51);
+}
+
+#[test]
+fn drained_replica_is_never_chosen() {
+    let mut sel = selector();
+    sel.set_drained(1, true).unwrap();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(2));
+}
+
+/// Packets the selector does not understand or does not own.
+fn pass_through_cases() -> Vec<(&'static str, Vec<u8>)> {
+    let mut cases = Vec::new();
+    cases.push((
+        "not a backend port",
+        udp((CLIENT, CLIENT_PORT), (replica(0).0, 11299), GET),
+    ));
+    cases.push((
+        "not a backend address",
+        udp((CLIENT, CLIENT_PORT), ([10, 77, 0, 99], 11211), GET),
+    ));
+    let mut tcp = Vec::new();
+    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+        .ipv4(CLIENT, replica(0).0, 64)
+        .tcp(CLIENT_PORT, replica(0).1, 1, 1000)
+        .write(&mut tcp, GET)
+        .unwrap();
+    cases.push(("TCP to a backend", tcp));
+    let full = request(GET);
+    cases.push(("truncated in the UDP header", full[..14 + 20 + 4].to_vec()));
+    cases.push(("truncated in the IPv4 header", full[..14 + 12].to_vec()));
+    cases.push(("Ethernet header only", full[..14].to_vec()));
+    // Same datagram with 4 bytes of IP options (NOPs): IHL 6.
+    let mut opts = full[..34].to_vec();
+    opts.extend_from_slice(&[1, 1, 1, 1]);
+    opts.extend_from_slice(&full[34..]);
+    opts[14] = 0x46;
+    let tot = u16::from_be_bytes([opts[16], opts[17]]) + 4;
+    opts[16..18].copy_from_slice(&tot.to_be_bytes());
+    cases.push(("IPv4 options", opts));
+    let mut frag = full.clone();
+    frag[20] |= 0x20; // more fragments
+    cases.push(("first fragment", frag));
+    let mut v6 = Vec::new();
+    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+        .ipv6([0xfd; 16], [0xfe; 16], 64)
+        .udp(CLIENT_PORT, replica(0).1)
+        .write(&mut v6, GET)
+        .unwrap();
+    cases.push(("IPv6", v6));
+    let mut short_udp = full.clone();
+    // UDP length claims more than the IP packet holds.
+    short_udp[38..40].copy_from_slice(&500u16.to_be_bytes());
+    cases.push(("UDP length beyond IP length", short_udp));
+    cases
+}
+
+/// The kernel's skb test harness refuses IPv4 frames without a whole IPv4
+/// header (EINVAL); the stack never hands TC such an skb either. XDP sees
+/// raw frames, so it gets every case.
+fn fits_skb_test_run((_, frame): &(&str, Vec<u8>)) -> bool {
+    let is_ipv4 = frame.len() >= 14 && frame[12..14] == [0x08, 0x00];
+    !is_ipv4 || frame.len() >= 14 + 20
+}
+
+#[test]
+fn egress_passes_what_it_does_not_own_byte_identical() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    for (what, input) in pass_through_cases().into_iter().filter(fits_skb_test_run) {
+        let (verdict, out) = egress(&mut sel, &input);
+        assert_eq!(verdict, TC_ACT_PIPE, "{what}");
+        assert_eq!(out, input, "{what} must pass untouched");
+    }
+    assert!(sel.inflight().unwrap().is_empty());
+    assert_eq!(counters(&sel).issued, [5, 0, 0, 0, 0, 0, 0, 0]);
+    assert!(stats(&sel).iter().all(|s| *s == BackendStats::default()));
+}
+
+#[test]
+fn ingress_passes_what_it_does_not_own_byte_identical() {
+    let mut sel = selector();
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    for (what, input) in pass_through_cases() {
+        assert_eq!(
+            run_xdp(&mut sel, &input),
+            (XDP_PASS, input.clone()),
+            "XDP: {what}"
+        );
+        if fits_skb_test_run(&(what, input.clone())) {
+            let tc = run_tc(&mut sel, programs::INGRESS_TC, &input);
+            assert_eq!(tc, (TC_ACT_PIPE, input), "TC: {what}");
+        }
+    }
+    assert_eq!(sel.inflight().unwrap().len(), 1);
+}
+
+fn check_response_rewrite(mut run: impl FnMut(&mut Selector, &[u8]) -> (u32, Vec<u8>), pass: u32) {
+    let mut sel = selector();
+    set_issued(&mut sel, 1, 1);
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    let input = response_from(1);
+    let (verdict, out) = run(&mut sel, &input);
+    assert_eq!(verdict, pass);
+    assert_only_changed(&input, &out, &[IP_CHECK, IP_SRC, UDP_SRC, UDP_CHECK]);
+    let (src, dst) = verified_endpoints(&out);
+    assert_eq!(src, replica(0), "the reply must come from the primary");
+    assert_eq!(dst, (CLIENT, CLIENT_PORT));
+    assert!(
+        sel.inflight().unwrap().is_empty(),
+        "the response completes the request"
+    );
+    assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
+    let s = stats(&sel);
+    assert_eq!((s[1].responses, s[1].unmatched_responses), (1, 0));
+    let hist = &sel.latency().unwrap()[1];
+    assert_eq!(hist.iter().sum::<u64>(), 1);
+    // Sent 1 ms before: the recorded latency is at least that.
+    let bucket = hist.iter().position(|c| *c == 1).unwrap() as u32;
+    assert!(latency::bucket_upper_ns(bucket) >= 1_000_000);
+
+    // The same response again (a duplicate) matches nothing and is untouched.
+    let (verdict, dup) = run(&mut sel, &input);
+    assert_eq!((verdict, &dup), (pass, &input));
+    assert_eq!(stats(&sel)[1].unmatched_responses, 1);
+}
+
+#[test]
+fn xdp_rewrites_a_redirected_reply_to_come_from_the_primary() {
+    check_response_rewrite(run_xdp, XDP_PASS);
+}
+
+#[test]
+fn tc_ingress_rewrites_a_redirected_reply_to_come_from_the_primary() {
+    check_response_rewrite(
+        |sel, input| run_tc(sel, programs::INGRESS_TC, input),
+        TC_ACT_PIPE,
+    );
+}
+
+#[test]
+fn xdp_keeps_a_zero_udp_checksum_zero() {
+    let mut sel = selector();
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    let mut input = response_from(1);
+    input[UDP_CHECK].fill(0);
+    let (verdict, out) = run_xdp(&mut sel, &input);
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(&out[UDP_CHECK], &[0, 0]);
+    assert_eq!(&out[IP_SRC], &replica(0).0);
+    assert!(sel.inflight().unwrap().is_empty());
+}
+
+#[test]
+fn only_the_replica_the_request_went_to_completes_it() {
+    let mut sel = selector();
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    let input = response_from(2);
+    assert_eq!(run_xdp(&mut sel, &input), (XDP_PASS, input));
+    assert_eq!(sel.inflight().unwrap().len(), 1);
+    assert_eq!(stats(&sel)[2].unmatched_responses, 1);
+    assert_eq!(stats(&sel)[2].responses, 0);
+}
+
+#[test]
+fn reply_from_the_primary_completes_without_rewrite() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 1);
+    insert_inflight(&mut sel, 0x1234, 0, 0);
+    let input = response_from(0);
+    assert_eq!(run_xdp(&mut sel, &input), (XDP_PASS, input));
+    assert!(sel.inflight().unwrap().is_empty());
+    assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
+}
+
+#[test]
+fn sweep_expires_only_old_entries_and_settles_pending() {
+    let mut sel = selector();
+    set_issued(&mut sel, 1, 2);
+    insert_inflight(&mut sel, 1, 0, 1); // sent 1 ms ago
+    let mut m: HashMap<_, InflightKey, InflightEntry> =
+        HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
+    let old = InflightEntry {
+        primary: 0,
+        chosen: 1,
+        sent_ns: sys::monotonic_ns() - 5_000_000_000,
+    };
+    m.insert(key(2), old, 0).unwrap();
+    let report = sel.sweep(sys::monotonic_ns()).unwrap();
+    assert_eq!(report.expired, 1);
+    assert_eq!(sel.inflight().unwrap().len(), 1);
+    assert_eq!(sel.pending().unwrap(), vec![0, 1, 0]);
+    assert_eq!(sel.expired(), vec![0, 1, 0]);
+    // The response for the expired request arrives late: it is unmatched
+    // and does not subtract again.
+    let mut late = response_from(1);
+    late[42..44].copy_from_slice(&2u16.to_be_bytes());
+    let (verdict, out) = run_xdp(&mut sel, &late);
+    assert_eq!((verdict, &out), (XDP_PASS, &late));
+    assert_eq!(sel.pending().unwrap(), vec![0, 1, 0]);
+    let stats: PerCpuArray<_, BackendStats> =
+        PerCpuArray::try_from(sel.ebpf().map(names::STATS).unwrap()).unwrap();
+    let unmatched: u64 = stats
+        .get(&1, 0)
+        .unwrap()
+        .iter()
+        .map(|s| s.unmatched_responses)
+        .sum();
+    assert_eq!(unmatched, 1);
+}
