@@ -3,7 +3,21 @@ use selector_user::cli::{Cli, Command};
 
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if e.use_stderr() => {
+            // One clear line; `--help` has the rest.
+            let msg = e.to_string();
+            let head = msg
+                .split("\n\n")
+                .next()
+                .unwrap_or("error: invalid arguments");
+            let line: Vec<&str> = head.split_whitespace().collect();
+            eprintln!("{} (see 'selector run --help')", line.join(" "));
+            std::process::exit(2);
+        }
+        Err(e) => e.exit(),
+    };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

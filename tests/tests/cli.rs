@@ -1,0 +1,238 @@
+//! The `selector` binary: bad input gives one error line, a non-zero exit
+//! and nothing attached; SIGTERM detaches cleanly.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use aya::programs::{SchedClassifier, TcAttachType};
+use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
+use selector_testbed::{Testbed, topology::CLIENT_IFACE};
+use selector_user::{IngressMode, Selector, Settings};
+
+/// target/debug/selector, brought up to date once per test process.
+fn selector_bin() -> PathBuf {
+    static BUILT: std::sync::Once = std::sync::Once::new();
+    BUILT.call_once(|| {
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--quiet",
+                "--package",
+                "selector-user",
+                "--bin",
+                "selector",
+            ])
+            .status()
+            .unwrap();
+        assert!(status.success(), "building selector");
+    });
+    let deps = std::env::current_exe().unwrap();
+    deps.parent().unwrap().parent().unwrap().join("selector")
+}
+
+const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
+
+fn run_in(tb: &Testbed, args: &[&str]) -> (i32, String) {
+    let out = tb
+        .client
+        .command(selector_bin().to_str().unwrap())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn tcx_programs(tb: &Testbed, attach: TcAttachType) -> usize {
+    tb.client
+        .run(move || SchedClassifier::query_tcx(CLIENT_IFACE, attach).map(|(_, p)| p.len()))
+        .unwrap()
+        .unwrap()
+}
+
+fn has_xdp(tb: &Testbed) -> bool {
+    let out = tb.client.ip(&["-d", "link", "show", CLIENT_IFACE]).unwrap();
+    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+}
+
+#[test]
+fn bad_input_is_one_error_line_and_nothing_is_attached() {
+    let tb = Testbed::new("selc", 0).unwrap();
+    let nine: Vec<String> = (1..=9).map(|i| format!("10.77.0.{i}:11211")).collect();
+    let nine = nine.join(",");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["run", "--iface", CLIENT_IFACE], "--group"),
+        (
+            vec!["run", "--iface", CLIENT_IFACE, "--group", "10.77.0.10"],
+            "address:port",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                "10.77.0.10:1,10.77.0.10:1",
+            ],
+            "twice",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                "10.77.0.10:1",
+                "--group",
+                "10.77.0.10:1",
+            ],
+            "group 1 and group 2",
+        ),
+        (
+            vec!["run", "--iface", CLIENT_IFACE, "--group", &nine],
+            "at most 8",
+        ),
+        (
+            vec!["run", "--iface", "nosuch0", "--group", GROUP],
+            "interface 'nosuch0' not found",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--threshold",
+                "0",
+            ],
+            "--threshold",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--proto",
+                "custom",
+            ],
+            "--req-id-offset",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--policy",
+                "fastest",
+            ],
+            "fastest",
+        ),
+    ];
+    for (args, expect) in cases {
+        let (code, stderr) = run_in(&tb, &args);
+        assert_ne!(code, 0, "{args:?} must fail");
+        assert_eq!(
+            stderr.trim_end().lines().count(),
+            1,
+            "{args:?}: one line, got:\n{stderr}"
+        );
+        assert!(stderr.starts_with("error"), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(expect),
+            "{args:?}: expected '{expect}' in: {stderr}"
+        );
+    }
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn failed_attach_detaches_what_it_attached() {
+    let tb = Testbed::new("self", 3).unwrap();
+    // Another selector holds the interface's XDP hook.
+    let settings = Settings {
+        iface: CLIENT_IFACE.into(),
+        groups: vec![tb.replica_endpoints()],
+        policy: Policy::Threshold,
+        threshold: 1,
+        descriptor: Descriptor::memcached(),
+        timeout: Duration::from_secs(1),
+        inflight_max: DEFAULT_INFLIGHT_MAX,
+        ingress: IngressMode::Xdp,
+    };
+    let first = tb
+        .client
+        .run(move || Selector::attach(&settings))
+        .unwrap()
+        .unwrap();
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
+    // The second attaches TC egress, then fails on XDP: it must undo the egress.
+    let (code, stderr) = run_in(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("attaching XDP"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+    assert_eq!(
+        tcx_programs(&tb, TcAttachType::Egress),
+        1,
+        "only the first selector's egress"
+    );
+    drop(first);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn sigterm_detaches_cleanly_and_prints_totals() {
+    let tb = Testbed::new("sels", 3).unwrap();
+    let mut child = tb
+        .client
+        .command(selector_bin().to_str().unwrap())
+        .args([
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--interval",
+            "100",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to eth0"), "{first}");
+    // The live table appears.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let line = lines.next().unwrap().unwrap();
+        if line.starts_with("backend") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no table printed");
+    }
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
+    assert!(has_xdp(&tb));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    assert!(
+        rest.iter().any(|l| l.contains("detaching from eth0")),
+        "{rest:?}"
+    );
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
+}
