@@ -106,6 +106,15 @@ fn main() -> Result<()> {
             require_root("running the selector")?;
             let mut c = cargo();
             if args.is_empty() {
+                // The demo runs the real agent binary: build it first.
+                run(cargo().args([
+                    "build",
+                    "--release",
+                    "--package",
+                    "selector-user",
+                    "--bin",
+                    "selector",
+                ]))?;
                 c.args([
                     "run",
                     "--release",

@@ -1,0 +1,139 @@
+//! `cargo xtask run` with no arguments: the selector on built-in defaults.
+//!
+//! Three memcached UDP replicas and a client in network namespaces; a load
+//! client sends gets to the primary; the primary stalls (SIGSTOP) for 25 ms
+//! every 500 ms; the real `selector` agent prints its live table, where reads
+//! leave the primary during each stall and return after it. Everything it
+//! creates is removed at the end, also on Ctrl-C.
+
+use std::{
+    path::PathBuf,
+    process::Child,
+    sync::atomic::{AtomicBool, Ordering},
+    thread,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::Parser;
+use selector_testbed::{LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
+
+#[derive(Parser)]
+#[command(about = "Demo: the selector steering reads around a stalling memcached replica")]
+struct Args {
+    /// How long the demo runs.
+    #[arg(long, default_value_t = 8.0)]
+    seconds: f64,
+    /// Reads per second from the client.
+    #[arg(long, default_value_t = 2000)]
+    rate: u32,
+    /// Primary stall length and period, in milliseconds.
+    #[arg(long, default_value_t = 25)]
+    stall_ms: u64,
+    #[arg(long, default_value_t = 500)]
+    stall_every_ms: u64,
+    /// Threshold passed to the agent.
+    #[arg(long, default_value_t = 4)]
+    threshold: u32,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+fn selector_binary() -> Result<PathBuf> {
+    let bin = std::env::current_exe()?.with_file_name("selector");
+    if !bin.exists() {
+        bail!(
+            "{} not found: build it with `cargo build --release -p selector-user`",
+            bin.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let selector = selector_binary()?;
+    println!("demo: creating namespaces (client, switch, 3 replicas) and starting memcached -U");
+    let mut tb = Testbed::new("demo", 3)?;
+    tb.start_memcached()?;
+    let replicas = tb.replica_endpoints();
+    preload(&tb.client, &replicas, 500)?;
+    let group = replicas
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    println!(
+        "demo: primary {} stalls {} ms every {} ms; client sends {} gets/s to it for {} s",
+        replicas[0], args.stall_ms, args.stall_every_ms, args.rate, args.seconds
+    );
+    println!("demo: watch away/s on the primary and to/s on the replicas during stalls\n");
+
+    let mut agent: Child = tb
+        .client
+        .command(selector.to_str().context("path")?)
+        .args(["run", "--iface", CLIENT_IFACE, "--group", &group])
+        .args([
+            "--threshold",
+            &args.threshold.to_string(),
+            "--interval",
+            "250",
+            "--timeout",
+            "500",
+        ])
+        .spawn()
+        .context("starting the agent")?;
+    thread::sleep(Duration::from_millis(700));
+    if let Some(status) = agent.try_wait()? {
+        bail!("the agent exited early: {status}");
+    }
+
+    let spec = LoadSpec {
+        target: replicas[0],
+        rate: args.rate,
+        duration: Duration::from_secs_f64(args.seconds),
+        keys: 500,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb.client.spawn(move || run_load(&spec))?;
+    let start = Instant::now();
+    let mut next_stall = start + Duration::from_millis(args.stall_every_ms);
+    while start.elapsed().as_secs_f64() < args.seconds && !INTERRUPTED.load(Ordering::Relaxed) {
+        if Instant::now() >= next_stall {
+            tb.replicas[0].stop();
+            thread::sleep(Duration::from_millis(args.stall_ms));
+            tb.replicas[0].resume();
+            next_stall += Duration::from_millis(args.stall_every_ms);
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    if !INTERRUPTED.load(Ordering::Relaxed) {
+        let report = load
+            .join()
+            .map_err(|_| anyhow::anyhow!("load panicked"))??;
+        let h = &report.latency_us;
+        println!(
+            "\ndemo: client saw {} of {} replies (wrong values: {}); latency p50 {} us, p99 {} us, p99.9 {} us, max {} us",
+            report.received,
+            report.sent,
+            report.wrong_values,
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max()
+        );
+    }
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    agent.wait()?;
+    drop(tb);
+    println!("demo: removed every namespace and process it created");
+    Ok(())
+}
