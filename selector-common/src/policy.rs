@@ -198,9 +198,10 @@ mod tests {
             active: 0b1111_1101,
             ..Default::default()
         };
-        let mut counters = GroupCounters::default();
-        counters.issued = [5, 6, 7, 0, 0, 0, 0, 0];
-        counters.completed = [1, 1, 1, 0, 0, 0, 0, 0];
+        let counters = GroupCounters {
+            issued: [5, 6, 7, 0, 0, 0, 0, 0],
+            completed: [1, 1, 1, 0, 0, 0, 0, 0],
+        };
         let mut expired = GroupExpired::default();
         expired.count[2] = 2;
         let load = GroupLoad::of(&group, &counters, &expired);

@@ -29,7 +29,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     }
     let dgram = packet::parse_ipv4_udp(ctx)?;
     let dst = Endpoint::ipv4(dgram.dst_addr, dgram.dst_port);
-    let primary = *unsafe { BACKENDS.get(&dst) }.ok_or(())?;
+    let primary = *unsafe { BACKENDS.get(dst) }.ok_or(())?;
     let (group, primary_pos) = split_backend_id(primary);
     let config = *CONFIG.get(0).ok_or(())?;
 
@@ -46,7 +46,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     };
 
     // A retransmit follows the first copy and is not counted again.
-    if let Some(first) = unsafe { INFLIGHT.get(&key) } {
+    if let Some(first) = unsafe { INFLIGHT.get(key) } {
         let chosen = first.chosen;
         if chosen != primary {
             return steer(ctx, chosen);
@@ -65,10 +65,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         chosen,
         sent_ns: unsafe { bpf_ktime_get_ns() },
     };
-    if INFLIGHT
-        .insert(&key, &entry, u64::from(BPF_NOEXIST))
-        .is_err()
-    {
+    if INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST)).is_err() {
         // Table full (or a racing copy won): never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
         debug!(

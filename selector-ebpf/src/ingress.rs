@@ -14,7 +14,7 @@ use crate::{
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     let dgram = packet::parse_ipv4_udp(ctx)?;
     let src = Endpoint::ipv4(dgram.src_addr, dgram.src_port);
-    let backend = *unsafe { BACKENDS.get(&src) }.ok_or(())?;
+    let backend = *unsafe { BACKENDS.get(src) }.ok_or(())?;
     let (group, _) = split_backend_id(backend);
     let config = CONFIG.get(0).ok_or(())?;
     let request_id = config
@@ -28,7 +28,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
         group,
         request_id,
     };
-    let Some(entry) = (unsafe { INFLIGHT.get(&key) }).copied() else {
+    let Some(entry) = (unsafe { INFLIGHT.get(key) }).copied() else {
         accounting::count(backend, |s| &mut s.unmatched_responses);
         return Ok(());
     };
@@ -39,7 +39,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     }
     // The response path and the agent's expiry sweep race to delete; only
     // the side whose delete succeeds subtracts.
-    if INFLIGHT.remove(&key).is_ok() {
+    if INFLIGHT.remove(key).is_ok() {
         accounting::add_completed(backend);
         accounting::count(backend, |s| &mut s.responses);
         let now = unsafe { bpf_ktime_get_ns() };
