@@ -116,8 +116,10 @@ pub fn parse_get_response(body: &[u8]) -> Option<&[u8]> {
     let header_end = body.windows(2).position(|w| w == b"\r\n")?;
     let header = std::str::from_utf8(&body[..header_end]).ok()?;
     let len: usize = header.split_whitespace().nth(3)?.parse().ok()?;
-    let data = body.get(header_end + 2..header_end + 2 + len)?;
-    Some(data)
+    let start = header_end + 2;
+    let data = body.get(start..start + len)?;
+    // The data block must be followed by its CRLF and the END line.
+    (body.get(start + len..)? == b"\r\nEND\r\n").then_some(data)
 }
 
 /// A memcached UDP client on a connected socket, as an application would
@@ -333,6 +335,8 @@ mod tests {
         );
         assert_eq!(parse_get_response(b"END\r\n"), None);
         assert_eq!(parse_get_response(b"VALUE k 0 9\r\nabc\r\nEND\r\n"), None);
+        assert_eq!(parse_get_response(b"VALUE k 0 2\r\nabc\r\nEND\r\n"), None);
+        assert_eq!(parse_get_response(b"VALUE k 0 3\r\nabc\r\n"), None);
     }
 
     #[test]
