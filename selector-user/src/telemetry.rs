@@ -158,7 +158,7 @@ mod tests {
         assert_eq!(cols[3], "1000"); // (2100-100)/2 s
         assert_eq!(cols[4], "500");
         assert_eq!(cols[6], "2"); // timeouts
-        assert_eq!(cols[7], "125us"); // bucket edge above 100 µs
+        assert_eq!(cols[7], "112us"); // upper edge of 100 µs bucket [96, 112)
         assert!(cols[8].ends_with("ms"), "{row}");
         assert!(table.contains("in flight 7"));
     }

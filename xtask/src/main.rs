@@ -143,7 +143,7 @@ fn main() -> Result<()> {
             if !no_lint {
                 lint()?;
             }
-            run(cargo().args(["test", "--", "--test-threads=2"]))
+            run_tests()
         }
         Task::Bench { args } => {
             setup::setup()?;
@@ -162,6 +162,42 @@ fn main() -> Result<()> {
             run(&mut c)
         }
     }
+}
+
+/// `cargo test` on the default members, echoing its output, then one
+/// closing line with the totals over every test binary.
+fn run_tests() -> Result<()> {
+    use std::io::{BufRead as _, BufReader};
+    let mut c = cargo();
+    c.args(["test", "--", "--test-threads=2"]);
+    eprintln!("+ {}", describe(&c));
+    let mut child = c.stdout(std::process::Stdio::piped()).spawn()?;
+    let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
+    for line in BufReader::new(child.stdout.take().expect("piped")).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            for part in rest.split(';') {
+                let mut words = part.split_whitespace().rev();
+                let (Some(what), Some(n)) = (words.next(), words.next()) else {
+                    continue;
+                };
+                let n: u64 = n.parse().unwrap_or(0);
+                match what {
+                    "passed" => passed += n,
+                    "failed" => failed += n,
+                    "ignored" => ignored += n,
+                    _ => {}
+                }
+            }
+        }
+    }
+    let status = child.wait()?;
+    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    Ok(())
 }
 
 /// fmt and clippy, for the host crates and for the kernel crate on its target.
