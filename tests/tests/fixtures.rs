@@ -33,19 +33,23 @@ const SET: &[u8] = b"\x12\x35\x00\x00\x00\x01\x00\x00set foo 0 0 1\r\nx\r\n";
 const VALUE: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00VALUE foo 0 3\r\nbar\r\nEND\r\n";
 
 fn selector() -> Selector {
+    selector_for(Descriptor::memcached(), replica)
+}
+
+fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Selector {
     let settings = Settings {
         iface: "lo".into(),
         groups: vec![
             (0..3)
                 .map(|i| {
-                    let (a, p) = replica(i);
+                    let (a, p) = member(i);
                     std::net::SocketAddrV4::new(a.into(), p)
                 })
                 .collect(),
         ],
         policy: Policy::Threshold,
         threshold: 1,
-        descriptor: Descriptor::memcached(),
+        descriptor,
         timeout: Duration::from_secs(1),
         inflight_max: 1024,
         ingress: IngressMode::Xdp,
@@ -471,4 +475,32 @@ fn sweep_expires_only_old_entries_and_settles_pending() {
         .map(|s| s.unmatched_responses)
         .sum();
     assert_eq!(unmatched, 1);
+}
+
+fn dns_server(i: usize) -> ([u8; 4], u16) {
+    (replica(i).0, 53)
+}
+
+#[test]
+fn dns_queries_are_redirected_and_answers_rewritten_back() {
+    let mut sel = selector_for(Descriptor::dns(), dns_server);
+    set_issued(&mut sel, 0, 3);
+    // A query for example.org A, id 0xbeef.
+    let query: &[u8] =
+        b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01";
+    let input = udp((CLIENT, CLIENT_PORT), dns_server(0), query);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_only_changed(&input, &out, &[IP_CHECK, IP_DST, UDP_CHECK]);
+    assert_eq!(verified_endpoints(&out).1, dns_server(1));
+    assert_eq!(sel.inflight().unwrap()[0].0.request_id, 0xbeef);
+
+    let mut answer = query.to_vec();
+    answer[2] = 0x81; // QR: a response
+    let reply = udp(dns_server(1), (CLIENT, CLIENT_PORT), &answer);
+    let (verdict, out) = run_xdp(&mut sel, &reply);
+    assert_eq!(verdict, XDP_PASS);
+    assert_only_changed(&reply, &out, &[IP_CHECK, IP_SRC, UDP_CHECK]);
+    assert_eq!(verified_endpoints(&out).0, dns_server(0));
+    assert_eq!(sel.pending().unwrap(), vec![3, 0, 0]);
 }
