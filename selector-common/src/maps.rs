@@ -133,6 +133,18 @@ pub struct InflightKey {
     pub request_id: u64,
 }
 
+impl InflightKey {
+    pub fn ipv4(client: [u8; 4], client_port: u16, group: u32, request_id: u64) -> Self {
+        Self {
+            client_addr: Endpoint::ipv4(client, 0).addr,
+            client_port,
+            _pad: 0,
+            group,
+            request_id,
+        }
+    }
+}
+
 /// Where an outstanding request was meant to go, where it went, and when.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -37,13 +37,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         accounting::count(primary, |s| &mut s.untracked);
         return Ok(TC_CONTINUE);
     };
-    let key = InflightKey {
-        client_addr: Endpoint::ipv4(dgram.src_addr, 0).addr,
-        client_port: dgram.src_port,
-        _pad: 0,
-        group,
-        request_id,
-    };
+    let key = InflightKey::ipv4(dgram.src_addr, dgram.src_port, group, request_id);
 
     // A retransmit follows the first copy and is not counted again.
     if let Some(first) = unsafe { INFLIGHT.get(key) } {

@@ -21,13 +21,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
         .descriptor
         .request_id(|i| dgram.payload_byte(ctx, i))
         .ok_or(())?;
-    let key = InflightKey {
-        client_addr: Endpoint::ipv4(dgram.dst_addr, 0).addr,
-        client_port: dgram.dst_port,
-        _pad: 0,
-        group,
-        request_id,
-    };
+    // The reply is addressed to the client that asked.
+    let key = InflightKey::ipv4(dgram.dst_addr, dgram.dst_port, group, request_id);
     let Some(entry) = (unsafe { INFLIGHT.get(key) }).copied() else {
         accounting::count(backend, |s| &mut s.unmatched_responses);
         return Ok(());

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use aya::{
     maps::{Array, HashMap, PerCpuArray},
-    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
+    programs::{SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
 };
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
 use selector_common::{
@@ -75,13 +75,11 @@ fn response_from(i: usize) -> Vec<u8> {
     udp(replica(i), (CLIENT, CLIENT_PORT), VALUE)
 }
 
-fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
-    let prog: &mut SchedClassifier = sel
-        .ebpf_mut()
-        .program_mut(name)
-        .unwrap()
-        .try_into()
-        .unwrap();
+/// Runs `prog` once on `input`: (verdict, output packet).
+fn run_once<P>(prog: &P, input: &[u8]) -> (u32, Vec<u8>)
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+{
     let mut out = vec![0u8; input.len() + 256];
     let r = prog
         .test_run(TestRunOptions {
@@ -94,23 +92,20 @@ fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
     (r.return_value, out)
 }
 
-fn run_xdp(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
-    let prog: &mut Xdp = sel
+fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
+    let prog: &mut SchedClassifier = sel
         .ebpf_mut()
-        .program_mut(programs::INGRESS_XDP)
+        .program_mut(name)
         .unwrap()
         .try_into()
         .unwrap();
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            ..Default::default()
-        })
-        .unwrap();
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
+    run_once(prog, input)
+}
+
+fn run_xdp(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
+    let prog = sel.ebpf_mut().program_mut(programs::INGRESS_XDP).unwrap();
+    let prog: &mut Xdp = prog.try_into().unwrap();
+    run_once(prog, input)
 }
 
 fn egress(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
@@ -136,13 +131,7 @@ fn stats(sel: &Selector) -> Vec<BackendStats> {
 }
 
 fn key(id: u64) -> InflightKey {
-    InflightKey {
-        client_addr: selector_common::Endpoint::ipv4(CLIENT, 0).addr,
-        client_port: CLIENT_PORT,
-        _pad: 0,
-        group: 0,
-        request_id: id,
-    }
+    InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, id)
 }
 
 fn insert_inflight(sel: &mut Selector, id: u64, primary: u32, chosen: u32) {
