@@ -113,13 +113,16 @@ pub struct GroupExpired {
     pub count: [u64; MAX_GROUP_MEMBERS],
 }
 
-/// Pending requests of member `position`.
+/// Pending requests of member `position`. The three counters are read
+/// while other CPUs update them, so a reader can see a completion whose issue
+/// it missed; the difference saturates at zero instead of wrapping to a
+/// huge count for that one decision. The counters themselves stay exact.
 #[inline(always)]
 pub fn pending(counters: &GroupCounters, expired: &GroupExpired, position: usize) -> u64 {
     let p = position % MAX_GROUP_MEMBERS;
     counters.issued[p]
-        .wrapping_sub(counters.completed[p])
-        .wrapping_sub(expired.count[p])
+        .saturating_sub(counters.completed[p])
+        .saturating_sub(expired.count[p])
 }
 
 /// Identifies one outstanding request: who asked, which group, which id.
@@ -244,6 +247,9 @@ mod tests {
         e.count[2] = 3;
         assert_eq!(pending(&c, &e, 2), 1);
         e.count[2] = 4;
+        assert_eq!(pending(&c, &e, 2), 0);
+        // A torn read (a completion seen before its issue) is not u64::MAX.
+        e.count[2] = 5;
         assert_eq!(pending(&c, &e, 2), 0);
         assert_eq!(pending(&c, &e, 1), 0);
     }
