@@ -134,6 +134,19 @@ impl MemcachedClient {
     pub fn connect(addr: SocketAddrV4) -> Result<Self> {
         let socket = UdpSocket::bind("0.0.0.0:0")?;
         socket.connect(addr)?;
+        // A large receive buffer, so a busy CI machine that briefly starves
+        // the receiving thread does not drop replies and fail a test.
+        let size: libc::c_int = 8 << 20;
+        // SAFETY: valid socket and option value; as root, FORCE lifts rmem_max.
+        unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(&socket),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUFFORCE,
+                &size as *const libc::c_int as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
         Ok(Self {
             socket,
             next_id: std::cell::Cell::new(1),
