@@ -7,7 +7,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
 
 use crate::{
-    Selector, neighbours,
+    Selector,
+    control::{self, Request},
+    neighbours,
     settings::{IngressMode, Settings, parse_group},
     sys, telemetry,
 };
@@ -33,6 +35,85 @@ pub struct Cli {
 pub enum Command {
     /// Attach to an interface and steer until interrupted (or --duration).
     Run(RunArgs),
+    /// Change the policy or threshold of the agent running on an interface.
+    Set(SetArgs),
+    /// Stop choosing a backend (its pending requests still complete).
+    Drain(BackendArgs),
+    /// Let a drained backend be chosen again.
+    Undrain(BackendArgs),
+    /// Print the running agent's settings, totals and pending counts.
+    Status(IfaceArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct IfaceArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
+}
+
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    #[arg(long)]
+    pub iface: String,
+    #[arg(long, value_enum)]
+    pub policy: Option<PolicyArg>,
+    #[arg(long)]
+    pub threshold: Option<u32>,
+}
+
+#[derive(Debug, Args)]
+pub struct BackendArgs {
+    #[arg(long)]
+    pub iface: String,
+    /// The backend, as given to --group.
+    pub backend: SocketAddrV4,
+}
+
+impl From<PolicyArg> for Policy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Threshold => Policy::Threshold,
+            PolicyArg::Absolute => Policy::Absolute,
+            PolicyArg::Observe => Policy::Observe,
+        }
+    }
+}
+
+/// Runs a control command against the agent on its interface.
+pub fn control(command: Command) -> Result<()> {
+    let (iface, request) = match command {
+        Command::Run(_) => bail!("not a control command"),
+        Command::Status(a) => (a.iface, Request::Status),
+        Command::Set(a) => {
+            if a.policy.is_none() && a.threshold.is_none() {
+                bail!("set needs --policy and/or --threshold");
+            }
+            (
+                a.iface,
+                Request::Set {
+                    policy: a.policy.map(Policy::from),
+                    threshold: a.threshold,
+                },
+            )
+        }
+        Command::Drain(a) => (
+            a.iface,
+            Request::Drain {
+                backend: a.backend,
+                drained: true,
+            },
+        ),
+        Command::Undrain(a) => (
+            a.iface,
+            Request::Drain {
+                backend: a.backend,
+                drained: false,
+            },
+        ),
+    };
+    print!("{}", control::send(&iface, &request)?);
+    Ok(())
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -152,11 +233,7 @@ impl RunArgs {
         let settings = Settings {
             iface: self.iface.clone(),
             groups: self.groups.iter().map(|g| g.0.clone()).collect(),
-            policy: match self.policy {
-                PolicyArg::Threshold => Policy::Threshold,
-                PolicyArg::Absolute => Policy::Absolute,
-                PolicyArg::Observe => Policy::Observe,
-            },
+            policy: self.policy.into(),
             threshold: self.threshold,
             descriptor,
             timeout: Duration::from_millis(self.timeout),
@@ -171,6 +248,31 @@ impl RunArgs {
     }
 }
 
+/// Answers one control request; a failing request gets an error reply and
+/// leaves the agent running.
+async fn serve_control(stream: tokio::net::UnixStream, selector: &mut Selector) {
+    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = BufReader::new(read);
+    let read_line = reader.read_line(&mut line);
+    let reply = match tokio::time::timeout(Duration::from_secs(1), read_line).await {
+        Ok(Ok(_)) => Request::decode(&line).and_then(|r| control::apply(selector, &r)),
+        _ => Err(anyhow::anyhow!("no request received")),
+    };
+    let text = match reply {
+        Ok(text) => {
+            if !line.starts_with("status") {
+                print!("selector: control: {}", text);
+            }
+            text
+        }
+        Err(e) => format!("error: {e:#}\n"),
+    };
+    let _ = write.write_all(text.as_bytes()).await;
+    let _ = write.shutdown().await;
+}
+
 /// How often the neighbour entries of the backends are refreshed.
 const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
 
@@ -179,6 +281,18 @@ pub async fn run(args: RunArgs) -> Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
 
     let settings = args.settings()?;
+    // Claiming the control socket first also refuses a second agent on the
+    // same interface before it attaches anything.
+    let listener = std::os::unix::net::UnixListener::bind_addr(&control::address(&settings.iface)?)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::AddrInUse => anyhow::anyhow!(
+                "a selector is already running on {} in this network namespace",
+                settings.iface
+            ),
+            _ => e.into(),
+        })?;
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::UnixListener::from_std(listener)?;
     let mut selector = Selector::attach(&settings)?;
     let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
     let unresolved = neighbours::warm_up(&addrs, Duration::from_millis(500));
@@ -235,6 +349,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
                 selector.flush_kernel_logs();
             }
             _ = refresh_tick.tick() => neighbours::probe(&addrs),
+            accepted = listener.accept() => {
+                if let Ok((stream, _)) = accepted {
+                    serve_control(stream, &mut selector).await;
+                }
+            }
             _ = print_tick.tick() => {
                 let now = selector.snapshot()?;
                 if !args.quiet {
@@ -260,7 +379,9 @@ mod tests {
         let mut argv = vec!["selector", "run"];
         argv.extend_from_slice(args);
         let cli = Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let Command::Run(run) = cli.command;
+        let Command::Run(run) = cli.command else {
+            anyhow::bail!("not a run command");
+        };
         run.settings()
     }
 

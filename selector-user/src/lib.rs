@@ -2,6 +2,7 @@
 //! tests and the demo/benchmark drive the same code.
 
 pub mod cli;
+pub mod control;
 pub mod loader;
 pub mod neighbours;
 pub mod settings;

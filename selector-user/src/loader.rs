@@ -33,6 +33,8 @@ pub struct Selector {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     pub settings: Settings,
     pub backends: Vec<BackendPlan>,
+    /// Backends drained at run time.
+    pub drained: std::collections::BTreeSet<SocketAddrV4>,
     /// The agent's own expired counts by backend id (it is the only
     /// writer of EXPIRED).
     pub(crate) expired: Vec<u64>,
@@ -82,6 +84,7 @@ impl Selector {
             logger,
             settings: settings.clone(),
             expired: vec![0; MAX_BACKENDS as usize],
+            drained: Default::default(),
             backends,
         };
         selector.write_tables()?;

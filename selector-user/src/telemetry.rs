@@ -90,14 +90,14 @@ pub fn render_summary(backends: &[BackendPlan], now: &Snapshot) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
-        "backend", "requests", "responses", "away", "to", "timeouts", "p50", "p99"
+        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
+        "backend", "requests", "responses", "away", "to", "timeouts", "p50", "p99", "pending"
     );
     for (i, b) in backends.iter().enumerate() {
         let s = &now.stats[i];
         let _ = writeln!(
             out,
-            "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
+            "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
             b.addr.to_string(),
             s.requests,
             s.responses,
@@ -106,6 +106,7 @@ pub fn render_summary(backends: &[BackendPlan], now: &Snapshot) -> String {
             now.expired[i],
             format_ns(latency::quantile_ns(&now.latency[i], 0.5)),
             format_ns(latency::quantile_ns(&now.latency[i], 0.99)),
+            now.pending[i],
         );
     }
     out

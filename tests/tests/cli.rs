@@ -236,3 +236,145 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
 }
+
+/// Columns of one backend's row in `selector status`.
+fn status_row(tb: &Testbed, backend: &str) -> Vec<u64> {
+    let (code, out) = run_ctl(tb, &["status", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(backend))
+        .unwrap_or_else(|| panic!("no row for {backend} in:\n{out}"));
+    // backend requests responses away to timeouts p50 p99
+    line.split_whitespace()
+        .skip(1)
+        .take(5)
+        .map(|v| v.parse().unwrap())
+        .collect()
+}
+
+/// Runs a control command; (exit code, stdout + stderr).
+fn run_ctl(tb: &Testbed, args: &[&str]) -> (i32, String) {
+    let out = tb
+        .client
+        .command(selector_bin().to_str().unwrap())
+        .args(args)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn stalled_load(tb: &Testbed) {
+    let spec = selector_testbed::LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(600),
+        keys: 100,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb
+        .client
+        .spawn(move || selector_testbed::run_load(&spec))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(250));
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(50));
+    tb.replicas[0].resume();
+    let report = load.join().unwrap().unwrap();
+    assert_eq!(report.lost(), 0);
+}
+
+#[test]
+fn running_agent_takes_policy_threshold_and_drain_changes() {
+    let mut tb = Testbed::new("selr", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let mut agent = tb
+        .client
+        .command(selector_bin().to_str().unwrap())
+        .args([
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--policy",
+            "observe",
+        ])
+        .args(["--threshold", "2", "--quiet"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(agent.stdout.take().unwrap()).lines();
+    assert!(
+        lines
+            .next()
+            .unwrap()
+            .unwrap()
+            .starts_with("selector: attached")
+    );
+
+    // A second agent on the same interface is refused before it attaches.
+    let (code, err) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
+    assert_ne!(code, 0);
+    assert!(err.contains("already running on eth0"), "{err}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
+
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("policy observe threshold 2"), "{out}");
+
+    let (primary, first, second) = ("10.77.0.10:11211", "10.77.0.11:11211", "10.77.0.12:11211");
+    stalled_load(&tb);
+    assert_eq!(status_row(&tb, primary)[2], 0, "observe never redirects");
+
+    let (code, out) = run_ctl(
+        &tb,
+        &["set", "--iface", CLIENT_IFACE, "--policy", "threshold"],
+    );
+    assert_eq!((code, out.trim()), (0, "policy threshold threshold 2"));
+    stalled_load(&tb);
+    let away = status_row(&tb, primary)[2];
+    assert!(away > 0, "threshold policy set at run time must redirect");
+    let (to_first, to_second) = (status_row(&tb, first)[3], status_row(&tb, second)[3]);
+    assert_eq!(to_first + to_second, away);
+    assert!(to_first > 0, "the first least-loaded replica takes reads");
+
+    let (code, out) = run_ctl(&tb, &["drain", "--iface", CLIENT_IFACE, first]);
+    assert_eq!((code, out.trim()), (0, "10.77.0.11:11211 drained"));
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert!(
+        code == 0 && out.contains("drained: 10.77.0.11:11211"),
+        "{out}"
+    );
+    stalled_load(&tb);
+    assert_eq!(
+        status_row(&tb, first)[3],
+        to_first,
+        "a drained replica gets nothing new"
+    );
+    assert!(
+        status_row(&tb, second)[3] > to_second,
+        "the other replica takes the reads"
+    );
+
+    let (code, err) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE, "--threshold", "0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("threshold must be at least 1"), "{err}");
+    let (code, err) = run_ctl(&tb, &["drain", "--iface", CLIENT_IFACE, "10.77.0.99:1"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("not a configured backend"), "{err}");
+    let (code, err) = run_ctl(&tb, &["status", "--iface", "nosuch0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("no selector is running on nosuch0"), "{err}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    tb.replicas.clear();
+}
