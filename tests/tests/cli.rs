@@ -36,19 +36,6 @@ fn selector_bin() -> PathBuf {
 
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
-fn run_in(tb: &Testbed, args: &[&str]) -> (i32, String) {
-    let out = tb
-        .client
-        .command(selector_bin().to_str().unwrap())
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 fn tcx_programs(tb: &Testbed, attach: TcAttachType) -> usize {
     tb.client
         .run(move || SchedClassifier::query_tcx(CLIENT_IFACE, attach).map(|(_, p)| p.len()))
@@ -140,7 +127,7 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
         ),
     ];
     for (args, expect) in cases {
-        let (code, stderr) = run_in(&tb, &args);
+        let (code, stderr) = run_ctl(&tb, &args);
         assert_ne!(code, 0, "{args:?} must fail");
         assert_eq!(
             stderr.trim_end().lines().count(),
@@ -178,7 +165,7 @@ fn failed_attach_detaches_what_it_attached() {
         .unwrap();
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
     // The second attaches TC egress, then fails on XDP: it must undo the egress.
-    let (code, stderr) = run_in(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
+    let (code, stderr) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
     assert_ne!(code, 0);
     assert!(stderr.contains("attaching XDP"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
@@ -195,25 +182,7 @@ fn failed_attach_detaches_what_it_attached() {
 #[test]
 fn sigterm_detaches_cleanly_and_prints_totals() {
     let tb = Testbed::new("sels", 3).unwrap();
-    let mut child = tb
-        .client
-        .command(selector_bin().to_str().unwrap())
-        .args([
-            "run",
-            "--iface",
-            CLIENT_IFACE,
-            "--group",
-            GROUP,
-            "--interval",
-            "100",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    assert!(first.starts_with("selector: attached to eth0"), "{first}");
+    let (mut child, mut lines) = spawn_agent(&tb, &["--interval", "100"]);
     // The live table appears.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -235,6 +204,30 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
     );
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+/// Starts `selector run` with the standard group and `extra` flags, and
+/// waits for its "attached" line.
+fn spawn_agent(
+    tb: &Testbed,
+    extra: &[&str],
+) -> (
+    std::process::Child,
+    std::io::Lines<BufReader<std::process::ChildStdout>>,
+) {
+    let mut child = tb
+        .client
+        .command(selector_bin().to_str().unwrap())
+        .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to eth0"), "{first}");
+    (child, lines)
 }
 
 /// Columns of one backend's row in `selector status`.
@@ -294,31 +287,8 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     let mut tb = Testbed::new("selr", 3).unwrap();
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let mut agent = tb
-        .client
-        .command(selector_bin().to_str().unwrap())
-        .args([
-            "run",
-            "--iface",
-            CLIENT_IFACE,
-            "--group",
-            GROUP,
-            "--policy",
-            "observe",
-        ])
-        .args(["--threshold", "2", "--quiet"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(agent.stdout.take().unwrap()).lines();
-    assert!(
-        lines
-            .next()
-            .unwrap()
-            .unwrap()
-            .starts_with("selector: attached")
-    );
+    let (mut agent, _lines) =
+        spawn_agent(&tb, &["--policy", "observe", "--threshold", "2", "--quiet"]);
 
     // A second agent on the same interface is refused before it attaches.
     let (code, err) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
