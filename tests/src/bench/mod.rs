@@ -1,0 +1,17 @@
+//! The replica-stall benchmark behind `cargo xtask bench`: the BookKeeper
+//! experiment (three replicas, short stalls of the primary, client read
+//! latency) with the selector and the alternatives users would pick
+//! instead, side by side in one run, plus the kernel programs' per-packet
+//! cost. See BENCHMARKS.md for a recorded run.
+
+pub mod client;
+pub mod nginx;
+pub mod packet_cost;
+pub mod plots;
+pub mod report;
+pub mod rows;
+pub mod scenario;
+
+pub use report::Report;
+pub use rows::Row;
+pub use scenario::{Options, run, stop_on_signals};

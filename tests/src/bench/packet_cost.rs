@@ -1,0 +1,378 @@
+//! Per-packet cost through BPF_PROG_TEST_RUN: the kernel runs a program on
+//! a packet and reports the time per run it measured itself.
+//!
+//! A large repeat count runs the *same* packet against the *same* maps
+//! again and again, so only the first run of a stateful path is the path:
+//! a tracked request becomes a retransmit of an in-flight request from the
+//! second run on, a response finds its entry deleted, and a redirected
+//! request, rewritten in place, is addressed to the replica. So:
+//! - stateless paths (a packet for no backend, a retransmit, a response
+//!   that matches nothing) and the empty programs run with a large repeat;
+//! - the stateful paths (a new tracked request, a redirected one, the
+//!   response that completes it) run once per packet, each with its own
+//!   request id, many times, against the empty programs measured the same
+//!   way; each request is completed by its response, so the in-flight
+//!   table stays at the size under test.
+//!
+//! Everything is measured with the in-flight table holding a small and a
+//! large number of other entries (1 thousand and 1 million by default), in
+//! one map sized for the large case.
+
+use std::{net::SocketAddrV4, time::Duration};
+
+use anyhow::{Context as _, Result, bail, ensure};
+use aya::{
+    maps::{Array, HashMap},
+    programs::{
+        Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
+    },
+};
+use etherparse::PacketBuilder;
+use selector_common::{
+    Descriptor, Endpoint, GroupCounters, InflightEntry, InflightKey, Policy, names, programs,
+};
+use selector_user::{IngressMode, Selector, Settings, sys};
+
+use crate::{memcached::frame, netns::Namespace};
+
+const TC_ACT_PIPE: u32 = 3;
+const TC_ACT_REDIRECT: u32 = 7;
+const XDP_PASS: u32 = 2;
+const CLIENT: [u8; 4] = [10, 77, 0, 1];
+const PORT: u16 = 11211;
+const GET: &[u8] = b"get key:000001\r\n";
+const VALUE: &[u8] = b"VALUE key:000001 0 8\r\nvaluexyz\r\nEND\r\n";
+
+fn replica(i: usize) -> [u8; 4] {
+    [10, 77, 0, 10 + i as u8]
+}
+
+/// How much to measure.
+#[derive(Clone, Debug)]
+pub struct CostOptions {
+    /// Repeat count of the stateless measurements.
+    pub repeat: u32,
+    /// Packets (each its own request) of the stateful measurements.
+    pub fresh: u32,
+    /// The two in-flight table sizes compared.
+    pub inflight_small: u32,
+    pub inflight_large: u32,
+}
+
+/// How a row was measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// One packet, `repeat` runs, kernel time / repeat.
+    Repeat,
+    /// `fresh` packets, one run each, mean kernel time.
+    PerPacket,
+}
+
+/// One measured case at both table sizes, with its empty baseline.
+#[derive(Clone, Debug)]
+pub struct CostRow {
+    pub program: &'static str,
+    pub case: &'static str,
+    pub method: Method,
+    /// Part of the targets (the others are context).
+    pub target: bool,
+    /// ns per packet with the small and the large table.
+    pub small_ns: f64,
+    pub large_ns: f64,
+    /// The empty program of the same kind, measured the same way.
+    pub empty_small_ns: f64,
+    pub empty_large_ns: f64,
+}
+
+impl CostRow {
+    /// Cost over the empty program, at the larger of the two ratios.
+    pub fn over_empty(&self) -> f64 {
+        (self.small_ns / self.empty_small_ns).max(self.large_ns / self.empty_large_ns)
+    }
+
+    pub fn large_over_small(&self) -> f64 {
+        self.large_ns / self.small_ns
+    }
+}
+
+/// Measures inside `ns` (nothing is sent: test runs never reach a device,
+/// but the programs see that namespace's loopback as their device).
+pub fn measure(ns: &Namespace, opts: &CostOptions) -> Result<Vec<CostRow>> {
+    let opts = opts.clone();
+    ns.run(move || measure_here(&opts))?
+}
+
+struct Lab {
+    sel: Selector,
+    /// Prefilled entries so far.
+    filled: u32,
+}
+
+/// (ns per packet, verdict of the first run).
+type Timing = (f64, u32);
+
+impl Lab {
+    /// Runs program `name` (of kind `P`) on `data`, `repeat` times.
+    fn run<P>(&mut self, name: &str, data: &[u8], repeat: u32) -> Result<Timing>
+    where
+        for<'p> &'p mut P: TryFrom<&'p mut Program, Error = ProgramError>,
+        P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+    {
+        let p: &mut P = program(&mut self.sel, name)?;
+        let r = p.test_run(TestRunOptions {
+            data_in: Some(data),
+            repeat,
+            ..Default::default()
+        })?;
+        Ok((duration_ns(r.duration), r.return_value))
+    }
+
+    fn tc(&mut self, name: &str, data: &[u8], repeat: u32) -> Result<Timing> {
+        self.run::<SchedClassifier>(name, data, repeat)
+    }
+
+    fn xdp(&mut self, name: &str, data: &[u8], repeat: u32) -> Result<Timing> {
+        self.run::<Xdp>(name, data, repeat)
+    }
+
+    /// Adds other clients' requests until the table holds `target`.
+    fn fill_to(&mut self, target: u32) -> Result<()> {
+        let now = sys::monotonic_ns();
+        let mut table: HashMap<_, InflightKey, InflightEntry> = HashMap::try_from(
+            self.sel
+                .ebpf_mut()
+                .map_mut(names::INFLIGHT)
+                .context("map")?,
+        )?;
+        for i in self.filled..target {
+            // Clients 10.78.x.y, 64 ports each, 16k ids per port.
+            let key = InflightKey {
+                client_addr: Endpoint::ipv4([10, 78, (i >> 22) as u8, (i >> 14) as u8], 0).addr,
+                client_port: 30_000 + ((i >> 14) & 0x3f) as u16,
+                _pad: 0,
+                group: 0,
+                request_id: u64::from(i & 0x3fff),
+            };
+            let entry = InflightEntry {
+                primary: 0,
+                chosen: 0,
+                sent_ns: now,
+            };
+            table.insert(key, entry, 0)?;
+        }
+        self.filled = target;
+        Ok(())
+    }
+
+    fn add_primary_issued(&mut self, delta: i64) -> Result<()> {
+        let mut m: Array<_, GroupCounters> =
+            Array::try_from(self.sel.ebpf_mut().map_mut(names::PENDING).context("map")?)?;
+        let mut c = m.get(&0, 0)?;
+        c.issued[0] = c.issued[0].wrapping_add_signed(delta);
+        m.set(0, c, 0)?;
+        Ok(())
+    }
+
+    /// Requests (one per packet) through the egress program, each completed
+    /// by its response through the ingress program: (egress ns, ingress ns).
+    fn requests_and_responses(&mut self, n: u32, served_by: usize) -> Result<(f64, f64)> {
+        let (mut egress, mut ingress) = (0.0, 0.0);
+        let want = if served_by == 0 {
+            TC_ACT_PIPE
+        } else {
+            TC_ACT_REDIRECT
+        };
+        for i in 0..n {
+            let (port, id) = fresh_request(i);
+            let (t, verdict) = self.tc(programs::EGRESS, &request(port, id, replica(0)), 1)?;
+            ensure!(
+                verdict == want,
+                "egress verdict {verdict}, expected {want}: not the path under test"
+            );
+            egress += t;
+            let (t, _) = self.xdp(programs::INGRESS_XDP, &response(port, id, served_by), 1)?;
+            ingress += t;
+        }
+        Ok((egress / f64::from(n), ingress / f64::from(n)))
+    }
+
+    fn responses(&self) -> Result<u64> {
+        Ok(self.sel.stats()?.iter().map(|s| s.responses).sum())
+    }
+}
+
+/// Program `name` of the loaded object, as kind `P`.
+fn program<'s, P>(sel: &'s mut Selector, name: &str) -> Result<&'s mut P>
+where
+    for<'p> &'p mut P: TryFrom<&'p mut Program, Error = ProgramError>,
+{
+    let p = sel
+        .ebpf_mut()
+        .program_mut(name)
+        .with_context(|| format!("{name} missing from the object"))?;
+    Ok(p.try_into()?)
+}
+
+/// The request of stateful packet `i`: its own (client port, request id).
+fn fresh_request(i: u32) -> (u16, u16) {
+    (40_000 + (i >> 16) as u16, (i & 0xffff) as u16)
+}
+
+fn duration_ns(d: Duration) -> f64 {
+    d.as_nanos() as f64
+}
+
+fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    PacketBuilder::ethernet2([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 0x10])
+        .ipv4(src.0, dst.0, 64)
+        .udp(src.1, dst.1)
+        .write(&mut out, payload)
+        .expect("a valid packet");
+    out
+}
+
+fn request(port: u16, id: u16, to: [u8; 4]) -> Vec<u8> {
+    udp((CLIENT, port), (to, PORT), &frame(id, GET))
+}
+
+fn response(port: u16, id: u16, from: usize) -> Vec<u8> {
+    udp((replica(from), PORT), (CLIENT, port), &frame(id, VALUE))
+}
+
+/// Every measurement at one table size, in row order.
+struct Sizes {
+    ns: Vec<f64>,
+    empty: Vec<f64>,
+}
+
+fn measure_size(lab: &mut Lab, o: &CostOptions) -> Result<Sizes> {
+    let r = o.repeat;
+    let req = request(50_000, 7, replica(0));
+    let resp = response(50_000, 7, 0);
+    let (empty_tc, _) = lab.tc(programs::BASELINE_TC, &req, r)?;
+    let (empty_xdp, _) = lab.xdp(programs::BASELINE_XDP, &resp, r)?;
+    let (mut empty_tc_1, mut empty_xdp_1) = (0.0, 0.0);
+    for i in 0..o.fresh {
+        let (port, id) = fresh_request(i);
+        empty_tc_1 += lab
+            .tc(programs::BASELINE_TC, &request(port, id, replica(0)), 1)?
+            .0;
+        empty_xdp_1 += lab
+            .xdp(programs::BASELINE_XDP, &response(port, id, 0), 1)?
+            .0;
+    }
+    let n = f64::from(o.fresh);
+    let (empty_tc_1, empty_xdp_1) = (empty_tc_1 / n, empty_xdp_1 / n);
+
+    let before = lab.responses()?;
+    let (tracked, completed) = lab.requests_and_responses(o.fresh, 0)?;
+    // The primary far over the threshold: every request is redirected.
+    lab.add_primary_issued(1_000_000)?;
+    let redirected = lab.requests_and_responses(o.fresh, 1);
+    lab.add_primary_issued(-1_000_000)?;
+    let (redirected, completed_redirected) = redirected?;
+    let answered = lab.responses()? - before;
+    if answered != 2 * u64::from(o.fresh) {
+        bail!(
+            "only {answered} of {} responses completed a request",
+            2 * o.fresh
+        );
+    }
+
+    let (no_backend, v) = lab.tc(programs::EGRESS, &request(50_001, 8, [10, 77, 0, 99]), r)?;
+    ensure!(v == TC_ACT_PIPE, "no-backend verdict {v}");
+    // The first run tracks it; the other runs are retransmits.
+    let (retransmit, _) = lab.tc(programs::EGRESS, &req, r)?;
+    let (_, v) = lab.xdp(programs::INGRESS_XDP, &resp, 1)?;
+    ensure!(v == XDP_PASS, "ingress verdict {v}");
+    // Its entry is gone now: every run matches nothing.
+    let (unmatched, _) = lab.xdp(programs::INGRESS_XDP, &resp, r)?;
+
+    Ok(Sizes {
+        ns: vec![
+            tracked,
+            redirected,
+            no_backend,
+            retransmit,
+            completed,
+            completed_redirected,
+            unmatched,
+        ],
+        empty: vec![
+            empty_tc_1,
+            empty_tc_1,
+            empty_tc,
+            empty_tc,
+            empty_xdp_1,
+            empty_xdp_1,
+            empty_xdp,
+        ],
+    })
+}
+
+/// (program, case, method, one of the targets), in row order.
+const CASES: [(&str, &str, Method, bool); 7] = [
+    ("egress (TC)", "tracked request", Method::PerPacket, true),
+    ("egress (TC)", "redirected request", Method::PerPacket, true),
+    ("egress (TC)", "packet for no backend", Method::Repeat, true),
+    (
+        "egress (TC)",
+        "retransmit of an in-flight request",
+        Method::Repeat,
+        false,
+    ),
+    ("ingress (XDP)", "response", Method::PerPacket, true),
+    (
+        "ingress (XDP)",
+        "response to a redirected request",
+        Method::PerPacket,
+        false,
+    ),
+    (
+        "ingress (XDP)",
+        "response matching nothing",
+        Method::Repeat,
+        false,
+    ),
+];
+
+fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
+    ensure!(o.repeat > 0 && o.fresh > 0 && o.inflight_small < o.inflight_large);
+    let replicas: Vec<SocketAddrV4> = (0..3)
+        .map(|i| SocketAddrV4::new(replica(i).into(), PORT))
+        .collect();
+    let settings = Settings {
+        iface: "lo".into(),
+        groups: vec![replicas],
+        policy: Policy::Threshold,
+        threshold: 1,
+        descriptor: Descriptor::memcached(),
+        timeout: Duration::from_secs(1),
+        // Room for the large fill and the measured requests.
+        inflight_max: o.inflight_large + 70_000,
+        ingress: IngressMode::Xdp,
+    };
+    let mut sel = Selector::load(&settings).context("loading the programs")?;
+    program::<SchedClassifier>(&mut sel, programs::BASELINE_TC)?.load()?;
+    program::<Xdp>(&mut sel, programs::BASELINE_XDP)?.load()?;
+    let mut lab = Lab { sel, filled: 0 };
+    lab.fill_to(o.inflight_small)?;
+    let small = measure_size(&mut lab, o)?;
+    lab.fill_to(o.inflight_large)?;
+    let large = measure_size(&mut lab, o)?;
+    Ok(CASES
+        .iter()
+        .enumerate()
+        .map(|(i, &(program, case, method, target))| CostRow {
+            program,
+            case,
+            method,
+            target,
+            small_ns: small.ns[i],
+            large_ns: large.ns[i],
+            empty_small_ns: small.empty[i],
+            empty_large_ns: large.empty[i],
+        })
+        .collect())
+}

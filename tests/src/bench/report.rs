@@ -1,0 +1,684 @@
+//! Results: one row per policy, the ratios, the targets, the per-packet
+//! costs; as markdown and CSV, with the plots, under the output directory.
+
+use std::{fmt::Write as _, path::Path, time::Duration};
+
+use anyhow::{Context as _, Result};
+use hdrhistogram::Histogram;
+
+use super::{
+    client::{ClientReport, Counts, histogram},
+    packet_cost::{CostRow, Method},
+    plots,
+    rows::Row,
+    scenario::Options,
+};
+
+/// The selector's own counters for a row (its STATS map).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelCounts {
+    pub requests: u64,
+    pub redirected: u64,
+    pub untracked: u64,
+    pub expired: u64,
+    /// Runs and kernel-measured run time of the programs on the live
+    /// traffic (BPF run-time statistics; zero where they were off).
+    pub egress_runs: u64,
+    pub egress_ns: u64,
+    pub ingress_runs: u64,
+    pub ingress_ns: u64,
+}
+
+impl KernelCounts {
+    pub fn add(&mut self, o: &Self) {
+        self.requests += o.requests;
+        self.redirected += o.redirected;
+        self.untracked += o.untracked;
+        self.expired += o.expired;
+        self.egress_runs += o.egress_runs;
+        self.egress_ns += o.egress_ns;
+        self.ingress_runs += o.ingress_runs;
+        self.ingress_ns += o.ingress_ns;
+    }
+
+    /// Mean ns per run of the egress and the ingress program, if measured.
+    pub fn live_ns(&self) -> Option<(f64, f64)> {
+        (self.egress_runs > 0 && self.ingress_runs > 0).then(|| {
+            (
+                self.egress_ns as f64 / self.egress_runs as f64,
+                self.ingress_ns as f64 / self.ingress_runs as f64,
+            )
+        })
+    }
+}
+
+/// What one row measured, all client processes merged.
+#[derive(Clone, Debug)]
+pub struct RowResult {
+    pub row: Row,
+    pub duration: Duration,
+    /// Latency from the intended send time, microseconds.
+    pub hist: Histogram<u64>,
+    pub counts: Counts,
+    /// Per replica: reads it answered, by intended send time, 1 ms bins.
+    pub served: Vec<Vec<u64>>,
+    /// Stalls of the primary, seconds from the start of the load.
+    pub stalls: Vec<(f64, f64)>,
+    pub kernel: Option<KernelCounts>,
+}
+
+impl RowResult {
+    pub fn new(row: Row, duration: Duration) -> Self {
+        Self {
+            row,
+            duration,
+            hist: histogram(),
+            counts: Counts::default(),
+            served: Vec::new(),
+            stalls: Vec::new(),
+            kernel: None,
+        }
+    }
+
+    /// Merges one client process's report.
+    pub fn add(&mut self, r: &ClientReport, hist: &Histogram<u64>) -> Result<()> {
+        self.hist.add(hist).context("merging histograms")?;
+        self.counts.add(&r.counts);
+        if self.served.len() < r.served.len() {
+            self.served.resize(r.served.len(), Vec::new());
+        }
+        for (mine, theirs) in self.served.iter_mut().zip(&r.served) {
+            if mine.len() < theirs.len() {
+                mine.resize(theirs.len(), 0);
+            }
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += u64::from(*t);
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends a later segment of the same row: its time series after this
+    /// one's (time then counts load time, segment after segment).
+    pub fn append(&mut self, seg: RowResult) -> Result<()> {
+        let offset_ms = self.duration.as_millis() as usize;
+        let offset = self.duration.as_secs_f64();
+        self.hist.add(&seg.hist).context("merging histograms")?;
+        self.counts.add(&seg.counts);
+        if self.served.len() < seg.served.len() {
+            self.served.resize(seg.served.len(), Vec::new());
+        }
+        let seg_ms = seg.duration.as_millis() as usize;
+        for (i, mine) in self.served.iter_mut().enumerate() {
+            mine.resize(offset_ms, 0);
+            let theirs = seg.served.get(i).map_or(&[][..], |v| &v[..]);
+            mine.extend((0..seg_ms).map(|b| theirs.get(b).copied().unwrap_or(0)));
+        }
+        self.stalls
+            .extend(seg.stalls.iter().map(|(a, b)| (a + offset, b + offset)));
+        self.kernel = match (self.kernel, seg.kernel) {
+            (Some(mut k), Some(s)) => {
+                k.add(&s);
+                Some(k)
+            }
+            (k, s) => k.or(s),
+        };
+        self.duration += seg.duration;
+        Ok(())
+    }
+
+    /// Reads answered per second.
+    pub fn rate(&self) -> f64 {
+        self.counts.received as f64 / self.duration.as_secs_f64()
+    }
+
+    /// Latency at quantile `q`, microseconds.
+    pub fn us(&self, q: f64) -> u64 {
+        self.hist.value_at_quantile(q)
+    }
+
+    pub fn served_totals(&self) -> Vec<u64> {
+        self.served.iter().map(|s| s.iter().sum()).collect()
+    }
+
+    /// Each replica's share of the answered reads.
+    pub fn shares(&self) -> Vec<f64> {
+        let totals = self.served_totals();
+        let all: u64 = totals.iter().sum();
+        totals
+            .iter()
+            .map(|t| *t as f64 / all.max(1) as f64)
+            .collect()
+    }
+
+    /// Share of reads answered by a replica other than the primary.
+    pub fn redirected(&self) -> f64 {
+        1.0 - self.shares().first().copied().unwrap_or(1.0)
+    }
+
+    /// Per replica, the longest run of milliseconds (by send time) in
+    /// which it answered no read.
+    pub fn longest_gaps_ms(&self) -> Vec<u64> {
+        let ms = self.duration.as_millis() as usize;
+        self.served
+            .iter()
+            .map(|bins| {
+                let (mut longest, mut run) = (0u64, 0u64);
+                for b in bins.iter().take(ms) {
+                    run = if *b == 0 { run + 1 } else { 0 };
+                    longest = longest.max(run);
+                }
+                longest
+            })
+            .collect()
+    }
+
+    /// p50, p90, p99, p99.9 and max, formatted.
+    pub fn latencies(&self) -> [String; 5] {
+        [0.5, 0.9, 0.99, 0.999, 1.0].map(|q| format_us(self.us(q)))
+    }
+
+    pub fn one_line(&self) -> String {
+        let [p50, _, p99, p999, max] = self.latencies();
+        format!(
+            "{:<32} {:>7.0}/s p50 {p50:>8} p99 {p99:>8} p99.9 {p999:>8} max {max:>8} redirected {:>5.1}% lost {}",
+            self.row.label(),
+            self.rate(),
+            100.0 * self.redirected(),
+            self.counts.lost
+        )
+    }
+}
+
+pub fn format_us(us: u64) -> String {
+    if us < 1000 {
+        format!("{us} us")
+    } else if us < 1_000_000 {
+        format!("{:.1} ms", us as f64 / 1000.0)
+    } else {
+        format!("{:.2} s", us as f64 / 1e6)
+    }
+}
+
+/// A target from the issue and whether this run met it.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub name: String,
+    pub measured: String,
+    pub met: bool,
+}
+
+/// The machine the run was on.
+#[derive(Clone, Debug)]
+pub struct Machine {
+    pub cores: usize,
+    pub kernel: String,
+    pub cpu: String,
+}
+
+impl Machine {
+    pub fn this() -> Self {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpu = read("/proc/cpuinfo")
+            .lines()
+            .find(|l| l.starts_with("model name"))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| "unknown".into());
+        Self {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            cpu,
+        }
+    }
+}
+
+pub struct Report {
+    pub command: String,
+    pub parameters: String,
+    pub machine: Machine,
+    pub rows: Vec<RowResult>,
+    pub costs: Vec<CostRow>,
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    a as f64 / b.max(1) as f64
+}
+
+impl Report {
+    pub fn new(opts: &Options, rows: Vec<RowResult>, costs: Vec<CostRow>) -> Self {
+        let parameters = format!(
+            "{}{} rows of {:.0} s each (in {} interleaved rounds); {} reads/s from {} client processes on connected UDP sockets; \
+             the primary stopped (SIGSTOP) for {} ms every {} ms; slow list: speculative timeout {} ms, \
+             expiry {} ms; thresholds {:?} (selector and client reorder), absolute {}; {} keys; \
+             request timeout {} ms",
+            if opts.quick { "quick mode: " } else { "" },
+            rows.len(),
+            opts.duration.as_secs_f64(),
+            opts.rounds,
+            opts.rate,
+            opts.clients,
+            opts.stall.as_millis(),
+            opts.stall_every.as_millis(),
+            opts.slow_list_timeout.as_millis(),
+            opts.slow_list_expiry.as_millis(),
+            opts.thresholds,
+            opts.absolute_threshold,
+            opts.keys,
+            opts.drain.as_millis(),
+        );
+        Self {
+            command: opts.command.clone(),
+            parameters,
+            machine: Machine::this(),
+            rows,
+            costs,
+        }
+    }
+
+    pub fn row(&self, row: &Row) -> Option<&RowResult> {
+        self.rows.iter().find(|r| &r.row == row)
+    }
+
+    /// The selector threshold row with the lowest p99 (then p99.9).
+    pub fn best_selector(&self) -> Option<&RowResult> {
+        self.rows
+            .iter()
+            .filter(|r| r.row.is_selector_threshold())
+            .min_by_key(|r| (r.us(0.99), r.us(0.999)))
+    }
+
+    pub fn targets(&self) -> Vec<Target> {
+        let mut t = Vec::new();
+        let (Some(best), Some(nostall), Some(primary)) = (
+            self.best_selector(),
+            self.row(&Row::NoStall),
+            self.row(&Row::PrimaryOnly),
+        ) else {
+            return t;
+        };
+        let b99 = best.us(0.99);
+        let who = best.row.label();
+        t.push(Target {
+            name: "selector p99 (best threshold) within 1.2x of the no-stall p99".into(),
+            measured: format!(
+                "{who}: {} vs {} = {:.2}x",
+                format_us(b99),
+                format_us(nostall.us(0.99)),
+                ratio(b99, nostall.us(0.99))
+            ),
+            met: b99 as f64 <= 1.2 * nostall.us(0.99) as f64,
+        });
+        let lower = |q: f64, what: &str, factor: f64| Target {
+            name: format!("selector {what} at least {factor}x lower than primary only"),
+            measured: format!(
+                "{} vs {} = {:.1}x lower",
+                format_us(best.us(q)),
+                format_us(primary.us(q)),
+                ratio(primary.us(q), best.us(q))
+            ),
+            met: primary.us(q) as f64 >= factor * best.us(q) as f64,
+        };
+        t.push(lower(0.99, "p99", 5.0));
+        t.push(lower(0.999, "p99.9", 3.0));
+        for other in [Row::SlowList, Row::Nginx] {
+            if let Some(o) = self.row(&other) {
+                t.push(Target {
+                    name: format!("selector p99 better than {}", other.label()),
+                    measured: format!("{} vs {}", format_us(b99), format_us(o.us(0.99))),
+                    met: b99 < o.us(0.99),
+                });
+            }
+        }
+        if let Some(obs) = self.row(&Row::Observe) {
+            let r = obs.rate() / primary.rate().max(1e-9);
+            t.push(Target {
+                name: "observe mode: achieved rate at least 0.97 of no selector".into(),
+                measured: format!("{:.0}/s vs {:.0}/s = {r:.3}", obs.rate(), primary.rate()),
+                met: r >= 0.97,
+            });
+            let d = obs.us(0.5) as f64 / primary.us(0.5).max(1) as f64 - 1.0;
+            t.push(Target {
+                name: "observe mode: p50 within 3% of no selector".into(),
+                measured: format!(
+                    "{} vs {} = {:+.1}%",
+                    format_us(obs.us(0.5)),
+                    format_us(primary.us(0.5)),
+                    100.0 * d
+                ),
+                met: d.abs() <= 0.03,
+            });
+        }
+        let targeted: Vec<&CostRow> = self.costs.iter().filter(|c| c.target).collect();
+        if !targeted.is_empty() {
+            let worst = targeted
+                .iter()
+                .max_by(|a, b| a.over_empty().total_cmp(&b.over_empty()))
+                .expect("non-empty");
+            t.push(Target {
+                name: "per-packet cost at most 4x the empty program".into(),
+                measured: format!(
+                    "worst: {} {}, {:.1}x",
+                    worst.program,
+                    worst.case,
+                    worst.over_empty()
+                ),
+                met: targeted.iter().all(|c| c.over_empty() <= 4.0),
+            });
+            let spread = |c: &CostRow| c.large_over_small().max(1.0 / c.large_over_small());
+            let worst = targeted
+                .iter()
+                .max_by(|a, b| spread(a).total_cmp(&spread(b)))
+                .expect("non-empty");
+            t.push(Target {
+                name: "per-packet cost within 1.2x between the small and the large in-flight table"
+                    .into(),
+                measured: format!(
+                    "worst: {} {}, {:.2}x",
+                    worst.program,
+                    worst.case,
+                    worst.large_over_small()
+                ),
+                met: targeted.iter().all(|c| spread(c) <= 1.2),
+            });
+        }
+        t
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut md = String::new();
+        let m = &self.machine;
+        let _ = writeln!(md, "# selector benchmark\n");
+        let _ = writeln!(md, "Command: `{}`\n", self.command);
+        let _ = writeln!(
+            md,
+            "Machine: {} cores ({}), kernel {}\n",
+            m.cores, m.cpu, m.kernel
+        );
+        let _ = writeln!(md, "Scenario: {}.\n", self.parameters);
+        let _ = writeln!(md, "## Read latency with the primary stalling\n");
+        let _ = writeln!(
+            md,
+            "Latency from the intended send time. *redirected*: reads answered by a replica other \
+             than the primary (by the replica's mark in the value; for nginx, which has no primary, \
+             reads not served by replica 0). *gap*: per replica, the longest stretch of send time in \
+             which it answered no read.\n"
+        );
+        let replicas = self.rows.iter().map(|r| r.served.len()).max().unwrap_or(0);
+        let names = (0..replicas)
+            .map(|i| format!("r{i}"))
+            .collect::<Vec<_>>()
+            .join("/");
+        let _ = writeln!(
+            md,
+            "| policy | reads/s | p50 | p90 | p99 | p99.9 | max | redirected | reads {names} (%) | gap {names} (ms) | lost |"
+        );
+        let _ = writeln!(
+            md,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.rows {
+            let shares = r
+                .shares()
+                .iter()
+                .map(|s| format!("{:.1}", 100.0 * s))
+                .collect::<Vec<_>>()
+                .join("/");
+            let gaps = r
+                .longest_gaps_ms()
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("/");
+            let _ = writeln!(
+                md,
+                "| {} | {:.0} | {} | {:.1}% | {} | {} | {} |",
+                r.row.label(),
+                r.rate(),
+                r.latencies().join(" | "),
+                100.0 * r.redirected(),
+                shares,
+                gaps,
+                r.counts.lost
+            );
+        }
+        let _ = writeln!(md, "\n## Ratios (lower is better)\n");
+        let _ = writeln!(
+            md,
+            "| policy | p99 / primary only | p99.9 / primary only | p99 / no stall | p99.9 / no stall |"
+        );
+        let _ = writeln!(md, "|---|---:|---:|---:|---:|");
+        let (primary, nostall) = (self.row(&Row::PrimaryOnly), self.row(&Row::NoStall));
+        for r in &self.rows {
+            let vs = |base: Option<&RowResult>, q: f64| {
+                base.map_or("-".into(), |b| format!("{:.3}", ratio(r.us(q), b.us(q))))
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} |",
+                r.row.label(),
+                vs(primary, 0.99),
+                vs(primary, 0.999),
+                vs(nostall, 0.99),
+                vs(nostall, 0.999)
+            );
+        }
+        let _ = writeln!(md, "\n## Targets\n");
+        for t in self.targets() {
+            let _ = writeln!(
+                md,
+                "- {} **{}**: {}",
+                t.name,
+                if t.met { "met" } else { "NOT met" },
+                t.measured
+            );
+        }
+        self.cost_markdown(&mut md);
+        self.notes_markdown(&mut md);
+        md
+    }
+
+    fn cost_markdown(&self, md: &mut String) {
+        if self.costs.is_empty() {
+            return;
+        }
+        let _ = writeln!(md, "\n## Per-packet cost (BPF_PROG_TEST_RUN)\n");
+        let _ = writeln!(
+            md,
+            "ns per packet as the kernel measured it, with the in-flight table holding the small \
+             / large number of other entries; *empty*: the empty program of the same kind measured \
+             the same way. *per packet*: each packet its own request, one run each (a stateful \
+             path runs only once per request); *repeat*: one packet run many times.\n"
+        );
+        let _ = writeln!(
+            md,
+            "| program | case | method | small | large | empty (small/large) | x empty | large / small |"
+        );
+        let _ = writeln!(md, "|---|---|---|---:|---:|---:|---:|---:|");
+        for c in &self.costs {
+            let _ = writeln!(
+                md,
+                "| {} | {}{} | {} | {:.1} | {:.1} | {:.1} / {:.1} | {:.2} | {:.2} |",
+                c.program,
+                c.case,
+                if c.target { "" } else { " (context)" },
+                match c.method {
+                    Method::Repeat => "repeat",
+                    Method::PerPacket => "per packet",
+                },
+                c.small_ns,
+                c.large_ns,
+                c.empty_small_ns,
+                c.empty_large_ns,
+                c.over_empty(),
+                c.large_over_small()
+            );
+        }
+    }
+
+    fn notes_markdown(&self, md: &mut String) {
+        let _ = writeln!(md, "\n## Checks\n");
+        for r in &self.rows {
+            let kernel = r.kernel.map_or(String::new(), |k| {
+                let live = k.live_ns().map_or(String::new(), |(e, i)| {
+                    format!(
+                        "; on this traffic the egress program took {e:.0} ns per run ({} runs), \
+                         the ingress program {i:.0} ns ({} runs)",
+                        k.egress_runs, k.ingress_runs
+                    )
+                });
+                format!(
+                    "; selector counted {} requests, redirected {} ({:.1}%), untracked {}, expired {}{live}",
+                    k.requests,
+                    k.redirected,
+                    100.0 * k.redirected as f64 / k.requests.max(1) as f64,
+                    k.untracked,
+                    k.expired
+                )
+            });
+            let _ = writeln!(
+                md,
+                "- {}: sent {}, answered {}, lost {}, wrong values {}, late replies {}, retries {}, \
+                 sends over 1 ms late {} (at most {}), {} stalls{}",
+                r.row.label(),
+                r.counts.sent,
+                r.counts.received,
+                r.counts.lost,
+                r.counts.wrong,
+                r.counts.late,
+                r.counts.retries,
+                r.counts.late_sends,
+                format_us(r.counts.max_send_lag_us),
+                r.stalls.len(),
+                kernel
+            );
+        }
+    }
+
+    pub fn csv(&self) -> String {
+        let mut out = String::from(
+            "id,label,reads_per_s,p50_us,p90_us,p99_us,p999_us,max_us,redirected,\
+             share_r0,share_r1,share_r2,gap_r0_ms,gap_r1_ms,gap_r2_ms,\
+             p99_vs_primary,p999_vs_primary,p99_vs_no_stall,p999_vs_no_stall,\
+             sent,received,lost,wrong,late,retries,max_send_lag_us,stalls,\
+             kernel_requests,kernel_redirected\n",
+        );
+        let (primary, nostall) = (self.row(&Row::PrimaryOnly), self.row(&Row::NoStall));
+        for r in &self.rows {
+            let shares = r.shares();
+            let gaps = r.longest_gaps_ms();
+            let col = |v: &[f64], i: usize| v.get(i).map_or(String::new(), |x| format!("{x:.4}"));
+            let gap = |i: usize| gaps.get(i).map_or(String::new(), u64::to_string);
+            let vs = |base: Option<&RowResult>, q: f64| {
+                base.map_or(String::new(), |b| format!("{:.4}", ratio(r.us(q), b.us(q))))
+            };
+            let k = r.kernel.unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                r.row.id(),
+                r.row.label(),
+                r.rate(),
+                r.us(0.5),
+                r.us(0.9),
+                r.us(0.99),
+                r.us(0.999),
+                r.hist.max(),
+                r.redirected(),
+                col(&shares, 0),
+                col(&shares, 1),
+                col(&shares, 2),
+                gap(0),
+                gap(1),
+                gap(2),
+                vs(primary, 0.99),
+                vs(primary, 0.999),
+                vs(nostall, 0.99),
+                vs(nostall, 0.999),
+                r.counts.sent,
+                r.counts.received,
+                r.counts.lost,
+                r.counts.wrong,
+                r.counts.late,
+                r.counts.retries,
+                r.counts.max_send_lag_us,
+                r.stalls.len(),
+                k.requests,
+                k.redirected
+            );
+        }
+        out
+    }
+
+    pub fn cost_csv(&self) -> String {
+        let mut out = String::from(
+            "program,case,method,target,small_ns,large_ns,empty_small_ns,empty_large_ns,over_empty,large_over_small\n",
+        );
+        for c in &self.costs {
+            let _ = writeln!(
+                out,
+                "{},{},{:?},{},{:.2},{:.2},{:.2},{:.2},{:.3},{:.3}",
+                c.program,
+                c.case,
+                c.method,
+                c.target,
+                c.small_ns,
+                c.large_ns,
+                c.empty_small_ns,
+                c.empty_large_ns,
+                c.over_empty(),
+                c.large_over_small()
+            );
+        }
+        out
+    }
+
+    /// Writes results.md, results.csv, packet_cost.csv and the plots.
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        let write = |name: &str, text: &str| {
+            std::fs::write(dir.join(name), text).with_context(|| format!("writing {name}"))
+        };
+        write("results.md", &self.markdown())?;
+        write("results.csv", &self.csv())?;
+        write("packet_cost.csv", &self.cost_csv())?;
+        // The numbers stand without the pictures: a missing font only
+        // costs the plots.
+        if let Err(e) = plots::draw(dir, self) {
+            eprintln!("bench: plots skipped: {e:#}");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn result(row: Row, served: Vec<Vec<u64>>) -> RowResult {
+        let mut r = RowResult::new(row, Duration::from_millis(10));
+        r.served = served;
+        r
+    }
+
+    #[test]
+    fn gaps_and_shares_come_from_the_bins() {
+        let r = result(
+            Row::Threshold(1),
+            vec![
+                vec![1, 1, 0, 0, 0, 1, 1, 1, 1, 1],
+                vec![0, 0, 1, 1, 1, 0, 0, 0, 0, 0],
+                vec![0; 10],
+            ],
+        );
+        assert_eq!(r.longest_gaps_ms(), vec![3, 5, 10]);
+        assert_eq!(r.served_totals(), vec![7, 3, 0]);
+        assert!((r.redirected() - 0.3).abs() < 1e-9);
+    }
+
+    #[test]
+    fn durations_read_well() {
+        assert_eq!(format_us(87), "87 us");
+        assert_eq!(format_us(25_400), "25.4 ms");
+        assert_eq!(format_us(1_250_000), "1.25 s");
+    }
+}

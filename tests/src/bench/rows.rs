@@ -1,0 +1,120 @@
+//! The rows of the benchmark: every policy compared, in the order they run.
+
+use selector_common::Policy;
+
+use super::client::ClientPolicy;
+
+/// One policy under test.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Row {
+    /// Primary only, no stalls: the limit to approach.
+    NoStall,
+    /// Primary only, no selector.
+    PrimaryOnly,
+    /// BookKeeper issue 709 in each client process.
+    SlowList,
+    /// BookKeeper issue 1489 in each client process, at this threshold.
+    Reorder(u32),
+    /// nginx stream proxy on the client host, `least_conn`.
+    Nginx,
+    /// The selector attached, observe mode (counts, never redirects).
+    Observe,
+    /// The selector, threshold policy.
+    Threshold(u32),
+    /// The selector, absolute policy.
+    Absolute(u32),
+}
+
+impl Row {
+    /// Every row, in run order.
+    pub fn all(thresholds: &[u32], absolute: u32) -> Vec<Row> {
+        let mut rows = vec![Row::NoStall, Row::PrimaryOnly, Row::SlowList];
+        rows.extend(thresholds.iter().map(|t| Row::Reorder(*t)));
+        rows.extend([Row::Nginx, Row::Observe]);
+        rows.extend(thresholds.iter().map(|t| Row::Threshold(*t)));
+        rows.push(Row::Absolute(absolute));
+        rows
+    }
+
+    /// A short machine-readable name (CSV, file names).
+    pub fn id(&self) -> String {
+        match self {
+            Row::NoStall => "no_stall".into(),
+            Row::PrimaryOnly => "primary_only".into(),
+            Row::SlowList => "slow_list".into(),
+            Row::Reorder(t) => format!("reorder_t{t}"),
+            Row::Nginx => "nginx_least_conn".into(),
+            Row::Observe => "selector_observe".into(),
+            Row::Threshold(t) => format!("selector_t{t}"),
+            Row::Absolute(t) => format!("selector_abs{t}"),
+        }
+    }
+
+    /// The name in tables and plots.
+    pub fn label(&self) -> String {
+        match self {
+            Row::NoStall => "no stall (limit)".into(),
+            Row::PrimaryOnly => "primary only".into(),
+            Row::SlowList => "slow list (BK 709)".into(),
+            Row::Reorder(t) => format!("client reorder t={t} (BK 1489)"),
+            Row::Nginx => "nginx least_conn".into(),
+            Row::Observe => "selector observe".into(),
+            Row::Threshold(t) => format!("selector threshold {t}"),
+            Row::Absolute(t) => format!("selector absolute {t}"),
+        }
+    }
+
+    pub fn stalls(&self) -> bool {
+        *self != Row::NoStall
+    }
+
+    /// The selector's policy and threshold, for rows that attach it.
+    pub fn selector(&self) -> Option<(Policy, u32)> {
+        match self {
+            Row::Observe => Some((Policy::Observe, 1)),
+            Row::Threshold(t) => Some((Policy::Threshold, *t)),
+            Row::Absolute(t) => Some((Policy::Absolute, *t)),
+            _ => None,
+        }
+    }
+
+    /// What the client processes do (rows without a client-side policy
+    /// send every read to one address: the primary, or the proxy).
+    pub fn client_policy(&self, slow_timeout_ms: u64, slow_expiry_ms: u64) -> ClientPolicy {
+        match self {
+            Row::SlowList => ClientPolicy::SlowList {
+                timeout_ms: slow_timeout_ms,
+                expiry_ms: slow_expiry_ms,
+            },
+            Row::Reorder(t) => ClientPolicy::Reorder { threshold: *t },
+            _ => ClientPolicy::Primary,
+        }
+    }
+
+    /// Whether the client processes talk to every replica themselves.
+    pub fn client_side_choice(&self) -> bool {
+        matches!(self, Row::SlowList | Row::Reorder(_))
+    }
+
+    pub fn is_selector_threshold(&self) -> bool {
+        matches!(self, Row::Threshold(_))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_policy_has_a_row_with_a_unique_id() {
+        let rows = Row::all(&[1, 10, 100], 10);
+        assert_eq!(rows.len(), 12);
+        let mut ids: Vec<String> = rows.iter().map(Row::id).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), rows.len());
+        assert_eq!(rows[0], Row::NoStall);
+        assert!(!Row::NoStall.stalls() && Row::PrimaryOnly.stalls());
+        assert_eq!(Row::Observe.selector(), Some((Policy::Observe, 1)));
+    }
+}

@@ -1,0 +1,424 @@
+//! The experiment: three memcached replicas, client processes reading from
+//! the primary at a fixed rate, the primary stopped for a short while at a
+//! fixed period, one row per policy, all in one run.
+
+use std::{
+    io::Read as _,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+        mpsc,
+    },
+    thread,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, bail};
+use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy, programs};
+use selector_user::{IngressMode, Selector, Settings, neighbours};
+
+use super::{
+    client::{ClientReport, ClientSpec, decode_histogram, marked_value, monotonic_ns},
+    nginx::Nginx,
+    packet_cost::{self, CostOptions},
+    report::{KernelCounts, Report, RowResult},
+    rows::Row,
+};
+use crate::{
+    Namespace, Testbed,
+    memcached::{MemcachedClient, Replica, key_for},
+    topology::CLIENT_IFACE,
+};
+
+/// Everything the benchmark can be told.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The binary whose hidden `client` subcommand runs a client process.
+    pub client_exe: PathBuf,
+    pub out: PathBuf,
+    pub quick: bool,
+    pub clients: usize,
+    /// Reads per second, all client processes together.
+    pub rate: u32,
+    /// Length of each row's load, in total.
+    pub duration: Duration,
+    /// Every row runs in this many segments, interleaved with the other
+    /// rows (round 1 of every row, then round 2, ...), so a machine that
+    /// gets busier or quieter during the run affects every row alike.
+    pub rounds: u32,
+    pub stall: Duration,
+    pub stall_every: Duration,
+    pub slow_list_timeout: Duration,
+    pub slow_list_expiry: Duration,
+    /// Selector thresholds (and the client reorder's, the same values).
+    pub thresholds: Vec<u32>,
+    pub absolute_threshold: u32,
+    pub keys: usize,
+    /// Wait for stragglers after the last send; also the request timeout.
+    pub drain: Duration,
+    pub cost: CostOptions,
+    /// Run only the rows with these ids (all when empty).
+    pub only: Vec<String>,
+    /// Skip the per-packet cost.
+    pub skip_cost: bool,
+    /// The command line, for the report.
+    pub command: String,
+}
+
+impl Options {
+    /// Length of one segment of a row.
+    pub fn segment(&self) -> Duration {
+        self.duration / self.rounds.max(1)
+    }
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::Relaxed);
+}
+
+/// Ctrl-C or SIGTERM end the run between steps, through the normal error
+/// path, so every namespace and process is still removed.
+pub fn stop_on_signals() {
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+}
+
+fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+/// Runs every row and the per-packet costs, writes the report and plots
+/// under `opts.out`, and returns the report. The testbed (namespaces,
+/// memcached, nginx, client processes, the selector) is gone when this
+/// returns, whether it succeeds or not.
+pub fn run(opts: &Options) -> Result<Report> {
+    std::fs::create_dir_all(&opts.out)
+        .with_context(|| format!("creating {}", opts.out.display()))?;
+    let rows: Vec<Row> = Row::all(&opts.thresholds, opts.absolute_threshold)
+        .into_iter()
+        .filter(|r| opts.only.is_empty() || opts.only.contains(&r.id()))
+        .collect();
+    let segment = opts.segment();
+    eprintln!(
+        "bench: {} rows of {} x {:.1} s at {} reads/s from {} client processes; primary stalls {} ms every {} ms",
+        rows.len(),
+        opts.rounds,
+        segment.as_secs_f64(),
+        opts.rate,
+        opts.clients,
+        opts.stall.as_millis(),
+        opts.stall_every.as_millis()
+    );
+    let (results, costs) = {
+        let mut tb = Testbed::new("bench", 3)?;
+        tb.start_memcached()?;
+        preload_marked(&tb.client, &tb.replica_endpoints(), opts.keys)?;
+        let mut results: Vec<RowResult> = rows
+            .iter()
+            .map(|r| RowResult::new(r.clone(), Duration::ZERO))
+            .collect();
+        for round in 1..=opts.rounds {
+            for (row, result) in rows.iter().zip(&mut results) {
+                check_interrupted()?;
+                let r = run_row(&tb, opts, row, segment)
+                    .with_context(|| format!("row {}", row.label()))?;
+                eprintln!("bench: round {round}/{}: {}", opts.rounds, r.one_line());
+                result.append(r)?;
+            }
+        }
+        check_interrupted()?;
+        let costs = if opts.skip_cost {
+            Vec::new()
+        } else {
+            eprintln!("bench: per-packet cost (BPF_PROG_TEST_RUN)");
+            packet_cost::measure(&tb.client, &opts.cost)?
+        };
+        (results, costs)
+    };
+    let report = Report::new(opts, results, costs);
+    report.write(&opts.out)?;
+    Ok(report)
+}
+
+/// Stores, on each replica, its own marked value for every key.
+pub fn preload_marked(client: &Namespace, replicas: &[SocketAddrV4], keys: usize) -> Result<()> {
+    for (r, &addr) in replicas.iter().enumerate() {
+        client.run(move || -> Result<()> {
+            let c = MemcachedClient::connect(addr)?;
+            for i in 0..keys {
+                c.set(&key_for(i), &marked_value(i, r))?;
+            }
+            Ok(())
+        })??;
+    }
+    Ok(())
+}
+
+/// The selector attached in the client namespace and swept every 10 ms
+/// until dropped.
+struct Attached {
+    selector: Arc<Mutex<Selector>>,
+    /// Kernel run-time statistics of every BPF program while held.
+    _stats: Option<std::os::fd::OwnedFd>,
+    stop: Option<mpsc::Sender<()>>,
+    sweeper: Option<thread::JoinHandle<Result<()>>>,
+}
+
+impl Attached {
+    fn start(tb: &Testbed, settings: Settings) -> Result<Self> {
+        // Not in observe mode, whose row measures the cost of being attached
+        // (the statistics add two clock reads per program run).
+        let stats = if settings.policy == Policy::Observe {
+            None
+        } else {
+            Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF run-time stats")?)
+        };
+        let selector = tb.client.run(move || Selector::attach(&settings))??;
+        let addrs = tb.replica_endpoints();
+        tb.client
+            .run(move || neighbours::warm_up(&addrs, Duration::from_secs(1)))?;
+        let selector = Arc::new(Mutex::new(selector));
+        let (stop, stopped) = mpsc::channel::<()>();
+        let sweeper = {
+            let selector = selector.clone();
+            thread::spawn(move || -> Result<()> {
+                while let Err(mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(Duration::from_millis(10))
+                {
+                    let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
+                    s.sweep(monotonic_ns())?;
+                }
+                Ok(())
+            })
+        };
+        Ok(Self {
+            selector,
+            _stats: stats,
+            stop: Some(stop),
+            sweeper: Some(sweeper),
+        })
+    }
+
+    fn counts(&self) -> Result<KernelCounts> {
+        let s = self.selector.lock().unwrap_or_else(|e| e.into_inner());
+        let stats = s.stats()?;
+        let run = |name: &str| -> Result<(u64, u64)> {
+            let info = s.ebpf().program(name).context("program")?.info()?;
+            Ok((info.run_count(), info.run_time().as_nanos() as u64))
+        };
+        let (egress_runs, egress_ns) = run(programs::EGRESS)?;
+        let (ingress_runs, ingress_ns) = run(programs::INGRESS_XDP)?;
+        Ok(KernelCounts {
+            requests: stats.iter().map(|b| b.requests).sum(),
+            redirected: stats.iter().map(|b| b.redirected_away).sum(),
+            untracked: stats.iter().map(|b| b.untracked).sum(),
+            expired: s.expired().iter().sum(),
+            egress_runs,
+            egress_ns,
+            ingress_runs,
+            ingress_ns,
+        })
+    }
+
+    fn finish(mut self) -> Result<()> {
+        self.stop.take();
+        match self.sweeper.take().map(thread::JoinHandle::join) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => bail!("the sweeper panicked"),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Attached {
+    fn drop(&mut self) {
+        self.stop.take();
+        if let Some(s) = self.sweeper.take() {
+            let _ = s.join();
+        }
+    }
+}
+
+/// Client processes; any still running on drop are killed.
+struct Clients(Vec<Child>);
+
+impl Drop for Clients {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Clients {
+    fn spawn(ns: &Namespace, exe: &PathBuf, specs: &[ClientSpec]) -> Result<Self> {
+        let mut clients = Self(Vec::new());
+        for spec in specs {
+            let child = Command::new("ip")
+                .args(["netns", "exec", &ns.name])
+                .arg(exe)
+                .args(["client", "--spec", &serde_json::to_string(spec)?])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .context("starting a client process")?;
+            clients.0.push(child);
+        }
+        Ok(clients)
+    }
+
+    /// Waits for every process and reads its report.
+    fn collect(&mut self) -> Result<Vec<ClientReport>> {
+        let mut reports = Vec::new();
+        for child in &mut self.0 {
+            let mut out = String::new();
+            if let Some(mut stdout) = child.stdout.take() {
+                stdout.read_to_string(&mut out)?;
+            }
+            let status = child.wait()?;
+            if !status.success() {
+                bail!("a client process failed ({status})");
+            }
+            reports.push(serde_json::from_str(out.trim()).context("a client's report")?);
+        }
+        Ok(reports)
+    }
+}
+
+/// Stops `replica` for `stall` every `every`, from `every / 2` on, while
+/// the load runs; returns the stalls as (start, end) seconds from `start_ns`.
+fn drive_stalls(
+    replica: &Replica,
+    start_ns: u64,
+    duration: Duration,
+    stall: Duration,
+    every: Duration,
+) -> Vec<(f64, f64)> {
+    let mut stalls = Vec::new();
+    let end = start_ns + duration.as_nanos() as u64;
+    let mut at = start_ns + every.as_nanos() as u64 / 2;
+    while at + stall.as_nanos() as u64 <= end && !INTERRUPTED.load(Ordering::Relaxed) {
+        sleep_until(at);
+        replica.stop();
+        let stopped = monotonic_ns();
+        sleep_until(stopped + stall.as_nanos() as u64);
+        replica.resume();
+        let resumed = monotonic_ns();
+        let secs = |t: u64| (t.saturating_sub(start_ns)) as f64 / 1e9;
+        stalls.push((secs(stopped), secs(resumed)));
+        at += every.as_nanos() as u64;
+    }
+    stalls
+}
+
+fn sleep_until(t: u64) {
+    let now = monotonic_ns();
+    if t > now {
+        thread::sleep(Duration::from_nanos(t - now));
+    }
+}
+
+/// Where nginx listens: the client host's loopback.
+const PROXY: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 11311);
+
+fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Result<RowResult> {
+    let replicas = tb.replica_endpoints();
+    let attached = match row.selector() {
+        Some((policy, threshold)) => Some(Attached::start(
+            tb,
+            Settings {
+                iface: CLIENT_IFACE.into(),
+                groups: vec![replicas.clone()],
+                policy,
+                threshold,
+                descriptor: Descriptor::memcached(),
+                timeout: opts.drain,
+                inflight_max: DEFAULT_INFLIGHT_MAX,
+                ingress: IngressMode::Xdp,
+            },
+        )?),
+        None => None,
+    };
+    let nginx = match row {
+        Row::Nginx => Some(Nginx::start(
+            &tb.client,
+            &opts.out.join("nginx"),
+            PROXY,
+            &replicas,
+        )?),
+        _ => None,
+    };
+    let targets = if row.client_side_choice() {
+        replicas.clone()
+    } else if let Some(n) = &nginx {
+        vec![n.listen]
+    } else {
+        vec![replicas[0]]
+    };
+    // Time for every process to start before the first send.
+    let start_ns = monotonic_ns() + 500_000_000;
+    let specs: Vec<ClientSpec> = (0..opts.clients)
+        .map(|index| ClientSpec {
+            index,
+            clients: opts.clients,
+            policy: row.client_policy(
+                opts.slow_list_timeout.as_millis() as u64,
+                opts.slow_list_expiry.as_millis() as u64,
+            ),
+            targets: targets.clone(),
+            replicas: replicas.len(),
+            rate: f64::from(opts.rate),
+            start_ns,
+            duration_ms: duration.as_millis() as u64,
+            drain_ms: opts.drain.as_millis() as u64,
+            request_timeout_ms: opts.drain.as_millis() as u64,
+            keys: opts.keys,
+        })
+        .collect();
+    let mut clients = Clients::spawn(&tb.client, &opts.client_exe, &specs)?;
+    let (reports, stalls) = thread::scope(|s| {
+        let driver = row.stalls().then(|| {
+            s.spawn(|| {
+                drive_stalls(
+                    &tb.replicas[0],
+                    start_ns,
+                    duration,
+                    opts.stall,
+                    opts.stall_every,
+                )
+            })
+        });
+        let reports = clients.collect();
+        let stalls = driver.map(|d| d.join().unwrap_or_default());
+        (reports, stalls.unwrap_or_default())
+    });
+    let reports = reports?;
+    let kernel = match attached {
+        Some(a) => {
+            let counts = a.counts()?;
+            a.finish()?;
+            Some(counts)
+        }
+        None => None,
+    };
+    drop(nginx);
+    let mut result = RowResult::new(row.clone(), duration);
+    result.stalls = stalls;
+    result.kernel = kernel;
+    for r in &reports {
+        result.add(r, &decode_histogram(&r.histogram)?)?;
+    }
+    Ok(result)
+}

@@ -1,0 +1,144 @@
+//! `cargo xtask bench`: the replica-stall benchmark (every policy, one run)
+//! and the per-packet cost of the kernel programs. `--quick` runs a reduced
+//! version in under two minutes. Results go to `--out` (default
+//! `target/bench/`): results.md, results.csv, packet_cost.csv and PNG plots.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use selector_testbed::bench::{self, packet_cost::CostOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "selector-bench",
+    about = "The BookKeeper replica-stall experiment: the selector against primary only, \
+             the slow list, client-side reorder and nginx least_conn; plus per-packet cost"
+)]
+struct Args {
+    #[command(subcommand)]
+    command: Option<Sub>,
+    /// A reduced run (short rows, fewer packets) that takes under two minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Client processes sending reads together.
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// Reads per second, all client processes together.
+    #[arg(long, default_value_t = 4000)]
+    rate: u32,
+    /// Seconds of load per row [default: 45, quick: 4].
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Segments per row, interleaved with the other rows [default: 3, quick: 1].
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// How long the primary stalls (SIGSTOP), in milliseconds.
+    #[arg(long, default_value_t = 25)]
+    stall_ms: u64,
+    /// How often the primary stalls, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    stall_every_ms: u64,
+    /// Slow list: speculative retry timeout (30 ms as in BookKeeper issue 1489).
+    #[arg(long, default_value_t = 30)]
+    slow_list_timeout_ms: u64,
+    /// Slow list: how long a slow replica is avoided (BookKeeper's default 60 s).
+    #[arg(long, default_value_t = 60_000)]
+    slow_list_expiry_ms: u64,
+    /// Thresholds of the selector's threshold policy and of the client reorder.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 10, 100])]
+    thresholds: Vec<u32>,
+    /// Threshold of the selector's absolute policy row.
+    #[arg(long, default_value_t = 10)]
+    absolute_threshold: u32,
+    /// Keys preloaded on every replica [default: 10000, quick: 2000].
+    #[arg(long)]
+    keys: Option<usize>,
+    /// Wait for stragglers after the last send; also the request timeout.
+    #[arg(long, default_value_t = 1000)]
+    drain_ms: u64,
+    /// Repeat count of the stateless per-packet measurements [default: 1000000, quick: 100000].
+    #[arg(long)]
+    packet_repeat: Option<u32>,
+    /// Packets of the stateful per-packet measurements [default: 50000, quick: 5000].
+    #[arg(long)]
+    packet_fresh: Option<u32>,
+    /// In-flight table sizes compared in the per-packet cost.
+    #[arg(long, default_value_t = 1_000)]
+    inflight_small: u32,
+    #[arg(long, default_value_t = 1_000_000)]
+    inflight_large: u32,
+    /// Run only these rows (ids as in results.csv, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Skip the per-packet cost measurement.
+    #[arg(long)]
+    skip_packet_cost: bool,
+    /// Where results and plots go [default: target/bench in the workspace].
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum Sub {
+    /// One client process (started by the benchmark itself).
+    #[command(hide = true)]
+    Client {
+        #[arg(long)]
+        spec: String,
+    },
+}
+
+/// The quick mode's value or the full run's.
+fn pick<T>(quick: bool, in_quick: T, in_full: T) -> T {
+    if quick { in_quick } else { in_full }
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if let Some(Sub::Client { spec }) = &args.command {
+        return bench::client::main(spec);
+    }
+    bench::stop_on_signals();
+    let out = args.out.clone().unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .parent()
+            .map_or_else(|| PathBuf::from("target"), |root| root.join("target"))
+            .join("bench")
+    });
+    let opts = bench::Options {
+        client_exe: std::env::current_exe()?,
+        out: out.clone(),
+        quick: args.quick,
+        clients: args.clients.max(1),
+        rate: args.rate.max(1),
+        duration: Duration::from_secs_f64(args.duration.unwrap_or(pick(args.quick, 4.0, 45.0))),
+        rounds: args.rounds.unwrap_or(pick(args.quick, 1, 3)).max(1),
+        stall: Duration::from_millis(args.stall_ms),
+        stall_every: Duration::from_millis(args.stall_every_ms.max(1)),
+        slow_list_timeout: Duration::from_millis(args.slow_list_timeout_ms),
+        slow_list_expiry: Duration::from_millis(args.slow_list_expiry_ms),
+        thresholds: args.thresholds.clone(),
+        absolute_threshold: args.absolute_threshold,
+        keys: args.keys.unwrap_or(pick(args.quick, 2000, 10_000)).max(1),
+        drain: Duration::from_millis(args.drain_ms.max(1)),
+        cost: CostOptions {
+            repeat: args
+                .packet_repeat
+                .unwrap_or(pick(args.quick, 100_000, 1_000_000)),
+            fresh: args.packet_fresh.unwrap_or(pick(args.quick, 5_000, 50_000)),
+            inflight_small: args.inflight_small,
+            inflight_large: args.inflight_large,
+        },
+        only: args.only.clone(),
+        skip_cost: args.skip_packet_cost,
+        command: std::iter::once("selector-bench".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    let report = bench::run(&opts)?;
+    println!("{}", report.markdown());
+    println!("written to {}", out.display());
+    Ok(())
+}

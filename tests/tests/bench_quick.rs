@@ -1,0 +1,84 @@
+//! The benchmark's machinery (`cargo xtask bench --quick`) on a tiny load,
+//! so the benchmark cannot rot: every row, the per-packet cost, the report
+//! and the plots are produced, and nothing is left behind. It asserts that
+//! everything appears, never timings.
+
+use std::process::{Command, Stdio};
+
+use selector_testbed::bench::Row;
+
+#[test]
+fn quick_bench_produces_every_row_and_cleans_up() {
+    let out = std::env::temp_dir().join(format!("selector-bench-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let child = Command::new(env!("CARGO_BIN_EXE_selector-bench"))
+        .args([
+            "--quick",
+            "--duration",
+            "0.6",
+            "--rate",
+            "400",
+            "--clients",
+            "2",
+        ])
+        .args(["--keys", "100", "--drain-ms", "300"])
+        .args(["--packet-repeat", "1000", "--packet-fresh", "200"])
+        .args(["--inflight-small", "100", "--inflight-large", "5000"])
+        .arg("--out")
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start selector-bench");
+    let pid = child.id();
+    let run = child.wait_with_output().expect("wait for selector-bench");
+    assert!(
+        run.status.success(),
+        "selector-bench failed ({}):\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+
+    let read = |name: &str| {
+        std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let csv = read("results.csv");
+    let md = read("results.md");
+    for row in Row::all(&[1, 10, 100], 10) {
+        assert!(
+            csv.lines()
+                .any(|l| l.starts_with(&format!("{},", row.id()))),
+            "row {} missing from results.csv:\n{csv}",
+            row.id()
+        );
+        assert!(
+            md.contains(&format!("| {} |", row.label())),
+            "row {} missing",
+            row.label()
+        );
+    }
+    assert!(md.contains("## Targets"), "{md}");
+    let costs = read("packet_cost.csv");
+    assert_eq!(costs.lines().count(), 1 + 7, "{costs}");
+    let font = selector_testbed::bench::plots::FONT_FILES
+        .iter()
+        .any(|f| std::path::Path::new(f).exists());
+    let plots = [
+        "replica_rates.png",
+        "replica_rates_full.png",
+        "latency_cdf.png",
+    ];
+    for plot in plots.iter().filter(|_| font) {
+        let bytes = std::fs::read(out.join(plot)).unwrap_or_else(|e| panic!("{plot}: {e}"));
+        assert!(bytes.starts_with(b"\x89PNG"), "{plot} is not a PNG");
+    }
+
+    let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&format!("bench-{pid}")))
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
