@@ -8,6 +8,10 @@ pub const MAX_GROUP_MEMBERS: usize = 8;
 /// Most backends. A backend's id is `group * MAX_GROUP_MEMBERS + position`,
 /// so the kernel finds a backend's group and its counters without lookups.
 pub const MAX_BACKENDS: u32 = MAX_GROUPS * MAX_GROUP_MEMBERS as u32;
+/// The skb mark bit the egress program sets on a request it redirected, so
+/// it recognises the copy when it crosses egress again (and clears it there).
+pub const MARK_REDIRECTED: u32 = 0x0100_0000;
+
 /// Default size of the in-flight table (entries, not bytes).
 pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
 
@@ -173,6 +177,11 @@ pub struct BackendStats {
     pub redirected_to: u64,
     /// Requests addressed here that passed untracked (in-flight table full).
     pub untracked: u64,
+    /// Requests addressed here too short to hold a request id (passed).
+    pub no_request_id: u64,
+    /// Requests addressed here reusing the id of a request in flight to
+    /// another member (the application's own failover; passed untouched).
+    pub id_collisions: u64,
     /// Responses from this backend that matched no in-flight request
     /// (late after expiry, duplicate, or from the wrong replica).
     pub unmatched_responses: u64,
@@ -185,6 +194,8 @@ impl BackendStats {
         self.redirected_away += other.redirected_away;
         self.redirected_to += other.redirected_to;
         self.untracked += other.untracked;
+        self.no_request_id += other.no_request_id;
+        self.id_collisions += other.id_collisions;
         self.unmatched_responses += other.unmatched_responses;
     }
 }

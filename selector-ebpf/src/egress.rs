@@ -3,8 +3,8 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, programs::TcContext};
 use aya_log_ebpf::debug;
 use selector_common::{
-    Config, Endpoint, InflightEntry, InflightKey, MAX_GROUP_MEMBERS, Policy, backend_id, policy,
-    split_backend_id,
+    Config, Endpoint, InflightEntry, InflightKey, MARK_REDIRECTED, MAX_GROUP_MEMBERS, Policy,
+    backend_id, policy, split_backend_id,
 };
 
 use crate::{
@@ -17,6 +17,13 @@ use crate::{
 
 /// Returns the TC verdict: continue, or redirect after a rewrite.
 pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
+    // Our own redirected copy, crossing egress a second time: already
+    // counted and steered. Clear the bit so the mark leaves as it came.
+    let mark = unsafe { (*ctx.skb.skb).mark };
+    if mark & MARK_REDIRECTED != 0 {
+        ctx.set_mark(mark & !MARK_REDIRECTED);
+        return Ok(TC_CONTINUE);
+    }
     // Make the headers and descriptor span readable if the skb is paged.
     let linear = ctx.data_end() - ctx.data();
     if linear < PARSE_SPAN && (ctx.len() as usize) > linear {
@@ -34,14 +41,20 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     let config = *CONFIG.get(0).ok_or(())?;
 
     let Some(request_id) = config.descriptor.request_id(|i| dgram.payload_byte(ctx, i)) else {
-        accounting::count(primary, |s| &mut s.untracked);
+        accounting::count(primary, |s| &mut s.no_request_id);
         return Ok(TC_CONTINUE);
     };
     let key = InflightKey::ipv4(dgram.src_addr, dgram.src_port, group, request_id);
 
-    // A retransmit follows the first copy and is not counted again.
     if let Some(first) = unsafe { INFLIGHT.get(key) } {
-        let chosen = first.chosen;
+        let (first_primary, chosen) = (first.primary, first.chosen);
+        if first_primary != primary {
+            // The same id sent to another member while the first request is
+            // in flight: the application's own failover. Leave it alone.
+            accounting::count(primary, |s| &mut s.id_collisions);
+            return Ok(TC_CONTINUE);
+        }
+        // A retransmit follows the first copy and is not counted again.
         if chosen != primary {
             return steer(ctx, chosen);
         }

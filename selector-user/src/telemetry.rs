@@ -76,11 +76,15 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
         );
     }
     let untracked: u64 = now.stats.iter().map(|s| s.untracked).sum();
-    let unmatched: u64 = now.stats.iter().map(|s| s.unmatched_responses).sum();
+    let total = |f: fn(&BackendStats) -> u64| now.stats.iter().map(f).sum::<u64>();
     let _ = writeln!(
         out,
-        "in flight {}  untracked {}  unmatched responses {}",
-        now.inflight, untracked, unmatched
+        "in flight {}  untracked {}  no request id {}  id collisions {}  unmatched replies {}",
+        now.inflight,
+        untracked,
+        total(|s| s.no_request_id),
+        total(|s| s.id_collisions),
+        total(|s| s.unmatched_responses),
     );
     out
 }

@@ -10,8 +10,8 @@ use aya::{
 };
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
 use selector_common::{
-    BackendStats, Descriptor, GroupCounters, InflightEntry, InflightKey, Policy, latency, names,
-    programs,
+    BackendStats, Descriptor, GroupCounters, InflightEntry, InflightKey, MARK_REDIRECTED, Policy,
+    latency, names, programs,
 };
 use selector_user::{IngressMode, Selector, Settings, sys};
 
@@ -37,7 +37,11 @@ fn selector() -> Selector {
 }
 
 fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Selector {
-    let settings = Settings {
+    Selector::load(&settings_for(descriptor, member)).expect("load")
+}
+
+fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Settings {
+    Settings {
         iface: "lo".into(),
         groups: vec![
             (0..3)
@@ -53,8 +57,7 @@ fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> 
         timeout: Duration::from_secs(1),
         inflight_max: 1024,
         ingress: IngressMode::Xdp,
-    };
-    Selector::load(&settings).expect("load")
+    }
 }
 
 fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
@@ -90,6 +93,36 @@ where
         .unwrap();
     out.truncate(r.data_size_out as usize);
     (r.return_value, out)
+}
+
+/// `struct __sk_buff` is 192 bytes; `mark` is at offset 8.
+const SKB_CTX_LEN: usize = 192;
+const SKB_MARK: std::ops::Range<usize> = 8..12;
+
+/// Runs the egress program with an skb mark: (verdict, output, mark after).
+fn egress_marked(sel: &mut Selector, input: &[u8], mark: u32) -> (u32, Vec<u8>, u32) {
+    let prog: &mut SchedClassifier = sel
+        .ebpf_mut()
+        .program_mut(programs::EGRESS)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_MARK].copy_from_slice(&mark.to_ne_bytes());
+    let mut ctx_out = [0u8; SKB_CTX_LEN];
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            ctx_out: Some(&mut ctx_out),
+            ..Default::default()
+        })
+        .unwrap();
+    out.truncate(r.data_size_out as usize);
+    let mark_out = u32::from_ne_bytes(ctx_out[SKB_MARK].try_into().unwrap());
+    (r.return_value, out, mark_out)
 }
 
 fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
@@ -211,16 +244,102 @@ fn redirected_request_changes_only_destination_and_checksums() {
     assert_eq!(inflight[0].0, key(0x1234));
     assert_eq!((inflight[0].1.primary, inflight[0].1.chosen), (0, 1));
 
-    // A retransmit follows the first copy and is not counted again, and the
-    // redirected copy seen again on egress (now addressed to the replica)
-    // is neither counted nor steered.
+    // A retransmit follows the first copy and is not counted again.
     let (verdict, again) = egress(&mut sel, &input);
     assert_eq!((verdict, &again), (TC_ACT_REDIRECT, &out));
-    let (verdict, seen_again) = egress(&mut sel, &out);
-    assert_eq!((verdict, &seen_again), (TC_ACT_PIPE, &out));
     assert_eq!(counters(&sel).issued[1], 1);
     assert_eq!(stats(&sel)[0].requests, 1);
     assert_eq!(stats(&sel)[1].requests, 0);
+}
+
+#[test]
+fn redirected_copy_is_marked_and_passes_its_second_egress_untouched() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let other_bits = 0x42;
+    let (verdict, out, mark) = egress_marked(&mut sel, &request(GET), other_bits);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(mark, other_bits | MARK_REDIRECTED);
+    // bpf_redirect_neigh sends it through egress again: passed as is, the
+    // bit cleared, nothing counted, even once its entry is gone.
+    for entry_gone in [false, true] {
+        if entry_gone {
+            let mut m: HashMap<_, InflightKey, InflightEntry> =
+                HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
+            m.remove(&key(0x1234)).unwrap();
+        }
+        let (verdict, again, mark) = egress_marked(&mut sel, &out, other_bits | MARK_REDIRECTED);
+        assert_eq!((verdict, &again, mark), (TC_ACT_PIPE, &out, other_bits));
+        assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+        assert_eq!(stats(&sel)[1].requests, 0);
+    }
+}
+
+#[test]
+fn the_applications_own_failover_with_the_same_id_is_left_alone() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, _) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    // The application gives up on the primary and asks replica 2 itself.
+    let failover = udp((CLIENT, CLIENT_PORT), replica(2), GET);
+    assert_eq!(egress(&mut sel, &failover), (TC_ACT_PIPE, failover));
+    assert_eq!(stats(&sel)[2].id_collisions, 1);
+    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+    // Its reply, from replica 2, is not the in-flight request's: untouched.
+    let reply = response_from(2);
+    assert_eq!(run_xdp(&mut sel, &reply), (XDP_PASS, reply));
+}
+
+#[test]
+fn full_in_flight_table_passes_requests_untracked_and_untouched() {
+    let settings = Settings {
+        inflight_max: 1,
+        ..settings_for(Descriptor::memcached(), replica)
+    };
+    let mut sel = Selector::load(&settings).unwrap();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, _) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    // A second read (another id) finds the table full: it goes where the
+    // application sent it, uncounted.
+    let mut second = GET.to_vec();
+    second[1] = 0x99;
+    let input = request(&second);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    let s = stats(&sel);
+    assert_eq!(
+        (s[0].requests, s[0].untracked, s[0].redirected_away),
+        (2, 1, 1)
+    );
+    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+}
+
+#[test]
+fn custom_descriptor_reads_a_wide_id_and_a_prefix_deep_in_the_payload() {
+    // An 8-byte id at offset 100 and reads marked by "RD" at offset 240.
+    let descriptor = Descriptor::custom(100, 8, 240, b"RD").unwrap();
+    let mut sel = Selector::load(&settings_for(descriptor, replica)).unwrap();
+    set_issued(&mut sel, 0, 5);
+    let mut payload = vec![b'.'; 300];
+    payload[100..108].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
+    payload[240..242].copy_from_slice(b"RD");
+    let (verdict, out) = egress(&mut sel, &request(&payload));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(1));
+    assert_eq!(
+        sel.inflight().unwrap()[0].0.request_id,
+        0x0102_0304_0506_0708
+    );
+    // A write (no prefix) with another id is tracked but stays.
+    payload[107] = 9;
+    payload[240..242].copy_from_slice(b"WR");
+    let input = request(&payload);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    // Too short to hold the id: passed and counted as such.
+    let input = request(&payload[..104]);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    assert_eq!(stats(&sel)[0].no_request_id, 1);
 }
 
 #[test]
@@ -396,16 +515,37 @@ fn tc_ingress_rewrites_a_redirected_reply_to_come_from_the_primary() {
 }
 
 #[test]
-fn xdp_keeps_a_zero_udp_checksum_zero() {
-    let mut sel = selector();
-    insert_inflight(&mut sel, 0x1234, 0, 1);
-    let mut input = response_from(1);
-    input[UDP_CHECK].fill(0);
-    let (verdict, out) = run_xdp(&mut sel, &input);
-    assert_eq!(verdict, XDP_PASS);
-    assert_eq!(&out[UDP_CHECK], &[0, 0]);
-    assert_eq!(&out[IP_SRC], &replica(0).0);
-    assert!(sel.inflight().unwrap().is_empty());
+fn a_zero_udp_checksum_stays_zero_through_either_ingress() {
+    for tc in [false, true] {
+        let mut sel = selector();
+        insert_inflight(&mut sel, 0x1234, 0, 1);
+        let mut input = response_from(1);
+        input[UDP_CHECK].fill(0);
+        let (verdict, out) = if tc {
+            run_tc(&mut sel, programs::INGRESS_TC, &input)
+        } else {
+            run_xdp(&mut sel, &input)
+        };
+        assert_eq!(verdict, if tc { TC_ACT_PIPE } else { XDP_PASS });
+        assert_eq!(&out[UDP_CHECK], &[0, 0], "tc: {tc}");
+        assert_eq!(&out[IP_SRC], &replica(0).0);
+        assert_eq!(verified_endpoints_ip_only(&out), replica(0).0);
+        assert!(sel.inflight().unwrap().is_empty());
+    }
+}
+
+/// The IPv4 header checksum verifies; returns the source address.
+fn verified_endpoints_ip_only(frame: &[u8]) -> [u8; 4] {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
+        panic!("not IPv4")
+    };
+    assert_eq!(
+        ip.header_checksum,
+        ip.calc_header_checksum(),
+        "IPv4 checksum"
+    );
+    ip.source
 }
 
 #[test]
