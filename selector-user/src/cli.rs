@@ -248,25 +248,52 @@ impl RunArgs {
     }
 }
 
-/// Answers one control request; a failing request gets an error reply and
-/// leaves the agent running.
-async fn serve_control(stream: tokio::net::UnixStream, selector: &mut Selector) {
-    use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
+/// A control request on its way to the main loop, with where to reply.
+type ControlCall = (Request, tokio::sync::oneshot::Sender<Result<String>>);
+
+/// Longest control request line accepted.
+const MAX_REQUEST: u64 = 4096;
+
+/// Reads one request from a control connection (in its own task, so a slow
+/// or idle client never holds up the sweep), hands it to the main loop, and
+/// writes the reply. Only root or the agent's own user may control it.
+async fn serve_control(
+    stream: tokio::net::UnixStream,
+    calls: tokio::sync::mpsc::Sender<ControlCall>,
+) {
+    use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+    // SAFETY: geteuid has no preconditions.
+    let own_uid = unsafe { libc::geteuid() };
+    let allowed = stream
+        .peer_cred()
+        .is_ok_and(|c| c.uid() == 0 || c.uid() == own_uid);
     let (read, mut write) = stream.into_split();
     let mut line = String::new();
-    let mut reader = BufReader::new(read);
+    let mut reader = BufReader::new(read.take(MAX_REQUEST));
     let read_line = reader.read_line(&mut line);
-    let reply = match tokio::time::timeout(Duration::from_secs(1), read_line).await {
-        Ok(Ok(_)) => Request::decode(&line).and_then(|r| control::apply(selector, &r)),
-        _ => Err(anyhow::anyhow!("no request received")),
+    let received = tokio::time::timeout(Duration::from_secs(1), read_line).await;
+    let reply = if !allowed {
+        Err(anyhow::anyhow!(
+            "permission denied: only root or the agent's user may control it"
+        ))
+    } else if !matches!(received, Ok(Ok(n)) if n > 0) {
+        Err(anyhow::anyhow!("no request received"))
+    } else {
+        match Request::decode(&line) {
+            Ok(request) => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                match calls.send((request, tx)).await {
+                    Ok(()) => rx
+                        .await
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("agent stopping"))),
+                    Err(_) => Err(anyhow::anyhow!("agent stopping")),
+                }
+            }
+            Err(e) => Err(e),
+        }
     };
     let text = match reply {
-        Ok(text) => {
-            if !line.starts_with("status") {
-                print!("selector: control: {}", text);
-            }
-            text
-        }
+        Ok(text) => text,
         Err(e) => format!("error: {e:#}\n"),
     };
     let _ = write.write_all(text.as_bytes()).await;
@@ -281,6 +308,9 @@ pub async fn run(args: RunArgs) -> Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
 
     let settings = args.settings()?;
+    // Handlers first: a signal during attach still ends in a clean detach.
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let mut sigterm = signal(SignalKind::terminate())?;
     // Claiming the control socket first also refuses a second agent on the
     // same interface before it attaches anything.
     let listener = std::os::unix::net::UnixListener::bind_addr(&control::address(&settings.iface)?)
@@ -316,8 +346,6 @@ pub async fn run(args: RunArgs) -> Result<()> {
         );
     }
 
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
     let interval = Duration::from_millis(args.interval);
     // Sweep often enough that an expiry is at most a quarter timeout late.
     let sweep_every = interval
@@ -338,6 +366,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     tokio::pin!(until_deadline);
     print_tick.tick().await;
     refresh_tick.tick().await;
+    let (calls_tx, mut calls_rx) = tokio::sync::mpsc::channel::<ControlCall>(8);
     let mut last = selector.snapshot()?;
     loop {
         tokio::select! {
@@ -345,17 +374,33 @@ pub async fn run(args: RunArgs) -> Result<()> {
             _ = sigterm.recv() => break,
             _ = &mut until_deadline => break,
             _ = sweep_tick.tick() => {
-                selector.sweep(sys::monotonic_ns())?;
+                // A failed sweep is retried next tick; the data path goes on.
+                if let Err(e) = selector.sweep(sys::monotonic_ns()) {
+                    log::warn!("sweep failed: {e:#}");
+                }
                 selector.flush_kernel_logs();
             }
             _ = refresh_tick.tick() => neighbours::probe(&addrs),
             accepted = listener.accept() => {
                 if let Ok((stream, _)) = accepted {
-                    serve_control(stream, &mut selector).await;
+                    tokio::spawn(serve_control(stream, calls_tx.clone()));
                 }
             }
+            Some((request, reply)) = calls_rx.recv() => {
+                let result = control::apply(&mut selector, &request);
+                if let (Ok(text), false) = (&result, request == Request::Status) {
+                    print!("selector: control: {text}");
+                }
+                let _ = reply.send(result);
+            }
             _ = print_tick.tick() => {
-                let now = selector.snapshot()?;
+                let now = match selector.snapshot() {
+                    Ok(now) => now,
+                    Err(e) => {
+                        log::warn!("reading the maps failed: {e:#}");
+                        continue;
+                    }
+                };
                 if !args.quiet {
                     println!("{}", telemetry::render_table(&selector.backends, &last, &now));
                 }

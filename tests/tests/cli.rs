@@ -334,6 +334,20 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         "the other replica takes the reads"
     );
 
+    // Only root (or the agent's own user) may control it.
+    let out = tb
+        .client
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(selector_bin())
+        .args(["set", "--iface", CLIENT_IFACE, "--policy", "observe"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("permission denied"));
+    let (_, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert!(out.contains("policy threshold"), "{out}");
+
     let (code, err) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE, "--threshold", "0"]);
     assert_ne!(code, 0);
     assert!(err.contains("threshold must be at least 1"), "{err}");
@@ -347,4 +361,28 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
     tb.replicas.clear();
+}
+
+#[test]
+fn duration_ends_the_run_with_totals_and_nothing_attached() {
+    let tb = Testbed::new("seld", 3).unwrap();
+    let started = Instant::now();
+    let (code, out) = run_ctl(
+        &tb,
+        &[
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--duration",
+            "0.5",
+            "--quiet",
+        ],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(out.contains("detaching from eth0; totals:"), "{out}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
 }
