@@ -256,10 +256,7 @@ impl Selector {
 
     /// Entries in the in-flight table now.
     pub fn inflight(&self) -> Result<Vec<(InflightKey, InflightEntry)>> {
-        let table: HashMap<_, InflightKey, InflightEntry> =
-            HashMap::try_from(self.map(names::INFLIGHT)?)?;
-        let bound = self.settings.inflight_max as usize * 2;
-        Ok(table.iter().take(bound).filter_map(|r| r.ok()).collect())
+        Ok(crate::sys::lookup_all(self.inflight_fd()?)?)
     }
 
     pub(crate) fn inflight_fd(&self) -> Result<RawFd> {

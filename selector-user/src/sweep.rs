@@ -23,16 +23,21 @@ impl Selector {
     pub fn sweep(&mut self, now_ns: u64) -> Result<SweepReport> {
         let timeout_ns = self.settings.timeout.as_nanos() as u64;
         let is_stale = |e: &InflightEntry| now_ns.saturating_sub(e.sent_ns) >= timeout_ns;
-        let stale: Vec<InflightKey> = self
+        let stale: Vec<(InflightKey, InflightEntry)> = self
             .inflight()?
             .into_iter()
             .filter(|(_, e)| is_stale(e))
-            .map(|(k, _)| k)
             .collect();
         let fd = self.inflight_fd()?;
         let mut report = SweepReport::default();
         let mut touched = Vec::new();
-        for key in stale {
+        for (key, seen) in stale {
+            // Re-read just before deleting: a reply may have completed it and
+            // a new request reused the key since the listing.
+            if self.inflight_entry(&key)? != Some(seen) {
+                report.lost_race += 1;
+                continue;
+            }
             let Some(entry) = sys::lookup_and_delete::<_, InflightEntry>(fd, &key)? else {
                 report.lost_race += 1;
                 continue;
@@ -53,6 +58,16 @@ impl Selector {
             self.write_expired(group)?;
         }
         Ok(report)
+    }
+
+    fn inflight_entry(&self, key: &InflightKey) -> Result<Option<InflightEntry>> {
+        let table: HashMap<_, InflightKey, InflightEntry> =
+            HashMap::try_from(self.map(names::INFLIGHT)?)?;
+        match table.get(key, 0) {
+            Ok(e) => Ok(Some(e)),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Puts back an entry removed by mistake; false if the kernel already

@@ -1,4 +1,4 @@
-//! The two system calls aya does not wrap for us.
+//! The system calls aya does not wrap for us.
 
 use std::{io, os::fd::RawFd};
 
@@ -54,5 +54,78 @@ pub fn lookup_and_delete<K, V: Default>(map_fd: RawFd, key: &K) -> io::Result<Op
         Ok(None)
     } else {
         Err(err)
+    }
+}
+
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+
+#[repr(C)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Every entry of a hash map, read bucket by bucket with
+/// BPF_MAP_LOOKUP_BATCH. Unlike walking keys with get-next-key, which starts
+/// over from the first bucket whenever the cursor key is deleted under it
+/// (as replies delete in-flight entries all the time), a batch walk always
+/// reaches the end of the table.
+pub fn lookup_all<K: Default + Copy, V: Default + Copy>(map_fd: RawFd) -> io::Result<Vec<(K, V)>> {
+    let mut chunk = 1024usize;
+    let mut out = Vec::new();
+    // The hash map's batch cursor is a bucket index.
+    let mut cursor: u32 = 0;
+    let mut next: u32 = 0;
+    let mut first = true;
+    loop {
+        let mut keys = vec![K::default(); chunk];
+        let mut values = vec![V::default(); chunk];
+        let mut attr = BatchAttr {
+            in_batch: if first {
+                0
+            } else {
+                &cursor as *const u32 as u64
+            },
+            out_batch: &mut next as *mut u32 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: chunk as u32,
+            map_fd: map_fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: the buffers hold `count` keys and values of the map's sizes.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &mut attr as *mut BatchAttr,
+                std::mem::size_of::<BatchAttr>() as u32,
+            )
+        };
+        let err = (rc != 0).then(io::Error::last_os_error);
+        // The kernel writes back how many it filled, also on ENOENT.
+        let filled = unsafe { std::ptr::read_volatile(&attr.count) } as usize;
+        match err.as_ref().and_then(io::Error::raw_os_error) {
+            Some(libc::ENOSPC) => {
+                // One bucket holds more than a chunk: retry it with more room.
+                chunk *= 4;
+                continue;
+            }
+            Some(libc::ENOENT) | None => {}
+            Some(_) => return Err(err.unwrap()),
+        }
+        out.extend(keys.into_iter().zip(values).take(filled));
+        if err.is_some() {
+            return Ok(out);
+        }
+        cursor = next;
+        first = false;
     }
 }

@@ -633,3 +633,35 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
     assert_eq!(verified_endpoints(&out).0, dns_server(0));
     assert_eq!(sel.pending().unwrap(), vec![3, 0, 0]);
 }
+
+#[test]
+fn sweep_walks_a_large_table_to_the_end() {
+    let settings = Settings {
+        inflight_max: 8192,
+        ..settings_for(Descriptor::memcached(), replica)
+    };
+    let mut sel = Selector::load(&settings).unwrap();
+    set_issued(&mut sel, 2, 5000);
+    {
+        let mut m: HashMap<_, InflightKey, InflightEntry> =
+            HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
+        let old = sys::monotonic_ns() - 5_000_000_000;
+        for id in 0..5000u64 {
+            let entry = InflightEntry {
+                primary: 0,
+                chosen: 2,
+                sent_ns: old,
+            };
+            m.insert(key(id), entry, 0).unwrap();
+        }
+    }
+    let listed = sel.inflight().unwrap();
+    let mut ids: Vec<u64> = listed.iter().map(|(k, _)| k.request_id).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!((listed.len(), ids.len()), (5000, 5000));
+    assert_eq!(sel.sweep(sys::monotonic_ns()).unwrap().expired, 5000);
+    assert!(sel.inflight().unwrap().is_empty());
+    assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
+    assert_eq!(sel.expired(), vec![0, 0, 5000]);
+}
