@@ -241,13 +241,40 @@ fn response(port: u16, id: u16, from: usize) -> Vec<u8> {
 }
 
 /// Every measurement at one table size, in row order.
+#[derive(Default)]
 struct Sizes {
     ns: Vec<f64>,
     empty: Vec<f64>,
 }
 
-fn measure_size(lab: &mut Lab, o: &CostOptions) -> Result<Sizes> {
-    let r = o.repeat;
+impl Sizes {
+    /// Adds `other / n`, for a mean over `n` batches.
+    fn add_share(&mut self, other: &Sizes, n: usize) {
+        let share = |mine: &mut Vec<f64>, theirs: &[f64]| {
+            mine.resize(theirs.len(), 0.0);
+            for (m, t) in mine.iter_mut().zip(theirs) {
+                *m += t / n as f64;
+            }
+        };
+        share(&mut self.ns, &other.ns);
+        share(&mut self.empty, &other.empty);
+    }
+}
+
+/// Measurements are taken in this many batches, alternating between the
+/// two table sizes, so a machine that gets busier or quieter meanwhile
+/// affects both alike.
+const BATCHES: usize = 5;
+
+/// One batch of every measurement on `lab`: `fresh` packets per stateful
+/// case, `r` repeats per stateless one.
+fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
+    let o = CostOptions {
+        repeat: r,
+        fresh,
+        inflight_small: 0,
+        inflight_large: 0,
+    };
     let req = request(50_000, 7, replica(0));
     let resp = response(50_000, 7, 0);
     let (empty_tc, _) = lab.tc(programs::BASELINE_TC, &req, r)?;
@@ -353,14 +380,25 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         inflight_max: o.inflight_large + 70_000,
         ingress: IngressMode::Xdp,
     };
-    let mut sel = Selector::load(&settings).context("loading the programs")?;
-    program::<SchedClassifier>(&mut sel, programs::BASELINE_TC)?.load()?;
-    program::<Xdp>(&mut sel, programs::BASELINE_XDP)?.load()?;
-    let mut lab = Lab { sel, filled: 0 };
-    lab.fill_to(o.inflight_small)?;
-    let small = measure_size(&mut lab, o)?;
-    lab.fill_to(o.inflight_large)?;
-    let large = measure_size(&mut lab, o)?;
+    // Two copies of the programs and maps, one per table size.
+    let mut labs = Vec::new();
+    for fill in [o.inflight_small, o.inflight_large] {
+        let mut sel = Selector::load(&settings).context("loading the programs")?;
+        program::<SchedClassifier>(&mut sel, programs::BASELINE_TC)?.load()?;
+        program::<Xdp>(&mut sel, programs::BASELINE_XDP)?.load()?;
+        let mut lab = Lab { sel, filled: 0 };
+        lab.fill_to(fill)?;
+        labs.push(lab);
+    }
+    let (fresh, repeat) = (
+        o.fresh.div_ceil(BATCHES as u32),
+        o.repeat.div_ceil(BATCHES as u32),
+    );
+    let (mut small, mut large) = (Sizes::default(), Sizes::default());
+    for _ in 0..BATCHES {
+        small.add_share(&measure_batch(&mut labs[0], fresh, repeat)?, BATCHES);
+        large.add_share(&measure_batch(&mut labs[1], fresh, repeat)?, BATCHES);
+    }
     Ok(CASES
         .iter()
         .enumerate()
