@@ -225,6 +225,22 @@ impl Selector {
             .collect()
     }
 
+    /// (issued, completed, expired) per backend: the raw counters behind
+    /// `pending`, for checking that none drifted.
+    pub fn accounting(&self) -> Result<Vec<(u64, u64, u64)>> {
+        let counters: Array<_, GroupCounters> = Array::try_from(self.map(names::PENDING)?)?;
+        let expired: Array<_, GroupExpired> = Array::try_from(self.map(names::EXPIRED)?)?;
+        self.backends
+            .iter()
+            .map(|b| {
+                let (group, position) = split_backend_id(b.index);
+                let c = counters.get(&group, 0)?;
+                let e = expired.get(&group, 0)?;
+                Ok((c.issued[position], c.completed[position], e.count[position]))
+            })
+            .collect()
+    }
+
     /// Per-backend statistics summed over CPUs.
     pub fn stats(&self) -> Result<Vec<BackendStats>> {
         let stats: PerCpuArray<_, BackendStats> = PerCpuArray::try_from(self.map(names::STATS)?)?;

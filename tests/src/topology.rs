@@ -27,6 +27,8 @@ pub fn replica_addr(i: usize) -> Ipv4Addr {
 /// Namespaces and replicas; everything goes away on drop (replicas first).
 pub struct Testbed {
     pub replicas: Vec<Replica>,
+    /// Replica i serves on `MEMCACHED_PORT + i * port_step` (0: all alike).
+    pub port_step: u16,
     pub client: Namespace,
     pub replica_ns: Vec<Namespace>,
     pub switch: Namespace,
@@ -76,6 +78,7 @@ impl Testbed {
         }
         Ok(Self {
             replicas: Vec::new(),
+            port_step: 0,
             client,
             replica_ns,
             switch,
@@ -84,11 +87,9 @@ impl Testbed {
 
     /// Starts memcached (UDP) on every replica.
     pub fn start_memcached(&mut self) -> Result<()> {
-        for (i, ns) in self.replica_ns.iter().enumerate() {
-            self.replicas.push(Replica::start(
-                ns,
-                SocketAddrV4::new(replica_addr(i), MEMCACHED_PORT),
-            )?);
+        let endpoints = self.replica_endpoints();
+        for (ns, endpoint) in self.replica_ns.iter().zip(endpoints) {
+            self.replicas.push(Replica::start(ns, endpoint)?);
         }
         for r in &self.replicas {
             r.wait_ready(&self.client)?;
@@ -98,7 +99,7 @@ impl Testbed {
 
     pub fn replica_endpoints(&self) -> Vec<SocketAddrV4> {
         (0..self.replica_ns.len())
-            .map(|i| SocketAddrV4::new(replica_addr(i), MEMCACHED_PORT))
+            .map(|i| SocketAddrV4::new(replica_addr(i), MEMCACHED_PORT + i as u16 * self.port_step))
             .collect()
     }
 
