@@ -341,7 +341,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     );
     if !unresolved.is_empty() {
         println!(
-            "selector: no neighbour entry yet for {:?} (fine if routed; redirects to them wait until resolved)",
+            "selector: no neighbour entry yet for {:?} (fine if routed; the first redirect to them waits for resolution)",
             unresolved
         );
     }

@@ -1,6 +1,7 @@
-//! Next-hop warm-up. The egress program redirects only to replicas whose
-//! neighbour entry is resolved (it writes the MACs itself), so the agent
-//! makes the kernel resolve every backend at start and keeps them fresh.
+//! Next-hop warm-up. A redirected request leaves through
+//! `bpf_redirect_neigh`, which resolves the replica's neighbour itself but
+//! holds the packet while it does; probing every backend at start (and now
+//! and then) keeps those entries resolved, so no redirect waits for ARP.
 
 use std::{
     collections::HashSet,
