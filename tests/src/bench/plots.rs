@@ -148,8 +148,9 @@ fn replica_rates(
             .build_cartesian_2d(window.0..window.1, 0.0..top)?;
         chart
             .configure_mesh()
-            .x_desc("time (s)")
+            .x_desc("load time (s)")
             .y_desc("reads/s")
+            .y_label_formatter(&|v| format!("{v:.0}"))
             .light_line_style(WHITE)
             .draw()?;
         let shade = RGBColor(255, 190, 190).filled();
@@ -171,7 +172,7 @@ fn replica_rates(
                 format!("replica {i}{primary}"),
             )?;
         }
-        draw_legend(&mut chart, SeriesLabelPosition::UpperRight)?;
+        draw_legend(&mut chart, SeriesLabelPosition::MiddleRight)?;
     }
     root.present()?;
     Ok(())
