@@ -79,7 +79,8 @@ pub fn draw(dir: &Path, report: &Report) -> Result<Vec<PathBuf>> {
         replica_rates(&path, &panels, zoom, 5)?;
         written.push(path);
         let path = dir.join("replica_rates_full.png");
-        let bin = if secs > 20.0 { 250 } else { 50 };
+        // Bins of whole seconds hold whole stall periods: no aliasing.
+        let bin = if secs > 20.0 { 1000 } else { 100 };
         replica_rates(&path, &panels, (0.0, secs), bin)?;
         written.push(path);
     }

@@ -132,7 +132,8 @@ fn main() -> Result<()> {
         },
         only: args.only.clone(),
         skip_cost: args.skip_packet_cost,
-        command: std::iter::once("selector-bench".to_string())
+        // What `cargo xtask bench ARGS` runs this binary with.
+        command: std::iter::once("cargo xtask bench".to_string())
             .chain(std::env::args().skip(1))
             .collect::<Vec<_>>()
             .join(" "),
