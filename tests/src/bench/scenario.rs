@@ -60,6 +60,8 @@ pub struct Options {
     /// Wait for stragglers after the last send; also the request timeout.
     pub drain: Duration,
     pub cost: CostOptions,
+    /// Where the selector's response program attaches in its rows.
+    pub ingress: IngressMode,
     /// Run only the rows with these ids (all when empty).
     pub only: Vec<String>,
     /// Skip the per-packet cost.
@@ -346,7 +348,7 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
                 descriptor: Descriptor::memcached(),
                 timeout: opts.drain,
                 inflight_max: DEFAULT_INFLIGHT_MAX,
-                ingress: IngressMode::Xdp,
+                ingress: opts.ingress,
             },
         )?),
         None => None,

@@ -8,6 +8,7 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use selector_testbed::bench::{self, packet_cost::CostOptions};
+use selector_user::IngressMode;
 
 #[derive(Parser)]
 #[command(
@@ -30,7 +31,7 @@ struct Args {
     /// Seconds of load per row [default: 45, quick: 4].
     #[arg(long)]
     duration: Option<f64>,
-    /// Segments per row, interleaved with the other rows [default: 3, quick: 1].
+    /// Segments per row, interleaved with the other rows [default: 9, quick: 1].
     #[arg(long)]
     rounds: Option<u32>,
     /// How long the primary stalls (SIGSTOP), in milliseconds.
@@ -68,6 +69,9 @@ struct Args {
     inflight_small: u32,
     #[arg(long, default_value_t = 1_000_000)]
     inflight_large: u32,
+    /// The selector's response hook: xdp (the agent's default) or tc.
+    #[arg(long, default_value = "xdp", value_parser = ["xdp", "tc"])]
+    ingress: String,
     /// Run only these rows (ids as in results.csv, comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -113,7 +117,7 @@ fn main() -> Result<()> {
         clients: args.clients.max(1),
         rate: args.rate.max(1),
         duration: Duration::from_secs_f64(args.duration.unwrap_or(pick(args.quick, 4.0, 45.0))),
-        rounds: args.rounds.unwrap_or(pick(args.quick, 1, 3)).max(1),
+        rounds: args.rounds.unwrap_or(pick(args.quick, 1, 9)).max(1),
         stall: Duration::from_millis(args.stall_ms),
         stall_every: Duration::from_millis(args.stall_every_ms.max(1)),
         slow_list_timeout: Duration::from_millis(args.slow_list_timeout_ms),
@@ -129,6 +133,11 @@ fn main() -> Result<()> {
             fresh: args.packet_fresh.unwrap_or(pick(args.quick, 5_000, 50_000)),
             inflight_small: args.inflight_small,
             inflight_large: args.inflight_large,
+        },
+        ingress: if args.ingress == "tc" {
+            IngressMode::Tc
+        } else {
+            IngressMode::Xdp
         },
         only: args.only.clone(),
         skip_cost: args.skip_packet_cost,
