@@ -25,6 +25,8 @@ const PACKAGES: &[&str] = &[
     "ethtool",
     "nginx",
     "libnginx-mod-stream",
+    // The benchmark's plots draw text with a TrueType font.
+    "fonts-dejavu-core",
 ];
 
 pub fn workspace_root() -> PathBuf {
