@@ -46,41 +46,32 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     };
     let key = InflightKey::ipv4(dgram.src_addr, dgram.src_port, group, request_id);
 
-    if let Some(first) = unsafe { INFLIGHT.get(key) } {
-        let (first_primary, chosen) = (first.primary, first.chosen);
-        if first_primary != primary {
-            // The same id sent to another member while the first request is
-            // in flight: the application's own failover. Leave it alone.
-            accounting::count(primary, |s| &mut s.id_collisions);
-            return Ok(TC_CONTINUE);
-        }
-        // A retransmit follows the first copy and is not counted again.
-        if chosen != primary {
-            return steer(ctx, chosen);
-        }
-        return Ok(TC_CONTINUE);
-    }
-
-    accounting::count(primary, |s| &mut s.requests);
     let mut chosen = primary;
     if config.descriptor.is_read(|i| dgram.payload_byte(ctx, i)) {
         chosen = backend_id(group, choose_position(&config, group, primary_pos));
     }
-
     let entry = InflightEntry {
         primary,
         chosen,
         sent_ns: unsafe { bpf_ktime_get_ns() },
     };
-    if INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST)).is_err() {
-        // Table full (or a racing copy won): never block traffic.
-        accounting::count(primary, |s| &mut s.untracked);
-        debug!(
-            ctx,
-            "in-flight table full: request to backend {} untracked", primary
-        );
-        return Ok(TC_CONTINUE);
+    // Insert first: a new request (the common case) costs one hash
+    // operation; only a key already in flight needs a lookup.
+    match INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST)) {
+        Ok(()) => {}
+        Err(EEXIST) => return in_flight_already(ctx, &key, primary),
+        Err(_) => {
+            // Table full: never block traffic.
+            accounting::count(primary, |s| &mut s.requests);
+            accounting::count(primary, |s| &mut s.untracked);
+            debug!(
+                ctx,
+                "in-flight table full: request to backend {} untracked", primary
+            );
+            return Ok(TC_CONTINUE);
+        }
     }
+    accounting::count(primary, |s| &mut s.requests);
     accounting::add_issued(chosen);
     if chosen == primary {
         return Ok(TC_CONTINUE);
@@ -88,6 +79,29 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     accounting::count(primary, |s| &mut s.redirected_away);
     accounting::count(chosen, |s| &mut s.redirected_to);
     steer(ctx, chosen)
+}
+
+/// The map insert's error for a key that is already there.
+const EEXIST: i32 = -17;
+
+/// A request whose key is already in flight.
+#[inline(always)]
+fn in_flight_already(ctx: &TcContext, key: &InflightKey, primary: u32) -> Result<i32, ()> {
+    // Completed in the meantime: nothing to follow.
+    let Some(first) = (unsafe { INFLIGHT.get(key) }).copied() else {
+        return Ok(TC_CONTINUE);
+    };
+    if first.primary != primary {
+        // The same id sent to another member while the first request is in
+        // flight: the application's own failover. Leave it alone.
+        accounting::count(primary, |s| &mut s.id_collisions);
+        return Ok(TC_CONTINUE);
+    }
+    // A retransmit follows the first copy and is not counted again.
+    if first.chosen != primary {
+        return steer(ctx, first.chosen);
+    }
+    Ok(TC_CONTINUE)
 }
 
 /// The endpoint of backend `id`.
