@@ -124,9 +124,13 @@ pub struct GroupExpired {
 #[inline(always)]
 pub fn pending(counters: &GroupCounters, expired: &GroupExpired, position: usize) -> u64 {
     let p = position % MAX_GROUP_MEMBERS;
-    counters.issued[p]
-        .saturating_sub(counters.completed[p])
-        .saturating_sub(expired.count[p])
+    pending_of(counters.issued[p], counters.completed[p], expired.count[p])
+}
+
+/// `issued - completed - expired`, saturating at zero.
+#[inline(always)]
+pub fn pending_of(issued: u64, completed: u64, expired: u64) -> u64 {
+    issued.saturating_sub(completed).saturating_sub(expired)
 }
 
 /// Identifies one outstanding request: who asked, which group, which id.

@@ -212,17 +212,13 @@ impl Selector {
 
     /// Pending requests per backend (`issued - completed - expired`).
     pub fn pending(&self) -> Result<Vec<u64>> {
-        let counters: Array<_, GroupCounters> = Array::try_from(self.map(names::PENDING)?)?;
-        let expired: Array<_, GroupExpired> = Array::try_from(self.map(names::EXPIRED)?)?;
-        self.backends
-            .iter()
-            .map(|b| {
-                let (group, position) = split_backend_id(b.index);
-                let c = counters.get(&group, 0)?;
-                let e = expired.get(&group, 0)?;
-                Ok(selector_common::pending(&c, &e, position))
+        Ok(self
+            .accounting()?
+            .into_iter()
+            .map(|(issued, completed, expired)| {
+                selector_common::pending_of(issued, completed, expired)
             })
-            .collect()
+            .collect())
     }
 
     /// (issued, completed, expired) per backend: the raw counters behind
