@@ -14,6 +14,21 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// The name used on the command line and the control socket.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Threshold => "threshold",
+            Self::Absolute => "absolute",
+            Self::Observe => "observe",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Threshold, Self::Absolute, Self::Observe]
+            .into_iter()
+            .find(|p| p.name() == name)
+    }
+
     pub fn from_u32(v: u32) -> Option<Self> {
         match v {
             0 => Some(Self::Threshold),
@@ -221,7 +236,9 @@ mod tests {
     fn policy_round_trips_through_u32() {
         for p in [Policy::Threshold, Policy::Absolute, Policy::Observe] {
             assert_eq!(Policy::from_u32(p as u32), Some(p));
+            assert_eq!(Policy::from_name(p.name()), Some(p));
         }
+        assert_eq!(Policy::from_name("fastest"), None);
         assert_eq!(Policy::from_u32(3), None);
     }
 }

@@ -3,16 +3,16 @@
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, programs::TcContext};
 use aya_log_ebpf::debug;
 use selector_common::{
-    Config, Endpoint, InflightEntry, InflightKey, MARK_REDIRECTED, MAX_GROUP_MEMBERS, Policy,
-    backend_id, policy, split_backend_id,
+    Config, Endpoint, InflightEntry, InflightKey, MARK_REDIRECTED, Policy, backend_id, policy,
+    split_backend_id,
 };
 
 use crate::{
     TC_CONTINUE, accounting,
-    maps::{BACKENDS, CONFIG, GROUPS, INFLIGHT},
+    maps::{BACKENDS, CONFIG, INFLIGHT, backend_target},
     nexthop,
     packet::{self, PARSE_SPAN},
-    rewrite::{Rewrite, Side, Target},
+    rewrite::{Rewrite, Side},
 };
 
 /// Returns the TC verdict: continue, or redirect after a rewrite.
@@ -57,21 +57,20 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     };
     // Insert first: a new request (the common case) costs one hash
     // operation; only a key already in flight needs a lookup.
-    match INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST)) {
-        Ok(()) => {}
-        Err(EEXIST) => return in_flight_already(ctx, &key, primary),
-        Err(_) => {
-            // Table full: never block traffic.
-            accounting::count(primary, |s| &mut s.requests);
-            accounting::count(primary, |s| &mut s.untracked);
-            debug!(
-                ctx,
-                "in-flight table full: request to backend {} untracked", primary
-            );
-            return Ok(TC_CONTINUE);
-        }
+    let inserted = INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST));
+    if inserted == Err(EEXIST) {
+        return in_flight_already(ctx, &key, primary);
     }
     accounting::count(primary, |s| &mut s.requests);
+    if inserted.is_err() {
+        // Table full: never block traffic.
+        accounting::count(primary, |s| &mut s.untracked);
+        debug!(
+            ctx,
+            "in-flight table full: request to backend {} untracked", primary
+        );
+        return Ok(TC_CONTINUE);
+    }
     accounting::add_issued(chosen);
     if chosen == primary {
         return Ok(TC_CONTINUE);
@@ -104,20 +103,11 @@ fn in_flight_already(ctx: &TcContext, key: &InflightKey, primary: u32) -> Result
     Ok(TC_CONTINUE)
 }
 
-/// The endpoint of backend `id`.
-#[inline(always)]
-fn endpoint_of(id: u32) -> Option<([u8; 4], u16)> {
-    let (group, position) = split_backend_id(id);
-    let e = GROUPS.get(group)?.endpoints[position % MAX_GROUP_MEMBERS];
-    Some((e.ipv4_octets()?, e.port))
-}
-
 /// Rewrites the destination to backend `chosen` and sends the packet on
 /// through the neighbour subsystem.
 #[inline(always)]
 fn steer(ctx: &TcContext, chosen: u32) -> Result<i32, ()> {
-    let (addr, port) = endpoint_of(chosen).ok_or(())?;
-    ctx.rewrite(Side::Destination, Target { addr, port })?;
+    ctx.rewrite(Side::Destination, backend_target(chosen).ok_or(())?)?;
     Ok(nexthop::redirect(ctx))
 }
 

@@ -2,13 +2,13 @@
 //! make a redirected reply look like it came from the primary.
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
-use selector_common::{Endpoint, InflightKey, MAX_GROUP_MEMBERS, split_backend_id};
+use selector_common::{Endpoint, InflightKey, split_backend_id};
 
 use crate::{
     accounting,
-    maps::{BACKENDS, CONFIG, GROUPS, INFLIGHT},
+    maps::{BACKENDS, CONFIG, INFLIGHT, backend_target},
     packet::{self, Packet},
-    rewrite::{Rewrite, Side, Target},
+    rewrite::{Rewrite, Side},
 };
 
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
@@ -44,16 +44,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     }
     if entry.primary != backend {
         // Even if the sweep won, the application may still be waiting.
-        let (primary_group, position) = split_backend_id(entry.primary);
-        let primary = GROUPS.get(primary_group).ok_or(())?.endpoints[position % MAX_GROUP_MEMBERS];
-        let addr = primary.ipv4_octets().ok_or(())?;
-        ctx.rewrite(
-            Side::Source,
-            Target {
-                addr,
-                port: primary.port,
-            },
-        )?;
+        ctx.rewrite(Side::Source, backend_target(entry.primary).ok_or(())?)?;
     }
     Ok(())
 }

@@ -7,8 +7,11 @@ use aya_ebpf::{
 };
 use selector_common::{
     BackendStats, Config, DEFAULT_INFLIGHT_MAX, Endpoint, Group, GroupCounters, GroupExpired,
-    InflightEntry, InflightKey, MAX_BACKENDS, MAX_GROUPS, latency::LATENCY_BUCKETS,
+    InflightEntry, InflightKey, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
+    latency::LATENCY_BUCKETS, split_backend_id,
 };
+
+use crate::rewrite::Target;
 
 #[map]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -41,3 +44,14 @@ pub static STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_
 #[map]
 pub static LATENCY: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(MAX_BACKENDS * LATENCY_BUCKETS, 0);
+
+/// Where backend `id` listens, as a rewrite target.
+#[inline(always)]
+pub fn backend_target(id: u32) -> Option<Target> {
+    let (group, position) = split_backend_id(id);
+    let e = GROUPS.get(group)?.endpoints[position % MAX_GROUP_MEMBERS];
+    Some(Target {
+        addr: e.ipv4_octets()?,
+        port: e.port,
+    })
+}

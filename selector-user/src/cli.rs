@@ -430,6 +430,10 @@ mod tests {
         run.settings()
     }
 
+    fn parse_err(args: &[&str]) -> String {
+        parse(args).unwrap_err().to_string()
+    }
+
     #[test]
     fn defaults_are_memcached_threshold_xdp() {
         let s = parse(&["--iface", "eth0", "--group", "10.0.0.1:1,10.0.0.2:1"]).unwrap();
@@ -444,12 +448,7 @@ mod tests {
         let base = ["--iface", "eth0", "--group", "10.0.0.1:1"];
         let mut a = base.to_vec();
         a.extend(["--proto", "custom"]);
-        assert!(
-            parse(&a)
-                .unwrap_err()
-                .to_string()
-                .contains("--req-id-offset")
-        );
+        assert!(parse_err(&a).contains("--req-id-offset"));
         a.extend([
             "--req-id-offset",
             "4",
@@ -463,12 +462,7 @@ mod tests {
         assert_eq!(&s.descriptor.prefix[..3], b"GET");
         let mut b = base.to_vec();
         b.extend(["--req-id-len", "4"]);
-        assert!(
-            parse(&b)
-                .unwrap_err()
-                .to_string()
-                .contains("--proto custom")
-        );
+        assert!(parse_err(&b).contains("--proto custom"));
     }
 
     #[test]

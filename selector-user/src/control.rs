@@ -36,23 +36,6 @@ pub enum Request {
     },
 }
 
-pub fn policy_name(p: Policy) -> &'static str {
-    match p {
-        Policy::Threshold => "threshold",
-        Policy::Absolute => "absolute",
-        Policy::Observe => "observe",
-    }
-}
-
-fn parse_policy(s: &str) -> Result<Policy> {
-    match s {
-        "threshold" => Ok(Policy::Threshold),
-        "absolute" => Ok(Policy::Absolute),
-        "observe" => Ok(Policy::Observe),
-        _ => bail!("unknown policy '{s}'"),
-    }
-}
-
 impl Request {
     /// The wire form: one line.
     pub fn encode(&self) -> String {
@@ -61,7 +44,7 @@ impl Request {
             Request::Set { policy, threshold } => {
                 let mut line = String::from("set");
                 if let Some(p) = policy {
-                    line += &format!(" policy={}", policy_name(*p));
+                    line += &format!(" policy={}", p.name());
                 }
                 if let Some(t) = threshold {
                     line += &format!(" threshold={t}");
@@ -82,7 +65,12 @@ impl Request {
                 let (mut policy, mut threshold) = (None, None);
                 for w in words {
                     match w.split_once('=') {
-                        Some(("policy", v)) => policy = Some(parse_policy(v)?),
+                        Some(("policy", v)) => {
+                            policy = Some(
+                                Policy::from_name(v)
+                                    .ok_or_else(|| anyhow!("unknown policy '{v}'"))?,
+                            )
+                        }
                         Some(("threshold", v)) => {
                             threshold = Some(v.parse().map_err(|_| anyhow!("bad threshold '{v}'"))?)
                         }
@@ -119,15 +107,15 @@ pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
             let mut out = format!(
                 "selector on {}: policy {} threshold {}, timeout {} ms, drained: {}\n",
                 s.iface,
-                policy_name(s.policy),
+                s.policy.name(),
                 s.threshold,
                 s.timeout.as_millis(),
-                if selector.drained.is_empty() {
-                    "none".to_string()
-                } else {
-                    let names: Vec<String> =
-                        selector.drained.iter().map(|a| a.to_string()).collect();
-                    names.join(", ")
+                match selector.drained()?.as_slice() {
+                    [] => "none".to_string(),
+                    drained => {
+                        let names: Vec<String> = drained.iter().map(|a| a.to_string()).collect();
+                        names.join(", ")
+                    }
                 }
             );
             out += &telemetry::render_summary(&selector.backends, &selector.snapshot()?);
@@ -142,7 +130,7 @@ pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
             selector.write_config(policy, threshold)?;
             Ok(format!(
                 "policy {} threshold {}\n",
-                policy_name(policy),
+                policy.name(),
                 threshold
             ))
         }
@@ -151,11 +139,6 @@ pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
                 .backend_index(*backend)
                 .ok_or_else(|| anyhow!("{backend} is not a configured backend"))?;
             selector.set_drained(id, *drained)?;
-            if *drained {
-                selector.drained.insert(*backend);
-            } else {
-                selector.drained.remove(backend);
-            }
             Ok(format!(
                 "{backend} {}\n",
                 if *drained { "drained" } else { "active" }

@@ -33,8 +33,6 @@ pub struct Selector {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     pub settings: Settings,
     pub backends: Vec<BackendPlan>,
-    /// Backends drained at run time.
-    pub drained: std::collections::BTreeSet<SocketAddrV4>,
     /// The agent's own expired counts by backend id (it is the only
     /// writer of EXPIRED).
     pub(crate) expired: Vec<u64>,
@@ -84,7 +82,6 @@ impl Selector {
             logger,
             settings: settings.clone(),
             expired: vec![0; MAX_BACKENDS as usize],
-            drained: Default::default(),
             backends,
         };
         selector.write_tables()?;
@@ -194,6 +191,19 @@ impl Selector {
         self.settings.policy = policy;
         self.settings.threshold = threshold;
         Ok(())
+    }
+
+    /// Backends currently drained (their bit clear in their group's mask).
+    pub fn drained(&self) -> Result<Vec<SocketAddrV4>> {
+        let groups: Array<_, Group> = Array::try_from(self.map(names::GROUPS)?)?;
+        let mut drained = Vec::new();
+        for b in &self.backends {
+            let (group, position) = split_backend_id(b.index);
+            if groups.get(&group, 0)?.active & (1 << position) == 0 {
+                drained.push(b.addr);
+            }
+        }
+        Ok(drained)
     }
 
     /// Marks a backend drained (never chosen) or active again.

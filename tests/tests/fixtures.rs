@@ -196,11 +196,11 @@ fn assert_only_changed(input: &[u8], out: &[u8], changed: &[std::ops::Range<usiz
     }
 }
 
-/// Checks both checksums of `frame` with etherparse's own arithmetic and
-/// returns (src, dst) as parsed.
-fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
+/// The parsed frame, its IPv4 header checksum checked with etherparse's
+/// own arithmetic.
+fn verified_ipv4(frame: &[u8]) -> (PacketHeaders<'_>, etherparse::Ipv4Header) {
     let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
-    let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net.clone() else {
         panic!("not IPv4")
     };
     assert_eq!(
@@ -208,6 +208,13 @@ fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
         ip.calc_header_checksum(),
         "IPv4 checksum"
     );
+    (h, ip)
+}
+
+/// Checks both checksums of `frame` with etherparse's own arithmetic and
+/// returns (src, dst) as parsed.
+fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
+    let (h, ip) = verified_ipv4(frame);
     let Some(TransportHeader::Udp(u)) = h.transport else {
         panic!("not UDP")
     };
@@ -536,16 +543,7 @@ fn a_zero_udp_checksum_stays_zero_through_either_ingress() {
 
 /// The IPv4 header checksum verifies; returns the source address.
 fn verified_endpoints_ip_only(frame: &[u8]) -> [u8; 4] {
-    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
-    let Some(NetHeaders::Ipv4(ip, _)) = h.net else {
-        panic!("not IPv4")
-    };
-    assert_eq!(
-        ip.header_checksum,
-        ip.calc_header_checksum(),
-        "IPv4 checksum"
-    );
-    ip.source
+    verified_ipv4(frame).1.source
 }
 
 #[test]

@@ -75,6 +75,14 @@ fn cargo() -> Command {
     c
 }
 
+/// `cargo run --release` of one binary, with its arguments.
+fn release_binary(package: &str, bin: &str, args: &[String]) -> Command {
+    let mut c = cargo();
+    c.args(["run", "--release", "--package", package, "--bin", bin, "--"]);
+    c.args(args);
+    c
+}
+
 fn require_root(what: &str) -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc_geteuid() } != 0 {
@@ -104,38 +112,13 @@ fn main() -> Result<()> {
         Task::Run { args } => {
             setup::setup()?;
             require_root("running the selector")?;
-            let mut c = cargo();
             if args.is_empty() {
                 // The demo runs the real agent binary: build it first.
-                run(cargo().args([
-                    "build",
-                    "--release",
-                    "--package",
-                    "selector-user",
-                    "--bin",
-                    "selector",
-                ]))?;
-                c.args([
-                    "run",
-                    "--release",
-                    "--package",
-                    "selector-tests",
-                    "--bin",
-                    "selector-demo",
-                ]);
+                run(cargo().args(["build", "--release", "--package", "selector-user"]))?;
+                run(&mut release_binary("selector-tests", "selector-demo", &[]))
             } else {
-                c.args([
-                    "run",
-                    "--release",
-                    "--package",
-                    "selector-user",
-                    "--bin",
-                    "selector",
-                    "--",
-                ]);
-                c.args(&args);
+                run(&mut release_binary("selector-user", "selector", &args))
             }
-            run(&mut c)
         }
         Task::Test { no_lint } => {
             setup::setup()?;
@@ -148,18 +131,11 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             setup::setup()?;
             require_root("the benchmark")?;
-            let mut c = cargo();
-            c.args([
-                "run",
-                "--release",
-                "--package",
+            run(&mut release_binary(
                 "selector-tests",
-                "--bin",
                 "selector-bench",
-                "--",
-            ]);
-            c.args(&args);
-            run(&mut c)
+                &args,
+            ))
         }
     }
 }
