@@ -8,6 +8,23 @@ pub const MAX_ID_LEN: u8 = 8;
 pub const MAX_PREFIX_LEN: u8 = 16;
 /// Offsets plus lengths stay below this, which also bounds kernel packet reads.
 pub const MAX_DESCRIPTOR_SPAN: u16 = 256;
+/// Longest no-reply marker, in bytes.
+pub const MAX_NO_REPLY_LEN: u8 = 8;
+
+/// How a request that expects no reply is recognised (it is then neither
+/// tracked nor steered: nothing would ever complete it).
+pub const NO_REPLY_NONE: u8 = 0;
+/// The first line (up to CR or LF) ends with ` MARKER` (memcached `noreply`).
+pub const NO_REPLY_LINE_END: u8 = 1;
+/// The payload holds MARKER at `no_reply_offset`.
+pub const NO_REPLY_PREFIX: u8 = 2;
+
+/// No protocol error can be built: `--on-overload reject` is refused.
+pub const REJECT_NONE: u8 = 0;
+/// memcached: the request's frame header, then `SERVER_ERROR overloaded`.
+pub const REJECT_MEMCACHED: u8 = 1;
+/// DNS: the query turned into a SERVFAIL response with the same id.
+pub const REJECT_DNS: u8 = 2;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -19,12 +36,25 @@ pub struct Descriptor {
     pub prefix_offset: u16,
     pub _pad: u16,
     pub prefix: [u8; MAX_PREFIX_LEN as usize],
+    /// `NO_REPLY_*`.
+    pub no_reply_kind: u8,
+    pub no_reply_len: u8,
+    /// Where the marker (prefix kind) or the line search (line-end kind) starts.
+    pub no_reply_offset: u16,
+    /// 1: replies may span datagrams, each carrying memcached's frame header
+    /// (sequence number and datagram count after the request id).
+    pub multi_datagram: u8,
+    /// `REJECT_*`: which protocol error the kernel can answer with.
+    pub reject_kind: u8,
+    pub _pad2: [u8; 2],
+    pub no_reply: [u8; MAX_NO_REPLY_LEN as usize],
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DescriptorError {
     IdLength,
     PrefixLength,
+    NoReplyLength,
     OutOfRange,
 }
 
@@ -33,6 +63,9 @@ impl core::fmt::Display for DescriptorError {
         match self {
             Self::IdLength => write!(f, "request id length must be 1..={MAX_ID_LEN} bytes"),
             Self::PrefixLength => write!(f, "read prefix must be at most {MAX_PREFIX_LEN} bytes"),
+            Self::NoReplyLength => {
+                write!(f, "no-reply marker must be 1..={MAX_NO_REPLY_LEN} bytes")
+            }
             Self::OutOfRange => write!(
                 f,
                 "request id and read prefix must end within the first {MAX_DESCRIPTOR_SPAN} payload bytes"
@@ -56,6 +89,13 @@ impl Descriptor {
             prefix_offset: 8,
             _pad: 0,
             prefix,
+            no_reply_kind: NO_REPLY_LINE_END,
+            no_reply_len: 7,
+            no_reply_offset: 8,
+            multi_datagram: 1,
+            reject_kind: REJECT_MEMCACHED,
+            _pad2: [0; 2],
+            no_reply: *b"noreply\0",
         }
     }
 
@@ -68,6 +108,13 @@ impl Descriptor {
             prefix_offset: 0,
             _pad: 0,
             prefix: [0; MAX_PREFIX_LEN as usize],
+            no_reply_kind: NO_REPLY_NONE,
+            no_reply_len: 0,
+            no_reply_offset: 0,
+            multi_datagram: 0,
+            reject_kind: REJECT_DNS,
+            _pad2: [0; 2],
+            no_reply: [0; MAX_NO_REPLY_LEN as usize],
         }
     }
 
@@ -88,11 +135,30 @@ impl Descriptor {
             id_len,
             prefix_len: read_prefix.len() as u8,
             prefix_offset,
-            _pad: 0,
             prefix,
+            reject_kind: REJECT_NONE,
+            ..Self::dns()
         };
         d.validate()?;
         Ok(d)
+    }
+
+    /// Requests holding `marker` at `offset` expect no reply.
+    pub fn with_no_reply_prefix(
+        mut self,
+        offset: u16,
+        marker: &[u8],
+    ) -> Result<Self, DescriptorError> {
+        if marker.is_empty() || marker.len() > MAX_NO_REPLY_LEN as usize {
+            return Err(DescriptorError::NoReplyLength);
+        }
+        self.no_reply = [0; MAX_NO_REPLY_LEN as usize];
+        self.no_reply[..marker.len()].copy_from_slice(marker);
+        self.no_reply_len = marker.len() as u8;
+        self.no_reply_offset = offset;
+        self.no_reply_kind = NO_REPLY_PREFIX;
+        self.validate()?;
+        Ok(self)
     }
 
     pub fn validate(&self) -> Result<(), DescriptorError> {
@@ -101,6 +167,17 @@ impl Descriptor {
         }
         if self.prefix_len > MAX_PREFIX_LEN {
             return Err(DescriptorError::PrefixLength);
+        }
+        if self.no_reply_kind != NO_REPLY_NONE
+            && (self.no_reply_len == 0 || self.no_reply_len > MAX_NO_REPLY_LEN)
+        {
+            return Err(DescriptorError::NoReplyLength);
+        }
+        if self.no_reply_kind == NO_REPLY_PREFIX
+            && u32::from(self.no_reply_offset) + u32::from(self.no_reply_len)
+                > u32::from(MAX_DESCRIPTOR_SPAN)
+        {
+            return Err(DescriptorError::OutOfRange);
         }
         let id_end = u32::from(self.id_offset) + u32::from(self.id_len);
         let prefix_end = u32::from(self.prefix_offset) + u32::from(self.prefix_len);
@@ -147,6 +224,68 @@ impl Descriptor {
             i += 1;
         }
         true
+    }
+}
+
+impl Descriptor {
+    /// Whether the request expects no reply, so nothing would complete it.
+    #[inline(always)]
+    pub fn expects_no_reply(&self, byte_at: impl Fn(usize) -> Option<u8>) -> bool {
+        let len = self.no_reply_len as usize;
+        if len == 0 || len > MAX_NO_REPLY_LEN as usize {
+            return false;
+        }
+        let base = (self.no_reply_offset % MAX_DESCRIPTOR_SPAN) as usize;
+        match self.no_reply_kind {
+            NO_REPLY_PREFIX => self.marker_at(&byte_at, base, len),
+            NO_REPLY_LINE_END => {
+                // The first line ends at the first CR or LF within the span.
+                let mut i = base;
+                while i < MAX_DESCRIPTOR_SPAN as usize {
+                    match byte_at(i) {
+                        None => return false,
+                        Some(b'\r' | b'\n') => {
+                            return i > base + len
+                                && byte_at(i - len - 1) == Some(b' ')
+                                && self.marker_at(&byte_at, i - len, len);
+                        }
+                        Some(_) => {}
+                    }
+                    i += 1;
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
+    #[inline(always)]
+    fn marker_at(&self, byte_at: &impl Fn(usize) -> Option<u8>, at: usize, len: usize) -> bool {
+        let mut j = 0;
+        while j < MAX_NO_REPLY_LEN as usize {
+            if j < len && byte_at(at + j) != Some(self.no_reply[j]) {
+                return false;
+            }
+            j += 1;
+        }
+        true
+    }
+
+    /// (sequence number, datagram count) of a reply datagram: (0, 1) unless
+    /// the protocol splits replies (memcached's frame header: two 16-bit
+    /// fields after the request id). A count of 0 is read as 1.
+    #[inline(always)]
+    pub fn reply_datagram(&self, byte_at: impl Fn(usize) -> Option<u8>) -> (u16, u16) {
+        if self.multi_datagram == 0 {
+            return (0, 1);
+        }
+        let base = (self.id_offset % MAX_DESCRIPTOR_SPAN) as usize + 2;
+        let word =
+            |i: usize| -> Option<u16> { Some(u16::from_be_bytes([byte_at(i)?, byte_at(i + 1)?])) };
+        match (word(base), word(base + 2)) {
+            (Some(seq), Some(total)) if total > 1 => (seq, total),
+            _ => (0, 1),
+        }
     }
 }
 
@@ -203,6 +342,67 @@ mod tests {
         assert_eq!(
             wide.request_id(reader(&[1, 2, 3, 4, 5, 6, 7, 8, 9])),
             Some(0x0102_0304_0506_0708)
+        );
+    }
+
+    #[test]
+    fn memcached_noreply_is_recognised_on_the_first_line_only() {
+        let d = Descriptor::memcached();
+        let set_noreply = b"\x00\x07\x00\x00\x00\x01\x00\x00set foo 0 0 1 noreply\r\nx\r\n";
+        let del_noreply = b"\x00\x07\x00\x00\x00\x01\x00\x00delete foo noreply\r\n";
+        assert!(d.expects_no_reply(reader(set_noreply)));
+        assert!(d.expects_no_reply(reader(del_noreply)));
+        assert!(!d.expects_no_reply(reader(MC_SET)));
+        assert!(!d.expects_no_reply(reader(MC_GET)));
+        // The word in the data block, or glued to the key, does not count.
+        let in_data = b"\x00\x07\x00\x00\x00\x01\x00\x00set foo 0 0 9\r\n noreply\r\n";
+        assert!(!d.expects_no_reply(reader(in_data)));
+        let glued = b"\x00\x07\x00\x00\x00\x01\x00\x00delete foonoreply\r\n";
+        assert!(!d.expects_no_reply(reader(glued)));
+        // No line end within the payload: a reply is expected.
+        let cut = b"\x00\x07\x00\x00\x00\x01\x00\x00delete foo noreply";
+        assert!(!d.expects_no_reply(reader(cut)));
+        assert!(!Descriptor::dns().expects_no_reply(reader(del_noreply)));
+    }
+
+    #[test]
+    fn custom_no_reply_prefix() {
+        let d = Descriptor::custom(0, 4, 4, b"R")
+            .unwrap()
+            .with_no_reply_prefix(5, b"!")
+            .unwrap();
+        assert!(d.expects_no_reply(reader(b"\0\0\0\x01W!")));
+        assert!(!d.expects_no_reply(reader(b"\0\0\0\x01R?")));
+        assert!(!d.expects_no_reply(reader(b"\0\0\0\x01W")));
+        assert_eq!(
+            Descriptor::dns().with_no_reply_prefix(0, b""),
+            Err(DescriptorError::NoReplyLength)
+        );
+        assert_eq!(
+            Descriptor::dns().with_no_reply_prefix(255, b"ab"),
+            Err(DescriptorError::OutOfRange)
+        );
+    }
+
+    #[test]
+    fn memcached_reply_datagrams() {
+        let d = Descriptor::memcached();
+        assert_eq!(
+            d.reply_datagram(reader(b"\x12\x34\x00\x02\x00\x05\x00\x00")),
+            (2, 5)
+        );
+        assert_eq!(
+            d.reply_datagram(reader(b"\x12\x34\x00\x00\x00\x01\x00\x00")),
+            (0, 1)
+        );
+        assert_eq!(
+            d.reply_datagram(reader(b"\x12\x34\x00\x00\x00\x00\x00\x00")),
+            (0, 1)
+        );
+        assert_eq!(d.reply_datagram(reader(b"\x12\x34")), (0, 1));
+        assert_eq!(
+            Descriptor::dns().reply_datagram(reader(b"\x12\x34\x00\x02\x00\x05")),
+            (0, 1)
         );
     }
 

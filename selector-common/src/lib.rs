@@ -5,9 +5,11 @@
 
 pub mod checksum;
 pub mod descriptor;
+pub mod inflight;
 pub mod latency;
 pub mod maps;
 pub mod policy;
+pub mod reject;
 
 pub use descriptor::Descriptor;
 pub use maps::*;

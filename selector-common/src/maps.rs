@@ -8,9 +8,17 @@ pub const MAX_GROUP_MEMBERS: usize = 8;
 /// Most backends. A backend's id is `group * MAX_GROUP_MEMBERS + position`,
 /// so the kernel finds a backend's group and its counters without lookups.
 pub const MAX_BACKENDS: u32 = MAX_GROUPS * MAX_GROUP_MEMBERS as u32;
-/// The skb mark bit the egress program sets on a request it redirected, so
-/// it recognises the copy when it crosses egress again (and clears it there).
+/// The default skb mark bit the egress program sets on a packet it sent on
+/// again (a redirected request, a reject reply turned back to ingress), so
+/// it recognises its own packet on the second pass and clears the bit there.
+/// `--mark` picks another bit.
 pub const MARK_REDIRECTED: u32 = 0x0100_0000;
+/// Slots of the per-client pending table (`CLIENT_PENDING`). Client sockets
+/// are hashed into it; two sockets sharing a slot share its bound.
+pub const CLIENT_SLOTS: u32 = 65_536;
+/// Longest request timeout the agent accepts (one hour): far from where the
+/// nanosecond arithmetic could wrap.
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
 
 /// Default size of the in-flight table (entries, not bytes).
 pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
@@ -33,11 +41,14 @@ pub mod names {
     pub const CONFIG: &str = "CONFIG";
     pub const BACKENDS: &str = "BACKENDS";
     pub const GROUPS: &str = "GROUPS";
-    pub const PENDING: &str = "PENDING";
-    pub const EXPIRED: &str = "EXPIRED";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const CLIENT_PENDING: &str = "CLIENT_PENDING";
     pub const INFLIGHT: &str = "INFLIGHT";
+    pub const SEQUENCE: &str = "SEQUENCE";
     pub const STATS: &str = "STATS";
+    pub const PASSED: &str = "PASSED";
     pub const LATENCY: &str = "LATENCY";
+    pub const FRAGMENTS: &str = "FRAGMENTS";
 }
 
 /// Program names, as the kernel object declares them.
@@ -99,22 +110,18 @@ pub struct Group {
     pub active: u32,
 }
 
-/// Requests issued to and completed by each member of a group. Only the
-/// kernel writes these, with atomic adds; the agent owns `GroupExpired`.
-/// A member's pending count is `issued - completed - expired`: each counter
-/// has one writer and only grows, so the count cannot drift.
+/// Requests issued to, completed by and expired at each member of a group.
+/// The kernel adds to `issued` and `completed`; the agent's sweep adds to
+/// `expired`. All adds are atomic, in memory both sides map (the map is
+/// `BPF_F_MMAPABLE`), and each happens right after the compare-and-swap that
+/// decides who accounts for a request, so nothing can fail in between.
+/// A member's pending count is `issued - completed - expired`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GroupCounters {
     pub issued: [u64; MAX_GROUP_MEMBERS],
     pub completed: [u64; MAX_GROUP_MEMBERS],
-}
-
-/// Requests per member the agent expired (lost requests or responses).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GroupExpired {
-    pub count: [u64; MAX_GROUP_MEMBERS],
+    pub expired: [u64; MAX_GROUP_MEMBERS],
 }
 
 /// Pending requests of member `position`. The three counters are read
@@ -122,9 +129,13 @@ pub struct GroupExpired {
 /// it missed; the difference saturates at zero instead of wrapping to a
 /// huge count for that one decision. The counters themselves stay exact.
 #[inline(always)]
-pub fn pending(counters: &GroupCounters, expired: &GroupExpired, position: usize) -> u64 {
+pub fn pending(counters: &GroupCounters, position: usize) -> u64 {
     let p = position % MAX_GROUP_MEMBERS;
-    pending_of(counters.issued[p], counters.completed[p], expired.count[p])
+    pending_of(
+        counters.issued[p],
+        counters.completed[p],
+        counters.expired[p],
+    )
 }
 
 /// `issued - completed - expired`, saturating at zero.
@@ -156,17 +167,6 @@ impl InflightKey {
     }
 }
 
-/// Where an outstanding request was meant to go, where it went, and when.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct InflightEntry {
-    /// Backend ids.
-    pub primary: u32,
-    pub chosen: u32,
-    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at send.
-    pub sent_ns: u64,
-}
-
 /// Per-backend counters, one copy per CPU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -179,16 +179,25 @@ pub struct BackendStats {
     pub redirected_away: u64,
     /// Requests addressed elsewhere that were sent here.
     pub redirected_to: u64,
-    /// Requests addressed here that passed untracked (in-flight table full).
+    /// Requests addressed here that passed untracked (no free slot).
     pub untracked: u64,
-    /// Requests addressed here too short to hold a request id (passed).
-    pub no_request_id: u64,
+    /// Requests addressed here that expect no reply (memcached `noreply`):
+    /// passed untouched, never counted as pending.
+    pub no_reply: u64,
     /// Requests addressed here reusing the id of a request in flight to
     /// another member (the application's own failover; passed untouched).
     pub id_collisions: u64,
     /// Responses from this backend that matched no in-flight request
-    /// (late after expiry, duplicate, or from the wrong replica).
+    /// (duplicate, from the wrong replica, or after the grace period).
     pub unmatched_responses: u64,
+    /// Reply datagrams from this backend that arrived after their request
+    /// completed or expired, within the grace period: rewritten, not counted.
+    pub late_responses: u64,
+    /// Reads addressed here with every eligible member at `--max-pending`
+    /// (or the client over `--max-pending-client`), by what was done.
+    pub overload_passed: u64,
+    pub overload_dropped: u64,
+    pub overload_rejected: u64,
 }
 
 impl BackendStats {
@@ -198,9 +207,109 @@ impl BackendStats {
         self.redirected_away += other.redirected_away;
         self.redirected_to += other.redirected_to;
         self.untracked += other.untracked;
-        self.no_request_id += other.no_request_id;
+        self.no_reply += other.no_reply;
         self.id_collisions += other.id_collisions;
         self.unmatched_responses += other.unmatched_responses;
+        self.late_responses += other.late_responses;
+        self.overload_passed += other.overload_passed;
+        self.overload_dropped += other.overload_dropped;
+        self.overload_rejected += other.overload_rejected;
+    }
+}
+
+/// Why a packet passed untouched, counted per direction in `PASSED`
+/// (index `direction * PASS_REASONS + reason`). A packet that passes here
+/// changes no other counter.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PassReason {
+    /// Not Ethernet (optionally VLAN-tagged) carrying IPv4 and UDP.
+    NotIpv4Udp = 0,
+    /// An IP fragment that is not part of a reply being rewritten.
+    Fragment = 1,
+    /// Something a receiver would drop or no application could send: IP
+    /// options, a bad IP header checksum, a total length longer than the
+    /// frame, an inconsistent UDP length, a source that is not unicast.
+    BadHeader = 2,
+    /// Not to (egress) or from (ingress) a configured backend.
+    NotBackend = 3,
+    /// Too short to hold the request id.
+    NoRequestId = 4,
+}
+
+pub const PASS_REASONS: u32 = 5;
+
+impl PassReason {
+    pub const ALL: [PassReason; PASS_REASONS as usize] = [
+        PassReason::NotIpv4Udp,
+        PassReason::Fragment,
+        PassReason::BadHeader,
+        PassReason::NotBackend,
+        PassReason::NoRequestId,
+    ];
+
+    /// The name in status output and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            PassReason::NotIpv4Udp => "not_ipv4_udp",
+            PassReason::Fragment => "fragment",
+            PassReason::BadHeader => "bad_header",
+            PassReason::NotBackend => "not_backend",
+            PassReason::NoRequestId => "no_request_id",
+        }
+    }
+}
+
+/// Which program counted a pass.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Egress = 0,
+    Ingress = 1,
+}
+
+/// Index into `PASSED`.
+#[inline(always)]
+pub const fn pass_index(direction: Direction, reason: PassReason) -> u32 {
+    direction as u32 * PASS_REASONS + reason as u32
+}
+
+/// What a read gets when its primary and every eligible replica are at
+/// `max_pending` (or its client is over `max_pending_client`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOverload {
+    /// Sent as chosen and counted (default).
+    Pass = 0,
+    /// Dropped in the kernel and counted; the application times out.
+    Drop = 1,
+    /// Answered at once from the kernel with the protocol's error
+    /// (memcached `SERVER_ERROR`, DNS SERVFAIL), never reaching a replica.
+    Reject = 2,
+}
+
+impl OnOverload {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnOverload::Pass => "pass",
+            OnOverload::Drop => "drop",
+            OnOverload::Reject => "reject",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [OnOverload::Pass, OnOverload::Drop, OnOverload::Reject]
+            .into_iter()
+            .find(|o| o.name() == name)
+    }
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(OnOverload::Pass),
+            1 => Some(OnOverload::Drop),
+            2 => Some(OnOverload::Reject),
+            _ => None,
+        }
     }
 }
 
@@ -211,6 +320,19 @@ pub struct Config {
     /// `Policy as u32`.
     pub policy: u32,
     pub threshold: u32,
+    /// Pending requests per backend at which it is full (0: no bound).
+    pub max_pending: u32,
+    /// Pending requests per client socket at which it is full (0: no bound).
+    pub max_pending_client: u32,
+    /// `OnOverload as u32`.
+    pub on_overload: u32,
+    /// The skb mark bit of the selector's own re-sent packets.
+    pub mark: u32,
+    /// In-flight slots minus one (the slot count is a power of two).
+    pub inflight_mask: u32,
+    /// 0: steer as the policy says. 1: draining for shutdown: no new
+    /// redirects (retransmits of redirected reads still follow their first copy).
+    pub steering_off: u32,
     pub descriptor: crate::Descriptor,
 }
 
@@ -221,9 +343,8 @@ mod pod {
     unsafe impl aya::Pod for Endpoint {}
     unsafe impl aya::Pod for Group {}
     unsafe impl aya::Pod for GroupCounters {}
-    unsafe impl aya::Pod for GroupExpired {}
     unsafe impl aya::Pod for InflightKey {}
-    unsafe impl aya::Pod for InflightEntry {}
+    unsafe impl aya::Pod for crate::inflight::InflightSlot {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for Config {}
 }
@@ -237,10 +358,9 @@ mod tests {
     fn layouts_have_no_implicit_padding() {
         assert_eq!(size_of::<Endpoint>(), 20);
         assert_eq!(size_of::<Group>(), 20 * 8 + 8);
-        assert_eq!(size_of::<GroupCounters>(), 128);
+        assert_eq!(size_of::<GroupCounters>(), 192);
         assert_eq!(size_of::<InflightKey>(), 32);
-        assert_eq!(size_of::<InflightEntry>(), 16);
-        assert_eq!(size_of::<Config>(), 8 + size_of::<crate::Descriptor>());
+        assert_eq!(size_of::<Config>(), 32 + size_of::<crate::Descriptor>());
     }
 
     #[test]
@@ -256,17 +376,16 @@ mod tests {
     #[test]
     fn pending_is_issued_minus_completed_minus_expired() {
         let mut c = GroupCounters::default();
-        let mut e = GroupExpired::default();
         c.issued[2] = 10;
         c.completed[2] = 6;
-        e.count[2] = 3;
-        assert_eq!(pending(&c, &e, 2), 1);
-        e.count[2] = 4;
-        assert_eq!(pending(&c, &e, 2), 0);
+        c.expired[2] = 3;
+        assert_eq!(pending(&c, 2), 1);
+        c.expired[2] = 4;
+        assert_eq!(pending(&c, 2), 0);
         // A torn read (a completion seen before its issue) is not u64::MAX.
-        e.count[2] = 5;
-        assert_eq!(pending(&c, &e, 2), 0);
-        assert_eq!(pending(&c, &e, 1), 0);
+        c.expired[2] = 5;
+        assert_eq!(pending(&c, 2), 0);
+        assert_eq!(pending(&c, 1), 0);
     }
 
     #[test]

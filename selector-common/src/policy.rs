@@ -1,6 +1,6 @@
 //! The replica selection policy (BookKeeper issue 1489 / PR 1504).
 
-use crate::maps::{Group, GroupCounters, GroupExpired, MAX_GROUP_MEMBERS, pending};
+use crate::maps::{Group, GroupCounters, MAX_GROUP_MEMBERS, pending};
 
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,7 +52,7 @@ impl GroupLoad {
     /// The load of `group` from its counters. Straight-line code: the kernel
     /// verifier sees no branch per member here.
     #[inline(always)]
-    pub fn of(group: &Group, counters: &GroupCounters, expired: &GroupExpired) -> Self {
+    pub fn of(group: &Group, counters: &GroupCounters) -> Self {
         let len = if (group.len as usize) < MAX_GROUP_MEMBERS {
             group.len as usize
         } else {
@@ -65,17 +65,19 @@ impl GroupLoad {
         };
         let mut pos = 0;
         while pos < MAX_GROUP_MEMBERS {
-            load.pending[pos] = pending(counters, expired, pos);
+            load.pending[pos] = pending(counters, pos);
             pos += 1;
         }
         load
     }
 
+    #[inline(always)]
     fn is_usable(&self, pos: usize) -> bool {
         pos < self.len && pos < MAX_GROUP_MEMBERS && self.usable & (1 << pos) != 0
     }
 
     /// First usable member with the strict minimum pending count.
+    #[inline(always)]
     pub fn least_pending(&self) -> Option<usize> {
         let mut best: Option<usize> = None;
         let mut best_pending = u64::MAX;
@@ -107,12 +109,40 @@ pub fn choose(policy: Policy, threshold: u32, primary: usize, load: &GroupLoad) 
     let primary_pending = load.pending[primary];
     let over = match policy {
         Policy::Threshold => {
-            primary_pending >= load.pending[best].saturating_add(u64::from(threshold))
+            primary_pending
+                >= load.pending[best % MAX_GROUP_MEMBERS].saturating_add(u64::from(threshold))
         }
         Policy::Absolute => primary_pending >= u64::from(threshold),
         Policy::Observe => false,
     };
     if over { best } else { primary }
+}
+
+/// Where a request goes once the pending bounds are applied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// Send it to this member.
+    Send(usize),
+    /// Every member it may go to is at the bound (or its client is):
+    /// the overload response applies.
+    Overloaded,
+}
+
+/// Applies `max_pending` (per backend; 0: no bound) to the policy's choice.
+/// A full member is swapped for the least pending usable member when the
+/// request `may_move` (a read, with steering on) and that member has room.
+pub fn admit(chosen: usize, max_pending: u32, may_move: bool, load: &GroupLoad) -> Admission {
+    let cap = u64::from(max_pending);
+    if cap == 0 || chosen >= MAX_GROUP_MEMBERS || load.pending[chosen] < cap {
+        return Admission::Send(chosen);
+    }
+    if may_move
+        && let Some(best) = load.least_pending()
+        && load.pending[best % MAX_GROUP_MEMBERS] < cap
+    {
+        return Admission::Send(best);
+    }
+    Admission::Overloaded
 }
 
 #[cfg(test)]
@@ -213,13 +243,13 @@ mod tests {
             active: 0b1111_1101,
             ..Default::default()
         };
-        let counters = GroupCounters {
+        let mut counters = GroupCounters {
             issued: [5, 6, 7, 0, 0, 0, 0, 0],
             completed: [1, 1, 1, 0, 0, 0, 0, 0],
+            ..Default::default()
         };
-        let mut expired = GroupExpired::default();
-        expired.count[2] = 2;
-        let load = GroupLoad::of(&group, &counters, &expired);
+        counters.expired[2] = 2;
+        let load = GroupLoad::of(&group, &counters);
         assert_eq!(load.len, 3);
         assert_eq!(load.usable, 0b101);
         assert_eq!(&load.pending[..3], &[4, 5, 4]);
@@ -229,7 +259,20 @@ mod tests {
             active: u32::MAX,
             ..Default::default()
         };
-        assert_eq!(GroupLoad::of(&full, &counters, &expired).usable, 0xff);
+        assert_eq!(GroupLoad::of(&full, &counters).usable, 0xff);
+    }
+
+    #[test]
+    fn admission_moves_off_a_full_member_or_reports_overload() {
+        let l = load(&[5, 2, 5]);
+        assert_eq!(admit(0, 0, true, &l), Admission::Send(0));
+        assert_eq!(admit(0, 6, true, &l), Admission::Send(0));
+        assert_eq!(admit(0, 5, true, &l), Admission::Send(1));
+        assert_eq!(admit(0, 5, false, &l), Admission::Overloaded);
+        assert_eq!(admit(0, 2, true, &l), Admission::Overloaded);
+        let mut drained = l;
+        drained.usable &= !(1 << 1);
+        assert_eq!(admit(0, 5, true, &drained), Admission::Overloaded);
     }
 
     #[test]

@@ -1,38 +1,40 @@
-//! Counting: pending requests (atomic, shared by all CPUs), per-backend
-//! statistics and latency histograms (per CPU).
+//! Counting: issued and completed requests (atomic, shared by all CPUs and
+//! with the agent), per-client pending, per-backend statistics and latency
+//! histograms (per CPU).
 
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use selector_common::{
-    BackendStats, GroupExpired, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, split_backend_id,
+    BackendStats, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, split_backend_id,
 };
 
-use crate::maps::{EXPIRED, GROUPS, LATENCY, PENDING, STATS};
+use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, STATS};
 
 /// The load of group `group`: one lookup per map, no branch per member.
 #[inline(always)]
 pub fn group_load(group: u32) -> Option<GroupLoad> {
     let g = GROUPS.get(group)?;
-    let counters = PENDING.get(group)?;
-    let expired = EXPIRED
-        .get(group)
-        .copied()
-        .unwrap_or(GroupExpired::default());
-    Some(GroupLoad::of(g, counters, &expired))
+    let counters = COUNTERS.get(group)?;
+    Some(GroupLoad::of(g, counters))
+}
+
+#[inline(always)]
+fn atomic_add(field: *mut u64, value: u64) {
+    // The return value stays unused: a plain XADD, no fetch needed.
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(field, value) };
 }
 
 #[inline(always)]
 fn add(backend: u32, completed: bool) {
     let (group, position) = split_backend_id(backend);
-    if let Some(c) = PENDING.get_ptr_mut(group) {
+    if let Some(c) = COUNTERS.get_ptr_mut(group) {
         let position = position % MAX_GROUP_MEMBERS;
         let field = if completed {
             unsafe { &raw mut (*c).completed[position] }
         } else {
             unsafe { &raw mut (*c).issued[position] }
         };
-        // The return value must stay unused: see DESIGN.md on XADD.
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(field, 1) };
+        atomic_add(field, 1);
     }
 }
 
@@ -44,6 +46,19 @@ pub fn add_issued(backend: u32) {
 #[inline(always)]
 pub fn add_completed(backend: u32) {
     add(backend, true);
+}
+
+#[inline(always)]
+pub fn client_pending(slot: u32) -> u64 {
+    CLIENT_PENDING.get(slot).copied().unwrap_or(0)
+}
+
+/// One more (`true`) or one fewer pending request of a client socket.
+#[inline(always)]
+pub fn client_add(slot: u32, more: bool) {
+    if let Some(c) = CLIENT_PENDING.get_ptr_mut(slot) {
+        atomic_add(c, if more { 1 } else { u64::MAX });
+    }
 }
 
 /// Bumps one per-CPU counter of `backend`.

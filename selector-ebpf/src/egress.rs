@@ -1,95 +1,128 @@
-//! Request path (TC egress): count, choose a replica, steer.
+//! Request path (TC egress): count, choose a replica, apply the pending
+//! bounds, steer.
 
-use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::programs::TcContext;
 use aya_log_ebpf::debug;
 use selector_common::{
-    Config, Endpoint, InflightEntry, InflightKey, MARK_REDIRECTED, Policy, backend_id, policy,
+    Config, Direction, Endpoint, InflightKey, OnOverload, Policy, backend_id,
+    inflight::{PHASE_LIVE, client_slot, key_hash},
+    policy::{self, Admission, GroupLoad},
     split_backend_id,
 };
 
 use crate::{
-    TC_CONTINUE, accounting,
-    maps::{BACKENDS, CONFIG, INFLIGHT, backend_target},
+    TC_CONTINUE, TC_DROP, accounting,
+    inflight::{self, NewRequest},
+    maps::{BACKENDS, backend_target, config, count_pass},
     nexthop,
-    packet::{self, PARSE_SPAN},
+    packet::{self, Datagram},
+    reject,
     rewrite::{Rewrite, Side},
 };
 
-/// Returns the TC verdict: continue, or redirect after a rewrite.
+/// Returns the TC verdict: continue, drop, or redirect after a rewrite.
 pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
-    // Our own redirected copy, crossing egress a second time: already
-    // counted and steered. Clear the bit so the mark leaves as it came.
+    let config = config().ok_or(())?;
+    // Our own packet crossing egress a second time (a redirected request):
+    // already counted and steered. Clear the bit so it leaves as it came.
     let mark = unsafe { (*ctx.skb.skb).mark };
-    if mark & MARK_REDIRECTED != 0 {
-        ctx.set_mark(mark & !MARK_REDIRECTED);
+    if mark & config.mark != 0 {
+        ctx.set_mark(mark & !config.mark);
         return Ok(TC_CONTINUE);
     }
-    // Make the headers and descriptor span readable if the skb is paged.
-    let linear = ctx.data_end() - ctx.data();
-    if linear < PARSE_SPAN && (ctx.len() as usize) > linear {
-        let want = if (ctx.len() as usize) < PARSE_SPAN {
-            ctx.len()
-        } else {
-            PARSE_SPAN as u32
-        };
-        ctx.pull_data(want).map_err(|_| ())?;
-    }
-    let dgram = packet::parse_ipv4_udp(ctx)?;
-    let dst = Endpoint::ipv4(dgram.dst_addr, dgram.dst_port);
-    let primary = *unsafe { BACKENDS.get(dst) }.ok_or(())?;
+    packet::pull_headers(ctx);
+    let dgram = match packet::parse_ipv4(ctx).and_then(|ip| packet::parse_udp(ctx, ip, false)) {
+        Ok(d) => d,
+        Err(reason) => return pass(reason),
+    };
+    let dst = Endpoint::ipv4(dgram.ip.dst, dgram.dst_port);
+    let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
+        return pass(selector_common::PassReason::NotBackend);
+    };
+    let byte = |i| dgram.payload_byte(ctx, i);
+    let Some(request_id) = config.descriptor.request_id(byte) else {
+        return pass(selector_common::PassReason::NoRequestId);
+    };
+    let is_read = config.descriptor.is_read(byte);
     let (group, primary_pos) = split_backend_id(primary);
-    let config = *CONFIG.get(0).ok_or(())?;
-
-    let Some(request_id) = config.descriptor.request_id(|i| dgram.payload_byte(ctx, i)) else {
-        accounting::count(primary, |s| &mut s.no_request_id);
-        return Ok(TC_CONTINUE);
-    };
-    let key = InflightKey::ipv4(dgram.src_addr, dgram.src_port, group, request_id);
-
-    let mut chosen = primary;
-    if config.descriptor.is_read(|i| dgram.payload_byte(ctx, i)) {
-        chosen = backend_id(group, choose_position(&config, group, primary_pos));
-    }
-    let entry = InflightEntry {
-        primary,
-        chosen,
-        sent_ns: unsafe { bpf_ktime_get_ns() },
-    };
-    // Insert first: a new request (the common case) costs one hash
-    // operation; only a key already in flight needs a lookup.
-    let inserted = INFLIGHT.insert(key, entry, u64::from(BPF_NOEXIST));
-    if inserted == Err(EEXIST) {
-        return in_flight_already(ctx, &key, primary);
+    let key = InflightKey::ipv4(dgram.ip.src, dgram.src_port, group, request_id);
+    let hash = key_hash(&key);
+    if let Some(first) = inflight::find(&key, hash, config.inflight_mask, PHASE_LIVE, |_| true) {
+        return in_flight_already(ctx, config, &dgram, &first, primary);
     }
     accounting::count(primary, |s| &mut s.requests);
-    if inserted.is_err() {
-        // Table full: never block traffic.
+    if !is_read && config.descriptor.expects_no_reply(byte) {
+        // Nothing will ever complete it: not pending, not steered.
+        accounting::count(primary, |s| &mut s.no_reply);
+        return Ok(TC_CONTINUE);
+    }
+    let load = accounting::group_load(group).ok_or(())?;
+    let client = client_slot(&key.client_addr, key.client_port);
+    let may_move = is_read && config.steering_off == 0;
+    let mut chosen_pos = primary_pos;
+    if may_move {
+        chosen_pos = choose_position(config, primary_pos, &load);
+    }
+    if is_read {
+        match admit(config, chosen_pos, may_move, &load, client) {
+            Admission::Send(pos) => chosen_pos = pos,
+            Admission::Overloaded => {
+                match OnOverload::from_u32(config.on_overload).unwrap_or(OnOverload::Pass) {
+                    OnOverload::Pass => accounting::count(primary, |s| &mut s.overload_passed),
+                    OnOverload::Drop => {
+                        accounting::count(primary, |s| &mut s.overload_dropped);
+                        return Ok(TC_DROP);
+                    }
+                    OnOverload::Reject => {
+                        accounting::count(primary, |s| &mut s.overload_rejected);
+                        return reject::answer(ctx, config, &dgram, request_id);
+                    }
+                }
+            }
+        }
+    }
+    let chosen = backend_id(group, chosen_pos);
+    let Some(slot) = inflight::reserve(hash, config.inflight_mask) else {
+        // No free slot: never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
         debug!(
             ctx,
-            "in-flight table full: request to backend {} untracked", primary
+            "in-flight table full: request to {} untracked", primary
         );
         return Ok(TC_CONTINUE);
-    }
+    };
+    // Counted before it is published, so a completion can never precede
+    // its issue.
     accounting::add_issued(chosen);
+    accounting::client_add(client, true);
+    slot.publish(&NewRequest {
+        key,
+        primary,
+        chosen,
+    });
     if chosen == primary {
         return Ok(TC_CONTINUE);
     }
     accounting::count(primary, |s| &mut s.redirected_away);
     accounting::count(chosen, |s| &mut s.redirected_to);
-    steer(ctx, chosen)
+    steer(ctx, config, &dgram, chosen)
 }
 
-/// The map insert's error for a key that is already there.
-const EEXIST: i32 = -17;
+#[inline(always)]
+fn pass(reason: selector_common::PassReason) -> Result<i32, ()> {
+    count_pass(Direction::Egress, reason);
+    Ok(TC_CONTINUE)
+}
 
 /// A request whose key is already in flight.
 #[inline(always)]
-fn in_flight_already(ctx: &TcContext, key: &InflightKey, primary: u32) -> Result<i32, ()> {
-    // Completed in the meantime: nothing to follow.
-    let Some(first) = (unsafe { INFLIGHT.get(key) }).copied() else {
-        return Ok(TC_CONTINUE);
-    };
+fn in_flight_already(
+    ctx: &TcContext,
+    config: &Config,
+    dgram: &Datagram,
+    first: &inflight::Seen,
+    primary: u32,
+) -> Result<i32, ()> {
     if first.primary != primary {
         // The same id sent to another member while the first request is in
         // flight: the application's own failover. Leave it alone.
@@ -98,7 +131,7 @@ fn in_flight_already(ctx: &TcContext, key: &InflightKey, primary: u32) -> Result
     }
     // A retransmit follows the first copy and is not counted again.
     if first.chosen != primary {
-        return steer(ctx, first.chosen);
+        return steer(ctx, config, dgram, first.chosen);
     }
     Ok(TC_CONTINUE)
 }
@@ -106,24 +139,47 @@ fn in_flight_already(ctx: &TcContext, key: &InflightKey, primary: u32) -> Result
 /// Rewrites the destination to backend `chosen` and sends the packet on
 /// through the neighbour subsystem.
 #[inline(always)]
-fn steer(ctx: &TcContext, chosen: u32) -> Result<i32, ()> {
-    ctx.rewrite(Side::Destination, backend_target(chosen).ok_or(())?)?;
-    Ok(nexthop::redirect(ctx))
+fn steer(ctx: &TcContext, config: &Config, dgram: &Datagram, chosen: u32) -> Result<i32, ()> {
+    ctx.rewrite(
+        dgram.ip.layout,
+        Side::Destination,
+        backend_target(chosen).ok_or(())?,
+    )?;
+    Ok(nexthop::redirect(ctx, config.mark))
 }
 
 /// Applies the configured policy to the primary's group.
 #[inline(always)]
-fn choose_position(config: &Config, group: u32, primary_pos: usize) -> usize {
+fn choose_position(config: &Config, primary_pos: usize, load: &GroupLoad) -> usize {
     let Some(policy) = Policy::from_u32(config.policy) else {
         return primary_pos;
     };
-    let Some(load) = accounting::group_load(group) else {
-        return primary_pos;
-    };
-    let chosen = policy::choose(policy, config.threshold, primary_pos, &load);
+    let chosen = policy::choose(policy, config.threshold, primary_pos, load);
     if chosen < load.len {
         chosen
     } else {
         primary_pos
+    }
+}
+
+/// The per-client bound first (moving elsewhere does not help it), then the
+/// per-backend bound.
+#[inline(always)]
+fn admit(
+    config: &Config,
+    chosen_pos: usize,
+    may_move: bool,
+    load: &GroupLoad,
+    client: u32,
+) -> Admission {
+    let client_cap = u64::from(config.max_pending_client);
+    if client_cap != 0 && accounting::client_pending(client) >= client_cap {
+        return Admission::Overloaded;
+    }
+    let may_move = may_move && config.policy != Policy::Observe as u32;
+    match policy::admit(chosen_pos, config.max_pending, may_move, load) {
+        Admission::Send(pos) if pos < load.len => Admission::Send(pos),
+        Admission::Send(_) => Admission::Send(chosen_pos),
+        Admission::Overloaded => Admission::Overloaded,
     }
 }

@@ -7,20 +7,24 @@
 
 mod accounting;
 mod egress;
+mod inflight;
 mod ingress;
 mod maps;
 mod nexthop;
 mod packet;
+mod reject;
 mod rewrite;
 
 use aya_ebpf::{
-    bindings::{TC_ACT_PIPE, xdp_action},
+    bindings::{TC_ACT_PIPE, TC_ACT_SHOT, xdp_action},
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
 
 /// TC verdict for "carry on": the packet continues, rewritten or not.
 pub const TC_CONTINUE: i32 = TC_ACT_PIPE;
+/// TC verdict for a read dropped under `--on-overload drop`.
+pub const TC_DROP: i32 = TC_ACT_SHOT;
 
 #[classifier]
 pub fn selector_egress(ctx: TcContext) -> i32 {
@@ -35,6 +39,16 @@ pub fn selector_ingress(ctx: XdpContext) -> u32 {
 
 #[classifier]
 pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
+    // A reject reply the egress program turned back to ingress: ours, not a
+    // backend's; clear the bit and let it through.
+    if let Some(config) = maps::config() {
+        let mark = unsafe { (*ctx.skb.skb).mark };
+        if mark & config.mark != 0 {
+            ctx.set_mark(mark & !config.mark);
+            return TC_CONTINUE;
+        }
+    }
+    packet::pull_headers(&ctx);
     let _ = ingress::try_ingress(&ctx);
     TC_CONTINUE
 }

@@ -1,17 +1,27 @@
-//! The maps. Each has a fixed bound; what happens when one is full is decided
-//! where it is written (the in-flight table: the request passes untracked).
+//! The maps. Each has a fixed bound and a defined behaviour when full:
+//! - `INFLIGHT` (slots): no free slot in a key's probe window, the request
+//!   passes untracked and is counted;
+//! - `FRAGMENTS` (LRU): the oldest fragment series is forgotten; its later
+//!   fragments then pass unrewritten, as any lost fragment would;
+//! - the arrays are indexed by ids the agent bounds at configuration.
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use selector_common::{
-    BackendStats, Config, DEFAULT_INFLIGHT_MAX, Endpoint, Group, GroupCounters, GroupExpired,
-    InflightEntry, InflightKey, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
-    latency::LATENCY_BUCKETS, split_backend_id,
+    BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
+    GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, PASS_REASONS, PassReason,
+    inflight::{InflightSlot, slots_for},
+    latency::LATENCY_BUCKETS,
+    pass_index, split_backend_id,
 };
 
 use crate::rewrite::Target;
+
+/// Shared with the agent through mmap, so both sides use atomic
+/// instructions on the same memory.
+const BPF_F_MMAPABLE: u32 = 1 << 10;
 
 #[map]
 pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
@@ -23,27 +33,51 @@ pub static BACKENDS: HashMap<Endpoint, u32> = HashMap::with_max_entries(MAX_BACK
 #[map]
 pub static GROUPS: Array<Group> = Array::with_max_entries(MAX_GROUPS, 0);
 
-/// Issued/completed per group member, kernel-written with atomic adds.
+/// Issued, completed and expired requests per group member.
 #[map]
-pub static PENDING: Array<GroupCounters> = Array::with_max_entries(MAX_GROUPS, 0);
+pub static COUNTERS: Array<GroupCounters> = Array::with_max_entries(MAX_GROUPS, BPF_F_MMAPABLE);
 
-/// Requests per group member the agent expired; the agent is the only writer.
+/// Pending requests per client socket, hashed into `CLIENT_SLOTS` slots.
 #[map]
-pub static EXPIRED: Array<GroupExpired> = Array::with_max_entries(MAX_GROUPS, 0);
+pub static CLIENT_PENDING: Array<u64> = Array::with_max_entries(CLIENT_SLOTS, BPF_F_MMAPABLE);
 
-/// Outstanding requests. The agent resizes it (`--inflight-max`) at load.
+/// Outstanding requests (see `selector_common::inflight`). The agent sizes
+/// it from `--inflight-max` at load.
 #[map]
-pub static INFLIGHT: HashMap<InflightKey, InflightEntry> =
-    HashMap::with_max_entries(DEFAULT_INFLIGHT_MAX, 0);
+pub static INFLIGHT: Array<InflightSlot> =
+    Array::with_max_entries(slots_for(DEFAULT_INFLIGHT_MAX), BPF_F_MMAPABLE);
+
+/// Per-CPU request counter: with the CPU id, a unique request instance number.
+#[map]
+pub static SEQUENCE: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per backend id.
 #[map]
 pub static STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
 
+/// Packets passed untouched, by direction and reason.
+#[map]
+pub static PASSED: PerCpuArray<u64> = PerCpuArray::with_max_entries(2 * PASS_REASONS, 0);
+
 /// `backend id * LATENCY_BUCKETS + bucket` -> responses.
 #[map]
 pub static LATENCY: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(MAX_BACKENDS * LATENCY_BUCKETS, 0);
+
+/// One IP-fragmented reply being rewritten: the later fragments carry no
+/// UDP header, so they are matched by (source, destination, IP id).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct FragmentKey {
+    pub src: [u8; 4],
+    pub dst: [u8; 4],
+    pub id: u16,
+    pub _pad: u16,
+}
+
+/// Source address to write into the later fragments of a rewritten reply.
+#[map]
+pub static FRAGMENTS: LruHashMap<FragmentKey, [u8; 4]> = LruHashMap::with_max_entries(4096, 0);
 
 /// Where backend `id` listens, as a rewrite target.
 #[inline(always)]
@@ -54,4 +88,17 @@ pub fn backend_target(id: u32) -> Option<Target> {
         addr: e.ipv4_octets()?,
         port: e.port,
     })
+}
+
+#[inline(always)]
+pub fn config() -> Option<&'static Config> {
+    CONFIG.get(0)
+}
+
+/// Counts one packet passed untouched.
+#[inline(always)]
+pub fn count_pass(direction: Direction, reason: PassReason) {
+    if let Some(c) = PASSED.get_ptr_mut(pass_index(direction, reason)) {
+        unsafe { *c += 1 };
+    }
 }

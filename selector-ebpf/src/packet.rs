@@ -1,27 +1,25 @@
-//! Packet access: one bounds-checked accessor and the IPv4/UDP parser.
-//! Anything that is not plain Ethernet + IPv4 without options + UDP, or is a
-//! fragment, is reported as not understood so the caller passes it untouched.
+//! Packet access: one bounds-checked accessor and the parser. Anything that
+//! is not Ethernet (with at most one VLAN tag) + IPv4 + UDP, or that a
+//! receiver would drop, is reported with the reason it is passed untouched.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
-use network_types::{eth::EthHdr, ip::Ipv4Hdr, udp::UdpHdr};
-use selector_common::descriptor::MAX_DESCRIPTOR_SPAN;
+use selector_common::{PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
 
-pub const ETH_LEN: usize = EthHdr::LEN;
-pub const IP_OFF: usize = ETH_LEN;
-pub const IP_CHECK_OFF: usize = IP_OFF + 10;
-pub const IP_SRC_OFF: usize = IP_OFF + 12;
-pub const IP_DST_OFF: usize = IP_OFF + 16;
-pub const UDP_OFF: usize = IP_OFF + Ipv4Hdr::LEN;
-pub const UDP_SRC_OFF: usize = UDP_OFF;
-pub const UDP_DST_OFF: usize = UDP_OFF + 2;
-pub const UDP_CHECK_OFF: usize = UDP_OFF + 6;
-pub const PAYLOAD_OFF: usize = UDP_OFF + UdpHdr::LEN;
+pub const ETH_LEN: usize = 14;
+const VLAN_LEN: usize = 4;
+const IPV4_LEN: usize = 20;
+pub const UDP_LEN: usize = 8;
 /// Bytes the parser and descriptors may need in the linear part.
-pub const PARSE_SPAN: usize = PAYLOAD_OFF + MAX_DESCRIPTOR_SPAN as usize;
+pub const PARSE_SPAN: usize =
+    ETH_LEN + VLAN_LEN + IPV4_LEN + UDP_LEN + MAX_DESCRIPTOR_SPAN as usize;
 
 const ETH_P_IPV4: u16 = 0x0800;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
 const IPPROTO_UDP: u8 = 17;
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET: u16 = 0x1fff;
 
 /// Something whose bytes live between `data` and `data_end`.
 pub trait Packet {
@@ -69,15 +67,75 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
     Ok(unsafe { p.read_unaligned() })
 }
 
+/// Makes the headers and descriptor span readable when the skb is paged.
+#[inline(always)]
+pub fn pull_headers(ctx: &TcContext) {
+    let linear = ctx.data_end() - ctx.data();
+    let len = ctx.len() as usize;
+    if linear < PARSE_SPAN && len > linear {
+        let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
+        // On failure the parser sees the short linear part and passes.
+        let _ = ctx.pull_data(want as u32);
+    }
+}
+
+/// Where the IPv4 header starts and its fields live.
+#[derive(Clone, Copy)]
+pub struct Layout {
+    /// Offset of the IPv4 header (after Ethernet and any VLAN tag).
+    pub l3: usize,
+}
+
+impl Layout {
+    #[inline(always)]
+    pub fn ip_check(self) -> usize {
+        self.l3 + 10
+    }
+    #[inline(always)]
+    pub fn ip_src(self) -> usize {
+        self.l3 + 12
+    }
+    #[inline(always)]
+    pub fn ip_dst(self) -> usize {
+        self.l3 + 16
+    }
+    #[inline(always)]
+    pub fn udp(self) -> usize {
+        self.l3 + IPV4_LEN
+    }
+    #[inline(always)]
+    pub fn udp_check(self) -> usize {
+        self.udp() + 6
+    }
+    #[inline(always)]
+    pub fn payload(self) -> usize {
+        self.udp() + UDP_LEN
+    }
+}
+
+/// A valid IPv4 header: addresses, id and fragment state.
+#[derive(Clone, Copy)]
+pub struct Ipv4 {
+    pub layout: Layout,
+    pub src: [u8; 4],
+    pub dst: [u8; 4],
+    pub id: u16,
+    pub total_len: usize,
+    /// More fragments follow, or this is not the first: a fragment.
+    pub fragment: bool,
+    /// Fragment offset 0: the fragment that carries the UDP header.
+    pub first_fragment: bool,
+}
+
 /// An IPv4 UDP datagram's addressing, as found in the packet.
 #[derive(Clone, Copy)]
 pub struct Datagram {
-    pub src_addr: [u8; 4],
-    pub dst_addr: [u8; 4],
+    pub ip: Ipv4,
     /// Host order.
     pub src_port: u16,
     pub dst_port: u16,
-    /// UDP payload length per the UDP header, clamped to what the IP header allows.
+    /// UDP payload length per the UDP header (for a first fragment, of the
+    /// whole datagram; reads stop at the end of the packet anyway).
     pub payload_len: usize,
 }
 
@@ -90,43 +148,103 @@ impl Datagram {
             return None;
         }
         let i = i % MAX_DESCRIPTOR_SPAN as usize;
-        let p: *const u8 = ptr_at(pkt, PAYLOAD_OFF + i).ok()?;
-        Some(unsafe { *p })
+        // The verifier learns a range only from a comparison of a pointer
+        // that carries the access size as its constant part. Left alone,
+        // the compiler turns `at + 1 > end` into `at >= end`, which proves
+        // nothing at a variable offset; opaque values keep the form.
+        let at = core::hint::black_box(pkt.data() + self.ip.layout.payload() + i);
+        let last = core::hint::black_box(at + 1);
+        if last > pkt.data_end() {
+            return None;
+        }
+        Some(unsafe { *(at as *const u8) })
     }
 }
 
-/// Parses Ethernet / IPv4 (no options, not fragmented) / UDP.
+/// An address a unicast sender or receiver may have: not 0/8 ("this
+/// network"), 127/8 (loopback never leaves a host), 224/4 (multicast) or
+/// 240/4 (reserved and the limited broadcast).
 #[inline(always)]
-pub fn parse_ipv4_udp(pkt: &impl Packet) -> Result<Datagram, ()> {
-    let eth: *const EthHdr = ptr_at(pkt, 0)?;
-    if u16::from_be(unsafe { (*eth).ether_type }) != ETH_P_IPV4 {
-        return Err(());
+fn is_unicast(addr: [u8; 4]) -> bool {
+    addr[0] != 0 && addr[0] != 127 && addr[0] < 224
+}
+
+/// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 header.
+#[inline(always)]
+pub fn parse_ipv4(pkt: &impl Packet) -> Result<Ipv4, PassReason> {
+    let ethertype: [u8; 2] = read_bytes(pkt, 12).map_err(|_| PassReason::NotIpv4Udp)?;
+    let mut ethertype = u16::from_be_bytes(ethertype);
+    let mut l3 = ETH_LEN;
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        let inner: [u8; 2] = read_bytes(pkt, 16).map_err(|_| PassReason::NotIpv4Udp)?;
+        ethertype = u16::from_be_bytes(inner);
+        l3 += VLAN_LEN;
     }
-    let ip: *const Ipv4Hdr = ptr_at(pkt, IP_OFF)?;
-    let ip = unsafe { &*ip };
-    // Version 4, 20-byte header: options are not understood.
-    if ip.vihl != 0x45 || ip.proto != IPPROTO_UDP {
-        return Err(());
+    if ethertype != ETH_P_IPV4 {
+        return Err(PassReason::NotIpv4Udp);
     }
-    // More-fragments or a fragment offset: only the first fragment has the
-    // UDP header and the response could not be matched; leave them alone.
-    if u16::from_be_bytes(ip.frags) & 0x3fff != 0 {
-        return Err(());
+    let h: [u8; IPV4_LEN] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
+    // Version 4 without options: options are not understood.
+    if h[0] != 0x45 {
+        return Err(PassReason::BadHeader);
     }
-    let ip_total = u16::from_be_bytes(ip.tot_len) as usize;
-    let src_addr = ip.src_addr;
-    let dst_addr = ip.dst_addr;
-    let udp: *const UdpHdr = ptr_at(pkt, UDP_OFF)?;
-    let udp = unsafe { &*udp };
-    let udp_len = u16::from_be_bytes(udp.len) as usize;
-    if udp_len < UdpHdr::LEN || udp_len + Ipv4Hdr::LEN > ip_total {
-        return Err(());
+    // A receiver drops a header whose checksum does not verify.
+    let mut sum = 0u32;
+    let mut word = 0;
+    while word < IPV4_LEN / 2 {
+        sum += u32::from(u16::from_be_bytes([h[2 * word], h[2 * word + 1]]));
+        word += 1;
+    }
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    if sum != 0xffff {
+        return Err(PassReason::BadHeader);
+    }
+    let total_len = usize::from(u16::from_be_bytes([h[2], h[3]]));
+    let frame_after_l2 = pkt.data_end() - pkt.data() - l3;
+    if total_len < IPV4_LEN || total_len > frame_after_l2 {
+        return Err(PassReason::BadHeader);
+    }
+    let src = [h[12], h[13], h[14], h[15]];
+    let dst = [h[16], h[17], h[18], h[19]];
+    if !is_unicast(src) || !is_unicast(dst) {
+        return Err(PassReason::BadHeader);
+    }
+    if h[9] != IPPROTO_UDP {
+        return Err(PassReason::NotIpv4Udp);
+    }
+    let frag = u16::from_be_bytes([h[6], h[7]]);
+    Ok(Ipv4 {
+        layout: Layout { l3 },
+        src,
+        dst,
+        id: u16::from_be_bytes([h[4], h[5]]),
+        total_len,
+        fragment: frag & (IP_MF | IP_OFFSET) != 0,
+        first_fragment: frag & IP_OFFSET == 0,
+    })
+}
+
+/// The UDP header of a whole datagram, or of a first fragment when
+/// `allow_first_fragment` (its UDP length covers the whole datagram).
+#[inline(always)]
+pub fn parse_udp(
+    pkt: &impl Packet,
+    ip: Ipv4,
+    allow_first_fragment: bool,
+) -> Result<Datagram, PassReason> {
+    if ip.fragment && !(allow_first_fragment && ip.first_fragment) {
+        return Err(PassReason::Fragment);
+    }
+    let udp: [u8; UDP_LEN] = read_bytes(pkt, ip.layout.udp()).map_err(|_| PassReason::BadHeader)?;
+    let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
+    if udp_len < UDP_LEN || (!ip.fragment && udp_len > ip.total_len - IPV4_LEN) {
+        return Err(PassReason::BadHeader);
     }
     Ok(Datagram {
-        src_addr,
-        dst_addr,
-        src_port: u16::from_be_bytes(udp.src),
-        dst_port: u16::from_be_bytes(udp.dst),
-        payload_len: udp_len - UdpHdr::LEN,
+        ip,
+        src_port: u16::from_be_bytes([udp[0], udp[1]]),
+        dst_port: u16::from_be_bytes([udp[2], udp[3]]),
+        payload_len: udp_len - UDP_LEN,
     })
 }

@@ -9,10 +9,7 @@ use aya_ebpf::{
 };
 use selector_common::checksum;
 
-use crate::packet::{
-    IP_CHECK_OFF, IP_DST_OFF, IP_SRC_OFF, UDP_CHECK_OFF, UDP_DST_OFF, UDP_SRC_OFF, ptr_at,
-    read_bytes,
-};
+use crate::packet::{Layout, ptr_at, read_bytes};
 
 #[derive(Clone, Copy)]
 pub enum Side {
@@ -21,11 +18,12 @@ pub enum Side {
 }
 
 impl Side {
+    /// (address offset, port offset).
     #[inline(always)]
-    fn offsets(self) -> (usize, usize) {
+    fn offsets(self, l: Layout) -> (usize, usize) {
         match self {
-            Side::Source => (IP_SRC_OFF, UDP_SRC_OFF),
-            Side::Destination => (IP_DST_OFF, UDP_DST_OFF),
+            Side::Source => (l.ip_src(), l.udp()),
+            Side::Destination => (l.ip_dst(), l.udp() + 2),
         }
     }
 }
@@ -39,13 +37,16 @@ pub struct Target {
 
 pub trait Rewrite {
     /// Replaces one side's address and port, keeping IP and UDP checksums right.
-    fn rewrite(&self, side: Side, new: Target) -> Result<(), ()>;
+    fn rewrite(&self, l: Layout, side: Side, new: Target) -> Result<(), ()>;
+    /// Replaces the source address of a later IP fragment (no UDP header;
+    /// the UDP checksum, in the first fragment, already covers the change).
+    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 4]) -> Result<(), ()>;
 }
 
 impl Rewrite for TcContext {
     #[inline(always)]
-    fn rewrite(&self, side: Side, new: Target) -> Result<(), ()> {
-        let (addr_off, port_off) = side.offsets();
+    fn rewrite(&self, l: Layout, side: Side, new: Target) -> Result<(), ()> {
+        let (addr_off, port_off) = side.offsets(l);
         let old_addr: [u8; 4] = read_bytes(self, addr_off)?;
         let old_port: [u8; 2] = read_bytes(self, port_off)?;
         let new_port = new.port.to_be_bytes();
@@ -60,29 +61,42 @@ impl Rewrite for TcContext {
         );
         let l4_flags = u64::from(BPF_F_MARK_MANGLED_0);
         self.store(addr_off, &new.addr, 0).map_err(|_| ())?;
-        self.l3_csum_replace(IP_CHECK_OFF, from_a, to_a, 4)
+        self.l3_csum_replace(l.ip_check(), from_a, to_a, 4)
             .map_err(|_| ())?;
         self.l4_csum_replace(
-            UDP_CHECK_OFF,
+            l.udp_check(),
             from_a,
             to_a,
             l4_flags | u64::from(BPF_F_PSEUDO_HDR) | 4,
         )
         .map_err(|_| ())?;
         self.store(port_off, &new_port, 0).map_err(|_| ())?;
-        self.l4_csum_replace(UDP_CHECK_OFF, from_p, to_p, l4_flags | 2)
+        self.l4_csum_replace(l.udp_check(), from_p, to_p, l4_flags | 2)
             .map_err(|_| ())
+    }
+
+    #[inline(always)]
+    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 4]) -> Result<(), ()> {
+        let old: [u8; 4] = read_bytes(self, l.ip_src())?;
+        self.store(l.ip_src(), &addr, 0).map_err(|_| ())?;
+        self.l3_csum_replace(
+            l.ip_check(),
+            u32::from_ne_bytes(old) as u64,
+            u32::from_ne_bytes(addr) as u64,
+            4,
+        )
+        .map_err(|_| ())
     }
 }
 
 impl Rewrite for XdpContext {
     #[inline(always)]
-    fn rewrite(&self, side: Side, new: Target) -> Result<(), ()> {
-        let (addr_off, port_off) = side.offsets();
+    fn rewrite(&self, l: Layout, side: Side, new: Target) -> Result<(), ()> {
+        let (addr_off, port_off) = side.offsets(l);
         let addr: *mut [u8; 4] = ptr_at(self, addr_off)?;
         let port: *mut [u8; 2] = ptr_at(self, port_off)?;
-        let ip_check: *mut [u8; 2] = ptr_at(self, IP_CHECK_OFF)?;
-        let udp_check: *mut [u8; 2] = ptr_at(self, UDP_CHECK_OFF)?;
+        let ip_check: *mut [u8; 2] = ptr_at(self, l.ip_check())?;
+        let udp_check: *mut [u8; 2] = ptr_at(self, l.udp_check())?;
         unsafe {
             let old_a = u32::from_be_bytes(*addr);
             let new_a = u32::from_be_bytes(new.addr);
@@ -95,6 +109,23 @@ impl Rewrite for XdpContext {
             *port = new.port.to_be_bytes();
             *ip_check = ip_c.to_be_bytes();
             *udp_check = udp_c.to_be_bytes();
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn rewrite_fragment_source(&self, l: Layout, new: [u8; 4]) -> Result<(), ()> {
+        let addr: *mut [u8; 4] = ptr_at(self, l.ip_src())?;
+        let ip_check: *mut [u8; 2] = ptr_at(self, l.ip_check())?;
+        unsafe {
+            let old_a = u32::from_be_bytes(*addr);
+            let c = checksum::replace_u32(
+                u16::from_be_bytes(*ip_check),
+                old_a,
+                u32::from_be_bytes(new),
+            );
+            *addr = new;
+            *ip_check = c.to_be_bytes();
         }
         Ok(())
     }

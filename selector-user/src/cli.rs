@@ -242,6 +242,11 @@ impl RunArgs {
                 IngressArg::Xdp => IngressMode::Xdp,
                 IngressArg::Tc => IngressMode::Tc,
             },
+            max_pending: 0,
+            max_pending_client: 0,
+            on_overload: selector_common::OnOverload::Pass,
+            mark: selector_common::MARK_REDIRECTED,
+            grace: Duration::from_millis(self.timeout),
         };
         settings.plan()?;
         Ok(settings)

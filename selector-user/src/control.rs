@@ -127,7 +127,7 @@ pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
             if threshold == 0 && policy != Policy::Observe {
                 bail!("threshold must be at least 1");
             }
-            selector.write_config(policy, threshold)?;
+            selector.set_policy(policy, threshold)?;
             Ok(format!(
                 "policy {} threshold {}\n",
                 policy.name(),

@@ -2,28 +2,27 @@
 //! either returns a fully configured, attached selector or fails with nothing
 //! left attached (dropping the `Ebpf` detaches whatever did attach).
 
-use std::{
-    collections::HashMap as StdHashMap,
-    net::SocketAddrV4,
-    os::fd::{AsFd as _, AsRawFd as _, RawFd},
-};
+use std::{collections::HashMap as StdHashMap, net::SocketAddrV4, os::fd::AsFd as _};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, IterableMap as _, MapData, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
     util::KernelVersion,
 };
 use log::debug;
 use selector_common::{
-    BackendStats, Config, Endpoint, Group, GroupCounters, GroupExpired, InflightEntry, InflightKey,
-    MAX_BACKENDS, Policy, names, programs, split_backend_id,
+    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, MAX_GROUPS,
+    PassReason, Policy,
+    inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
+    names, pass_index, programs, split_backend_id,
 };
 
 use crate::{
     EBPF_OBJECT,
     settings::{BackendPlan, IngressMode, Settings},
+    shared::{SharedArray, load},
 };
 
 /// A loaded, configured and attached selector. Dropping it detaches.
@@ -33,13 +32,28 @@ pub struct Selector {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     pub settings: Settings,
     pub backends: Vec<BackendPlan>,
-    /// The agent's own expired counts by backend id (it is the only
-    /// writer of EXPIRED).
-    pub(crate) expired: Vec<u64>,
+    /// The in-flight slots, shared with the kernel.
+    pub(crate) slots: SharedArray<InflightSlot>,
+    /// Issued/completed/expired per group, shared with the kernel.
+    pub(crate) counters: SharedArray<GroupCounters>,
+    /// Pending per client-socket slot, shared with the kernel.
+    pub(crate) clients: SharedArray<u64>,
+    /// Shutting down: no new redirects.
+    steering_off: bool,
+    /// Requests planted by `plant_inflight` (their instance numbers).
+    pub(crate) planted: u64,
 }
 
 pub(crate) fn endpoint(addr: SocketAddrV4) -> Endpoint {
     Endpoint::ipv4(addr.ip().octets(), addr.port())
+}
+
+/// Maps the shared array map `name` of `len` elements.
+fn share<T>(ebpf: &Ebpf, name: &str, len: u32) -> Result<SharedArray<T>> {
+    let Some(aya::maps::Map::Array(data)) = ebpf.map(name) else {
+        bail!("array map {name} missing from the object");
+    };
+    SharedArray::map(data.fd().as_fd(), len as usize).with_context(|| format!("mapping {name}"))
 }
 
 fn interface_index(iface: &str) -> Result<u32> {
@@ -66,10 +80,14 @@ impl Selector {
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
         let backends = settings.plan()?;
+        let slot_count = slots_for(settings.inflight_max);
         let mut ebpf = EbpfLoader::new()
-            .map_max_entries(names::INFLIGHT, settings.inflight_max)
+            .map_max_entries(names::INFLIGHT, slot_count)
             .load(EBPF_OBJECT)
             .context("loading the kernel programs")?;
+        let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
+        let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
+        let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -81,8 +99,12 @@ impl Selector {
             ebpf,
             logger,
             settings: settings.clone(),
-            expired: vec![0; MAX_BACKENDS as usize],
             backends,
+            slots,
+            counters,
+            clients,
+            steering_off: false,
+            planted: 0,
         };
         selector.write_tables()?;
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -105,7 +127,7 @@ impl Selector {
     }
 
     fn write_tables(&mut self) -> Result<()> {
-        self.write_config(self.settings.policy, self.settings.threshold)?;
+        self.write_config()?;
         let backends = self.backends.clone();
         {
             let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
@@ -175,22 +197,48 @@ impl Selector {
             .ok_or_else(|| anyhow!("map {name} missing from the object"))
     }
 
-    /// Changes policy and threshold while running.
-    pub fn write_config(&mut self, policy: Policy, threshold: u32) -> Result<()> {
-        let descriptor = self.settings.descriptor;
+    /// Writes the tunables in `settings` (and the shutdown flag) to the
+    /// kernel's config; the programs read it on every packet.
+    pub fn write_config(&mut self) -> Result<()> {
+        let s = &self.settings;
+        let value = Config {
+            policy: s.policy as u32,
+            threshold: s.threshold,
+            max_pending: s.max_pending,
+            max_pending_client: s.max_pending_client,
+            on_overload: s.on_overload as u32,
+            mark: s.mark,
+            inflight_mask: self.slots.len() as u32 - 1,
+            steering_off: u32::from(self.steering_off),
+            descriptor: s.descriptor,
+        };
         let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
-        config.set(
-            0,
-            Config {
-                policy: policy as u32,
-                threshold,
-                descriptor,
-            },
-            0,
-        )?;
+        config.set(0, value, 0)?;
+        Ok(())
+    }
+
+    /// Changes policy and threshold while running.
+    pub fn set_policy(&mut self, policy: Policy, threshold: u32) -> Result<()> {
         self.settings.policy = policy;
         self.settings.threshold = threshold;
-        Ok(())
+        self.write_config()
+    }
+
+    /// For shutdown: the kernel makes no new redirects from now on
+    /// (retransmits of reads already redirected still follow them).
+    pub fn stop_steering(&mut self) -> Result<()> {
+        self.steering_off = true;
+        self.write_config()
+    }
+
+    /// Redirected reads still in flight: their replies need rewriting, so
+    /// the programs must stay attached until this is 0.
+    pub fn redirected_in_flight(&self) -> Result<usize> {
+        Ok(self
+            .inflight()?
+            .iter()
+            .filter(|s| s.primary != s.chosen)
+            .count())
     }
 
     /// Backends currently drained (their bit clear in their group's mask).
@@ -234,17 +282,22 @@ impl Selector {
     /// (issued, completed, expired) per backend: the raw counters behind
     /// `pending`, for checking that none drifted.
     pub fn accounting(&self) -> Result<Vec<(u64, u64, u64)>> {
-        let counters: Array<_, GroupCounters> = Array::try_from(self.map(names::PENDING)?)?;
-        let expired: Array<_, GroupExpired> = Array::try_from(self.map(names::EXPIRED)?)?;
-        self.backends
+        Ok(self
+            .backends
             .iter()
             .map(|b| {
                 let (group, position) = split_backend_id(b.index);
-                let c = counters.get(&group, 0)?;
-                let e = expired.get(&group, 0)?;
-                Ok((c.issued[position], c.completed[position], e.count[position]))
+                let c = self.counters.ptr(group as usize);
+                // SAFETY: fields of a live shared element, 8-byte aligned.
+                unsafe {
+                    (
+                        load(&raw mut (*c).issued[position]),
+                        load(&raw mut (*c).completed[position]),
+                        load(&raw mut (*c).expired[position]),
+                    )
+                }
             })
-            .collect()
+            .collect())
     }
 
     /// Per-backend statistics summed over CPUs.
@@ -276,15 +329,33 @@ impl Selector {
             .collect()
     }
 
-    /// Entries in the in-flight table now.
-    pub fn inflight(&self) -> Result<Vec<(InflightKey, InflightEntry)>> {
-        Ok(crate::sys::lookup_all(self.inflight_fd()?)?)
+    /// Copies of the requests in flight now (`LIVE` slots).
+    pub fn inflight(&self) -> Result<Vec<InflightSlot>> {
+        let mut out = Vec::new();
+        for i in 0..self.slots.len() {
+            // SAFETY: the state word of a live shared element.
+            let state = unsafe { load(&raw mut (*self.slots.ptr(i)).state) };
+            if phase(state) == PHASE_LIVE && state != 0 {
+                let slot = self.slots.read(i);
+                if slot.state == state {
+                    out.push(slot);
+                }
+            }
+        }
+        Ok(out)
     }
 
-    pub(crate) fn inflight_fd(&self) -> Result<RawFd> {
-        let table: HashMap<&MapData, InflightKey, InflightEntry> =
-            HashMap::try_from(self.map(names::INFLIGHT)?)?;
-        Ok(table.map().fd().as_fd().as_raw_fd())
+    /// Packets passed untouched, by direction and reason, summed over CPUs.
+    pub fn passed(&self) -> Result<Vec<(Direction, PassReason, u64)>> {
+        let passed: PerCpuArray<_, u64> = PerCpuArray::try_from(self.map(names::PASSED)?)?;
+        let mut out = Vec::new();
+        for direction in [Direction::Egress, Direction::Ingress] {
+            for reason in PassReason::ALL {
+                let n = passed.get(&pass_index(direction, reason), 0)?.iter().sum();
+                out.push((direction, reason, n));
+            }
+        }
+        Ok(out)
     }
 
     /// Passes kernel log records (rare events only) to the logger.
@@ -304,21 +375,8 @@ impl Selector {
 
     /// Requests expired per configured backend (in `backends` order).
     pub fn expired(&self) -> Vec<u64> {
-        self.backends
-            .iter()
-            .map(|b| self.expired[b.index as usize])
-            .collect()
-    }
-
-    /// Publishes the agent's expired counts of `group`.
-    pub(crate) fn write_expired(&mut self, group: u32) -> Result<()> {
-        let base = group as usize * selector_common::MAX_GROUP_MEMBERS;
-        let mut value = GroupExpired::default();
-        value
-            .count
-            .copy_from_slice(&self.expired[base..base + selector_common::MAX_GROUP_MEMBERS]);
-        let mut expired: Array<_, GroupExpired> = Array::try_from(self.map_mut(names::EXPIRED)?)?;
-        expired.set(group, value, 0)?;
-        Ok(())
+        self.accounting()
+            .map(|a| a.into_iter().map(|(_, _, e)| e).collect())
+            .unwrap_or_default()
     }
 }

@@ -4,7 +4,7 @@
 use std::{collections::HashMap, fmt, net::SocketAddrV4, time::Duration};
 
 use anyhow::{Result, bail};
-use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy, backend_id};
+use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, OnOverload, Policy, backend_id};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IngressMode {
@@ -27,6 +27,17 @@ pub struct Settings {
     pub timeout: Duration,
     pub inflight_max: u32,
     pub ingress: IngressMode,
+    /// Pending requests per backend at which it counts as full (0: no bound).
+    pub max_pending: u32,
+    /// Pending requests per client socket at which it is full (0: no bound).
+    pub max_pending_client: u32,
+    /// What a read gets when everything it may go to is full.
+    pub on_overload: OnOverload,
+    /// The skb mark bit of the selector's own re-sent packets.
+    pub mark: u32,
+    /// How long a redirected read's late reply is still rewritten after its
+    /// request completed or expired.
+    pub grace: Duration,
 }
 
 /// One backend as the maps will hold it.
@@ -140,6 +151,11 @@ mod tests {
             timeout: Duration::from_millis(500),
             inflight_max: 1024,
             ingress: IngressMode::Xdp,
+            max_pending: 0,
+            max_pending_client: 0,
+            on_overload: selector_common::OnOverload::Pass,
+            mark: selector_common::MARK_REDIRECTED,
+            grace: std::time::Duration::from_secs(1),
         }
     }
 

@@ -1,80 +1,122 @@
-//! Expiry of lost requests. The sweep and the response path race to delete
-//! an in-flight entry; whoever deletes it accounts for it, so a pending
-//! count is never subtracted twice or leaked.
+//! Expiry of lost requests, on the in-flight slots the agent shares with
+//! the kernel. The sweep and the reply path race to move a slot out of
+//! `LIVE` with a compare-and-swap on the exact state word each read; the
+//! winner accounts for the request, so a pending count is never subtracted
+//! twice or leaked, and the count is added in the same step as the claim
+//! (no system call in between that could fail and leave it stale).
+
+use std::sync::atomic::Ordering;
 
 use anyhow::Result;
-use aya::maps::HashMap;
-use selector_common::{InflightEntry, InflightKey, names};
+use selector_common::{
+    MAX_GROUP_MEMBERS, MAX_TIMEOUT_MS,
+    inflight::{FREE, InflightSlot, PHASE_LINGER, PHASE_LIVE, client_slot, phase, with_phase},
+    split_backend_id,
+};
 
-use crate::{Selector, sys};
+use crate::{
+    Selector,
+    shared::{SharedArray, atomic, load},
+};
 
 /// What one sweep did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct SweepReport {
-    /// Entries this sweep expired (and subtracted).
+    /// Requests this sweep expired (and subtracted).
     pub expired: u64,
-    /// Entries the response path completed first.
+    /// Stale requests the reply path completed first.
     pub lost_race: u64,
+    /// Lingering slots of redirected reads freed after their grace period.
+    pub freed: u64,
+}
+
+/// The fields of a slot the sweep decides on, read consistently.
+struct Stale {
+    state: u64,
+    slot: InflightSlot,
+}
+
+/// Reads slot `i` and checks its state did not change meanwhile.
+fn read_consistent(slots: &SharedArray<InflightSlot>, i: usize, state: u64) -> Option<Stale> {
+    let slot = slots.read(i);
+    // SAFETY: the state word of a live shared element.
+    let after = unsafe { load(&raw mut (*slots.ptr(i)).state) };
+    (after == state).then_some(Stale { state, slot })
+}
+
+/// Moves slot `i` from `from` to `to`; true if the sweep made the move.
+fn cas(slots: &SharedArray<InflightSlot>, i: usize, from: u64, to: u64) -> bool {
+    // SAFETY: the state word of a live shared element, 8-byte aligned.
+    unsafe { atomic(&raw mut (*slots.ptr(i)).state) }
+        .compare_exchange(from, to, Ordering::SeqCst, Ordering::SeqCst)
+        .is_ok()
 }
 
 impl Selector {
-    /// Expires in-flight entries older than the timeout, as of `now_ns`
-    /// (CLOCK_MONOTONIC).
+    /// Expires requests older than the timeout and frees lingering slots
+    /// older than timeout + grace, as of `now_ns` (CLOCK_MONOTONIC).
     pub fn sweep(&mut self, now_ns: u64) -> Result<SweepReport> {
-        let timeout_ns = self.settings.timeout.as_nanos() as u64;
-        let is_stale = |e: &InflightEntry| now_ns.saturating_sub(e.sent_ns) >= timeout_ns;
-        let stale: Vec<(InflightKey, InflightEntry)> = self
-            .inflight()?
-            .into_iter()
-            .filter(|(_, e)| is_stale(e))
-            .collect();
-        let fd = self.inflight_fd()?;
+        let ms = |d: std::time::Duration| d.as_millis().min(u128::from(MAX_TIMEOUT_MS)) as u64;
+        let timeout_ns = ms(self.settings.timeout) * 1_000_000;
+        let linger_ns = timeout_ns + ms(self.settings.grace) * 1_000_000;
         let mut report = SweepReport::default();
-        let mut touched = Vec::new();
-        for (key, seen) in stale {
-            // Re-read just before deleting: a reply may have completed it and
-            // a new request reused the key since the listing.
-            if self.inflight_entry(&key)? != Some(seen) {
-                report.lost_race += 1;
+        for i in 0..self.slots.len() {
+            // SAFETY: the state word of a live shared element.
+            let state = unsafe { load(&raw mut (*self.slots.ptr(i)).state) };
+            if state == FREE {
                 continue;
             }
-            let Some(entry) = sys::lookup_and_delete::<_, InflightEntry>(fd, &key)? else {
-                report.lost_race += 1;
-                continue;
+            let age_over = |limit: u64| {
+                // SAFETY: as above. A slot being rewritten may show a newer
+                // time: then it is not stale.
+                let sent = unsafe { load(&raw mut (*self.slots.ptr(i)).sent_ns) };
+                now_ns.saturating_sub(sent) >= limit
             };
-            if !is_stale(&entry) && self.restore(&key, &entry)? {
-                // A new request reused the key after we listed it; it is back.
-                continue;
+            match phase(state) {
+                PHASE_LIVE if age_over(timeout_ns) => {
+                    let Some(stale) = read_consistent(&self.slots, i, state) else {
+                        report.lost_race += 1;
+                        continue;
+                    };
+                    if self.expire(i, &stale) {
+                        report.expired += 1;
+                    } else {
+                        report.lost_race += 1;
+                    }
+                }
+                PHASE_LINGER if age_over(linger_ns) => {
+                    if cas(&self.slots, i, state, FREE) {
+                        report.freed += 1;
+                    }
+                }
+                _ => {}
             }
-            if let Some(count) = self.expired.get_mut(entry.chosen as usize) {
-                *count += 1;
-                touched.push(selector_common::split_backend_id(entry.chosen).0);
-                report.expired += 1;
-            }
-        }
-        touched.sort_unstable();
-        touched.dedup();
-        for group in touched {
-            self.write_expired(group)?;
         }
         Ok(report)
     }
 
-    fn inflight_entry(&self, key: &InflightKey) -> Result<Option<InflightEntry>> {
-        let table: HashMap<_, InflightKey, InflightEntry> =
-            HashMap::try_from(self.map(names::INFLIGHT)?)?;
-        match table.get(key, 0) {
-            Ok(e) => Ok(Some(e)),
-            Err(aya::maps::MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(e.into()),
+    /// Claims a stale request; if the claim wins, counts it expired at its
+    /// backend and releases its client's pending count.
+    fn expire(&mut self, i: usize, stale: &Stale) -> bool {
+        let s = &stale.slot;
+        let next = if s.primary != s.chosen {
+            // A redirected read: a late reply must still be rewritten.
+            with_phase(stale.state, PHASE_LINGER)
+        } else {
+            FREE
+        };
+        if !cas(&self.slots, i, stale.state, next) {
+            return false;
         }
-    }
-
-    /// Puts back an entry removed by mistake; false if the kernel already
-    /// inserted another under the same key (then ours must be expired).
-    fn restore(&mut self, key: &InflightKey, entry: &InflightEntry) -> Result<bool> {
-        let mut table: HashMap<_, InflightKey, InflightEntry> =
-            HashMap::try_from(self.map_mut(names::INFLIGHT)?)?;
-        Ok(table.insert(key, entry, 1 /* BPF_NOEXIST */).is_ok())
+        let (group, position) = split_backend_id(u32::from(s.chosen));
+        let c = self.counters.ptr(group as usize);
+        // SAFETY: fields of live shared elements, 8-byte aligned.
+        unsafe {
+            atomic(&raw mut (*c).expired[position % MAX_GROUP_MEMBERS])
+                .fetch_add(1, Ordering::SeqCst);
+            let client = client_slot(&s.client_addr, s.client_port);
+            atomic(self.clients.ptr(client as usize)).fetch_sub(1, Ordering::SeqCst);
+        }
+        true
     }
 }

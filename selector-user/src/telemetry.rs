@@ -79,10 +79,10 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
     let total = |f: fn(&BackendStats) -> u64| now.stats.iter().map(f).sum::<u64>();
     let _ = writeln!(
         out,
-        "in flight {}  untracked {}  no request id {}  id collisions {}  unmatched replies {}",
+        "in flight {}  untracked {}  no reply expected {}  id collisions {}  unmatched replies {}",
         now.inflight,
         untracked,
-        total(|s| s.no_request_id),
+        total(|s| s.no_reply),
         total(|s| s.id_collisions),
         total(|s| s.unmatched_responses),
     );

@@ -157,6 +157,11 @@ fn failed_attach_detaches_what_it_attached() {
         timeout: Duration::from_secs(1),
         inflight_max: DEFAULT_INFLIGHT_MAX,
         ingress: IngressMode::Xdp,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: std::time::Duration::from_secs(1),
     };
     let first = tb
         .client

@@ -5,13 +5,13 @@
 use std::time::Duration;
 
 use aya::{
-    maps::{Array, HashMap, PerCpuArray},
+    maps::PerCpuArray,
     programs::{SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
 };
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
 use selector_common::{
-    BackendStats, Descriptor, GroupCounters, InflightEntry, InflightKey, MARK_REDIRECTED, Policy,
-    latency, names, programs,
+    BackendStats, Descriptor, Direction, InflightKey, MARK_REDIRECTED, PassReason, Policy, latency,
+    names, programs,
 };
 use selector_user::{IngressMode, Selector, Settings, sys};
 
@@ -57,6 +57,11 @@ fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> 
         timeout: Duration::from_secs(1),
         inflight_max: 1024,
         ingress: IngressMode::Xdp,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: std::time::Duration::from_secs(1),
     }
 }
 
@@ -145,18 +150,33 @@ fn egress(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
     run_tc(sel, programs::EGRESS, input)
 }
 
+/// Sets member `position`'s issued count of group 0 (its pending load).
 fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
-    let mut m: Array<_, GroupCounters> =
-        Array::try_from(sel.ebpf_mut().map_mut(names::PENDING).unwrap()).unwrap();
-    let mut c = m.get(&0, 0).unwrap();
-    c.issued[position] = issued;
-    m.set(0, c, 0).unwrap();
+    let now = counters(sel).issued[position];
+    sel.add_to_issued(position as u32, issued as i64 - now as i64);
 }
 
-fn counters(sel: &Selector) -> GroupCounters {
-    let m: Array<_, GroupCounters> =
-        Array::try_from(sel.ebpf().map(names::PENDING).unwrap()).unwrap();
-    m.get(&0, 0).unwrap()
+/// Group 0's raw counters, by member position.
+struct Counters {
+    issued: Vec<u64>,
+    completed: Vec<u64>,
+}
+
+fn counters(sel: &Selector) -> Counters {
+    let raw = sel.accounting().unwrap();
+    Counters {
+        issued: raw.iter().map(|a| a.0).collect(),
+        completed: raw.iter().map(|a| a.1).collect(),
+    }
+}
+
+fn passed(sel: &Selector, direction: Direction, reason: PassReason) -> u64 {
+    sel.passed()
+        .unwrap()
+        .into_iter()
+        .find(|(d, r, _)| (*d, *r) == (direction, reason))
+        .map(|(_, _, n)| n)
+        .unwrap()
 }
 
 fn stats(sel: &Selector) -> Vec<BackendStats> {
@@ -167,15 +187,15 @@ fn key(id: u64) -> InflightKey {
     InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, id)
 }
 
+/// A request in flight as egress would leave it (counted as issued),
+/// sent `age` ago.
+fn insert_inflight_aged(sel: &mut Selector, id: u64, primary: u32, chosen: u32, age: Duration) {
+    let sent = sys::monotonic_ns() - age.as_nanos() as u64;
+    assert!(sel.plant_inflight(&key(id), primary, chosen, sent));
+}
+
 fn insert_inflight(sel: &mut Selector, id: u64, primary: u32, chosen: u32) {
-    let mut m: HashMap<_, InflightKey, InflightEntry> =
-        HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
-    let entry = InflightEntry {
-        primary,
-        chosen,
-        sent_ns: sys::monotonic_ns() - 1_000_000,
-    };
-    m.insert(key(id), entry, 0).unwrap();
+    insert_inflight_aged(sel, id, primary, chosen, Duration::from_millis(1));
 }
 
 /// Byte offsets in an Ethernet + 20-byte IPv4 + UDP frame.
@@ -248,8 +268,8 @@ fn redirected_request_changes_only_destination_and_checksums() {
     );
     let inflight = sel.inflight().unwrap();
     assert_eq!(inflight.len(), 1);
-    assert_eq!(inflight[0].0, key(0x1234));
-    assert_eq!((inflight[0].1.primary, inflight[0].1.chosen), (0, 1));
+    assert_eq!(inflight[0].key(), key(0x1234));
+    assert_eq!((inflight[0].primary, inflight[0].chosen), (0, 1));
 
     // A retransmit follows the first copy and is not counted again.
     let (verdict, again) = egress(&mut sel, &input);
@@ -271,9 +291,11 @@ fn redirected_copy_is_marked_and_passes_its_second_egress_untouched() {
     // bit cleared, nothing counted, even once its entry is gone.
     for entry_gone in [false, true] {
         if entry_gone {
-            let mut m: HashMap<_, InflightKey, InflightEntry> =
-                HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
-            m.remove(&key(0x1234)).unwrap();
+            // Its reply completes it.
+            let mut reply = response_from(1);
+            reply[42..44].copy_from_slice(&0x1234u16.to_be_bytes());
+            run_xdp(&mut sel, &reply);
+            assert!(sel.inflight().unwrap().is_empty());
         }
         let (verdict, again, mark) = egress_marked(&mut sel, &out, other_bits | MARK_REDIRECTED);
         assert_eq!((verdict, &again, mark), (TC_ACT_PIPE, &out, other_bits));
@@ -306,20 +328,29 @@ fn full_in_flight_table_passes_requests_untracked_and_untouched() {
     };
     let mut sel = Selector::load(&settings).unwrap();
     set_issued(&mut sel, 0, 5);
-    let (verdict, _) = egress(&mut sel, &request(GET));
-    assert_eq!(verdict, TC_ACT_REDIRECT);
-    // A second read (another id) finds the table full: it goes where the
-    // application sent it, uncounted.
-    let mut second = GET.to_vec();
-    second[1] = 0x99;
-    let input = request(&second);
+    // Sized for one request, the table has two slots (headroom for the
+    // probe windows): two reads fill it.
+    let read = |id: u8| {
+        let mut get = GET.to_vec();
+        get[1] = id;
+        request(&get)
+    };
+    for id in [1, 2] {
+        let (verdict, _) = egress(&mut sel, &read(id));
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+    }
+    // A third read finds no free slot: it goes where the application sent
+    // it, untouched and uncounted.
+    let input = read(3);
     assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
     let s = stats(&sel);
     assert_eq!(
         (s[0].requests, s[0].untracked, s[0].redirected_away),
-        (2, 1, 1)
+        (3, 1, 2)
     );
-    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+    assert_eq!(sel.inflight().unwrap().len(), 2);
+    let issued: u64 = counters(&sel).issued.iter().sum();
+    assert_eq!(issued, 5 + 2);
 }
 
 #[test]
@@ -334,10 +365,7 @@ fn custom_descriptor_reads_a_wide_id_and_a_prefix_deep_in_the_payload() {
     let (verdict, out) = egress(&mut sel, &request(&payload));
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_eq!(verified_endpoints(&out).1, replica(1));
-    assert_eq!(
-        sel.inflight().unwrap()[0].0.request_id,
-        0x0102_0304_0506_0708
-    );
+    assert_eq!(sel.inflight().unwrap()[0].request_id, 0x0102_0304_0506_0708);
     // A write (no prefix) with another id is tracked but stays.
     payload[107] = 9;
     payload[240..242].copy_from_slice(b"WR");
@@ -346,7 +374,7 @@ fn custom_descriptor_reads_a_wide_id_and_a_prefix_deep_in_the_payload() {
     // Too short to hold the id: passed and counted as such.
     let input = request(&payload[..104]);
     assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
-    assert_eq!(stats(&sel)[0].no_request_id, 1);
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::NoRequestId), 1);
 }
 
 #[test]
@@ -357,7 +385,7 @@ fn request_under_threshold_is_tracked_and_untouched() {
     assert_eq!((verdict, &out), (TC_ACT_PIPE, &input));
     assert_eq!(counters(&sel).issued[0], 1);
     assert_eq!(sel.pending().unwrap(), vec![1, 0, 0]);
-    assert_eq!(sel.inflight().unwrap()[0].1.chosen, 0);
+    assert_eq!(sel.inflight().unwrap()[0].chosen, 0);
 }
 
 #[test]
@@ -374,7 +402,7 @@ fn writes_are_tracked_but_never_redirected() {
 #[test]
 fn observe_policy_never_redirects() {
     let mut sel = selector();
-    sel.write_config(Policy::Observe, 1).unwrap();
+    sel.set_policy(Policy::Observe, 1).unwrap();
     set_issued(&mut sel, 0, 50);
     let input = request(GET);
     assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
@@ -456,7 +484,7 @@ fn egress_passes_what_it_does_not_own_byte_identical() {
         assert_eq!(out, input, "{what} must pass untouched");
     }
     assert!(sel.inflight().unwrap().is_empty());
-    assert_eq!(counters(&sel).issued, [5, 0, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(counters(&sel).issued, [5, 0, 0]);
     assert!(stats(&sel).iter().all(|s| *s == BackendStats::default()));
 }
 
@@ -502,10 +530,13 @@ fn check_response_rewrite(mut run: impl FnMut(&mut Selector, &[u8]) -> (u32, Vec
     let bucket = hist.iter().position(|c| *c == 1).unwrap() as u32;
     assert!(latency::bucket_upper_ns(bucket) >= 1_000_000);
 
-    // The same response again (a duplicate) matches nothing and is untouched.
+    // The same response again (a duplicate) is rewritten too, so a
+    // connected socket never sees the replica's address, but not counted.
     let (verdict, dup) = run(&mut sel, &input);
-    assert_eq!((verdict, &dup), (pass, &input));
-    assert_eq!(stats(&sel)[1].unmatched_responses, 1);
+    assert_eq!((verdict, &dup), (pass, &out));
+    let s = stats(&sel);
+    assert_eq!((s[1].responses, s[1].late_responses), (1, 1));
+    assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
 }
 
 #[test]
@@ -572,24 +603,31 @@ fn reply_from_the_primary_completes_without_rewrite() {
 fn sweep_expires_only_old_entries_and_settles_pending() {
     let mut sel = selector();
     set_issued(&mut sel, 1, 2);
+    set_issued(&mut sel, 1, 2);
     insert_inflight(&mut sel, 1, 0, 1); // sent 1 ms ago
-    let mut m: HashMap<_, InflightKey, InflightEntry> =
-        HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
-    let old = InflightEntry {
-        primary: 0,
-        chosen: 1,
-        sent_ns: sys::monotonic_ns() - 5_000_000_000,
-    };
-    m.insert(key(2), old, 0).unwrap();
+    // A redirected read sent 1.5 s ago: past the 1 s timeout, within the
+    // 1 s grace after it.
+    insert_inflight_aged(&mut sel, 2, 0, 1, Duration::from_millis(1500));
     let report = sel.sweep(sys::monotonic_ns()).unwrap();
     assert_eq!(report.expired, 1);
     assert_eq!(sel.inflight().unwrap().len(), 1);
     assert_eq!(sel.pending().unwrap(), vec![0, 1, 0]);
     assert_eq!(sel.expired(), vec![0, 1, 0]);
-    // The response for the expired request arrives late: it is unmatched
-    // and does not subtract again.
-    let mut late = response_from(1);
-    late[42..44].copy_from_slice(&2u16.to_be_bytes());
+    // Its reply arrives late, within the grace period: rewritten to come
+    // from the primary, so the application still gets it, but not
+    // subtracted again.
+    let mut value = VALUE.to_vec();
+    value[..2].copy_from_slice(&2u16.to_be_bytes());
+    let late = udp(replica(1), (CLIENT, CLIENT_PORT), &value);
+    let (verdict, out) = run_xdp(&mut sel, &late);
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(sel.pending().unwrap(), vec![0, 1, 0]);
+    assert_eq!(stats(&sel)[1].late_responses, 1);
+    // After the grace period the slot is freed: the next late copy is
+    // unmatched and left as it is.
+    let report = sel.sweep(sys::monotonic_ns() + 700_000_000).unwrap();
+    assert_eq!((report.freed, report.expired), (1, 0));
     let (verdict, out) = run_xdp(&mut sel, &late);
     assert_eq!((verdict, &out), (XDP_PASS, &late));
     assert_eq!(sel.pending().unwrap(), vec![0, 1, 0]);
@@ -620,7 +658,7 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
     assert_eq!(verdict, TC_ACT_REDIRECT);
     assert_only_changed(&input, &out, &[IP_CHECK, IP_DST, UDP_CHECK]);
     assert_eq!(verified_endpoints(&out).1, dns_server(1));
-    assert_eq!(sel.inflight().unwrap()[0].0.request_id, 0xbeef);
+    assert_eq!(sel.inflight().unwrap()[0].request_id, 0xbeef);
 
     let mut answer = query.to_vec();
     answer[2] = 0x81; // QR: a response
@@ -635,26 +673,17 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
 #[test]
 fn sweep_walks_a_large_table_to_the_end() {
     let settings = Settings {
-        inflight_max: 8192,
+        // Sized for 4x the entries: a probe window never fills.
+        inflight_max: 20_000,
         ..settings_for(Descriptor::memcached(), replica)
     };
     let mut sel = Selector::load(&settings).unwrap();
     set_issued(&mut sel, 2, 5000);
-    {
-        let mut m: HashMap<_, InflightKey, InflightEntry> =
-            HashMap::try_from(sel.ebpf_mut().map_mut(names::INFLIGHT).unwrap()).unwrap();
-        let old = sys::monotonic_ns() - 5_000_000_000;
-        for id in 0..5000u64 {
-            let entry = InflightEntry {
-                primary: 0,
-                chosen: 2,
-                sent_ns: old,
-            };
-            m.insert(key(id), entry, 0).unwrap();
-        }
+    for id in 0..5000u64 {
+        insert_inflight_aged(&mut sel, id, 2, 2, Duration::from_secs(5));
     }
     let listed = sel.inflight().unwrap();
-    let mut ids: Vec<u64> = listed.iter().map(|(k, _)| k.request_id).collect();
+    let mut ids: Vec<u64> = listed.iter().map(|s| s.request_id).collect();
     ids.sort_unstable();
     ids.dedup();
     assert_eq!((listed.len(), ids.len()), (5000, 5000));

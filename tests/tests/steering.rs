@@ -43,6 +43,11 @@ fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duratio
         timeout,
         inflight_max: DEFAULT_INFLIGHT_MAX,
         ingress,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: std::time::Duration::from_secs(1),
     }
 }
 

@@ -21,16 +21,11 @@
 use std::{net::SocketAddrV4, time::Duration};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use aya::{
-    maps::{Array, HashMap},
-    programs::{
-        Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
-    },
+use aya::programs::{
+    Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
 };
 use etherparse::PacketBuilder;
-use selector_common::{
-    Descriptor, Endpoint, GroupCounters, InflightEntry, InflightKey, Policy, names, programs,
-};
+use selector_common::{Descriptor, Endpoint, InflightKey, Policy, programs};
 use selector_user::{IngressMode, Selector, Settings, sys};
 
 use crate::{memcached::frame, netns::Namespace};
@@ -138,12 +133,6 @@ impl Lab {
     /// Adds other clients' requests until the table holds `target`.
     fn fill_to(&mut self, target: u32) -> Result<()> {
         let now = sys::monotonic_ns();
-        let mut table: HashMap<_, InflightKey, InflightEntry> = HashMap::try_from(
-            self.sel
-                .ebpf_mut()
-                .map_mut(names::INFLIGHT)
-                .context("map")?,
-        )?;
         for i in self.filled..target {
             // Clients 10.78.x.y, 64 ports each, 16k ids per port.
             let key = InflightKey {
@@ -153,23 +142,17 @@ impl Lab {
                 group: 0,
                 request_id: u64::from(i & 0x3fff),
             };
-            let entry = InflightEntry {
-                primary: 0,
-                chosen: 0,
-                sent_ns: now,
-            };
-            table.insert(key, entry, 0)?;
+            ensure!(
+                self.sel.plant_inflight(&key, 0, 0, now),
+                "in-flight table full at {i} entries"
+            );
         }
         self.filled = target;
         Ok(())
     }
 
     fn add_primary_issued(&mut self, delta: i64) -> Result<()> {
-        let mut m: Array<_, GroupCounters> =
-            Array::try_from(self.sel.ebpf_mut().map_mut(names::PENDING).context("map")?)?;
-        let mut c = m.get(&0, 0)?;
-        c.issued[0] = c.issued[0].wrapping_add_signed(delta);
-        m.set(0, c, 0)?;
+        self.sel.add_to_issued(0, delta);
         Ok(())
     }
 
@@ -379,6 +362,11 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         // Room for the large fill and the measured requests.
         inflight_max: o.inflight_large + 70_000,
         ingress: IngressMode::Xdp,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: std::time::Duration::from_secs(1),
     };
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();

@@ -1,0 +1,267 @@
+//! The in-flight table: an open-addressed array of slots shared by the
+//! kernel programs and the agent (the map is `BPF_F_MMAPABLE`, so the agent
+//! works on the same memory with the same atomic instructions).
+//!
+//! Why not a BPF hash map: two races cannot be closed on one.
+//! - Reply, sweep and id reuse: a reply reads an entry, the sweep expires
+//!   it, the client reuses the id, and the reply's delete by key removes
+//!   the *new* entry. A delete by key cannot say which instance it means.
+//! - Entry reuse: a preallocated hash element freed by one CPU can be
+//!   handed to another key while a reader still holds a pointer to it.
+//!
+//! Here every slot has one 64-bit `state` word holding a sequence number
+//! unique to the request instance (never reused) and a phase. Whoever moves
+//! a slot out of `LIVE` with a compare-and-swap on the exact word it read
+//! owns that request's accounting: the reply path (completed) or the sweep
+//! (expired). A stale actor holds an old sequence number, so its CAS fails
+//! whatever happened to the slot since; slot memory is never freed, so a
+//! pointer into it never dangles. Fields are written only while the slot is
+//! `WRITING` (owned by one inserter) and never change while `LIVE`, so a
+//! reader that sees the same state word before and after reading them has a
+//! consistent copy.
+
+use crate::maps::InflightKey;
+
+/// Slot phases, the low two bits of `state`. A free slot's state is 0.
+pub const PHASE_MASK: u64 = 0b11;
+/// Outstanding: counted in `issued`, not yet completed or expired.
+pub const PHASE_LIVE: u64 = 1;
+/// Completed or expired, kept until `timeout + grace` after the send only so
+/// that late or further reply datagrams of a redirected read are rewritten.
+pub const PHASE_LINGER: u64 = 2;
+/// Owned by one inserter while it writes the fields.
+pub const PHASE_WRITING: u64 = 3;
+/// The free state.
+pub const FREE: u64 = 0;
+
+/// Slots probed for one key: a key lives in one of the `PROBE_WINDOW`
+/// slots from its home slot. All of them taken means the table is full for
+/// that key: the request passes untracked.
+pub const PROBE_WINDOW: u32 = 8;
+
+/// The state word of request instance `seq` in `phase`. `seq` is nonzero
+/// and unique per instance, so no state word ever repeats.
+#[inline(always)]
+pub const fn state(seq: u64, phase: u64) -> u64 {
+    (seq << 2) | (phase & PHASE_MASK)
+}
+
+#[inline(always)]
+pub const fn phase(state: u64) -> u64 {
+    state & PHASE_MASK
+}
+
+/// The same instance in another phase.
+#[inline(always)]
+pub const fn with_phase(state: u64, phase: u64) -> u64 {
+    (state & !PHASE_MASK) | (phase & PHASE_MASK)
+}
+
+/// A unique instance number from a per-CPU counter and the CPU's id: CPUs
+/// never collide and a CPU's counter only grows (2^50 requests per CPU).
+#[inline(always)]
+pub const fn sequence(per_cpu_counter: u64, cpu: u32) -> u64 {
+    ((per_cpu_counter & ((1 << 50) - 1)) << 12) | (cpu as u64 & 0xfff)
+}
+
+/// One slot. 64 bytes: one cache line.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InflightSlot {
+    /// `FREE`, or `state(seq, phase)`.
+    pub state: u64,
+    pub request_id: u64,
+    pub client_addr: [u8; 16],
+    pub client_port: u16,
+    pub group: u16,
+    /// Backend ids (< 512).
+    pub primary: u16,
+    pub chosen: u16,
+    /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at send.
+    pub sent_ns: u64,
+    /// Bit `min(seq, 63)` set for each reply datagram seen (multi-datagram
+    /// replies complete when every datagram has arrived).
+    pub datagrams_seen: u64,
+    /// Expected reply datagrams, once the first one told us (0: unknown).
+    pub datagrams_total: u16,
+    pub _pad: [u16; 3],
+}
+
+impl InflightSlot {
+    /// Whether this slot's identity fields are `key`'s.
+    #[inline(always)]
+    pub fn holds(&self, key: &InflightKey) -> bool {
+        self.request_id == key.request_id
+            && self.client_port == key.client_port
+            && u32::from(self.group) == key.group
+            && self.client_addr == key.client_addr
+    }
+
+    pub fn key(&self) -> InflightKey {
+        InflightKey {
+            client_addr: self.client_addr,
+            client_port: self.client_port,
+            _pad: 0,
+            group: u32::from(self.group),
+            request_id: self.request_id,
+        }
+    }
+}
+
+/// 64-bit mix (splitmix64's finaliser): cheap, and every input bit moves
+/// every output bit, so neighbouring ids and ports spread over the table.
+#[inline(always)]
+pub const fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+#[inline(always)]
+fn addr_words(addr: &[u8; 16]) -> (u64, u64) {
+    let mut hi = 0u64;
+    let mut lo = 0u64;
+    let mut i = 0;
+    while i < 8 {
+        hi = (hi << 8) | addr[i] as u64;
+        lo = (lo << 8) | addr[i + 8] as u64;
+        i += 1;
+    }
+    (hi, lo)
+}
+
+/// The hash of a client socket (address and port).
+#[inline(always)]
+pub fn client_hash(addr: &[u8; 16], port: u16) -> u64 {
+    let (hi, lo) = addr_words(addr);
+    mix(hi ^ mix(lo ^ mix(u64::from(port))))
+}
+
+/// The `CLIENT_PENDING` slot of a client socket.
+#[inline(always)]
+pub fn client_slot(addr: &[u8; 16], port: u16) -> u32 {
+    (client_hash(addr, port) as u32) & (crate::maps::CLIENT_SLOTS - 1)
+}
+
+/// The home slot hash of a key.
+#[inline(always)]
+pub fn key_hash(key: &InflightKey) -> u64 {
+    let c = client_hash(&key.client_addr, key.client_port);
+    mix(c ^ mix(key.request_id ^ (u64::from(key.group) << 48)))
+}
+
+/// Slot count for a table that must hold `inflight_max` requests: a power of
+/// two at least twice as large, so the probe window rarely fills.
+pub const fn slots_for(inflight_max: u32) -> u32 {
+    let want = if inflight_max == 0 {
+        2
+    } else {
+        inflight_max as u64 * 2
+    };
+    let slots = want.next_power_of_two();
+    if slots > 1 << 31 {
+        1 << 31
+    } else {
+        slots as u32
+    }
+}
+
+/// The `i`-th slot of the probe window of `hash` in a table of `mask + 1`
+/// slots.
+#[inline(always)]
+pub const fn probe(hash: u64, i: u32, mask: u32) -> u32 {
+    ((hash as u32).wrapping_add(i)) & mask
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: u64, port: u16) -> InflightKey {
+        InflightKey::ipv4([10, 0, 0, 1], port, 0, id)
+    }
+
+    #[test]
+    fn slot_is_one_cache_line() {
+        assert_eq!(core::mem::size_of::<InflightSlot>(), 64);
+    }
+
+    #[test]
+    fn states_are_unique_per_instance_and_phase() {
+        let s = state(sequence(7, 3), PHASE_LIVE);
+        assert_eq!(phase(s), PHASE_LIVE);
+        assert_eq!(phase(with_phase(s, PHASE_LINGER)), PHASE_LINGER);
+        assert_eq!(with_phase(with_phase(s, PHASE_LINGER), PHASE_LIVE), s);
+        assert_ne!(
+            state(sequence(7, 3), PHASE_LIVE),
+            state(sequence(7, 4), PHASE_LIVE)
+        );
+        assert_ne!(
+            state(sequence(7, 3), PHASE_LIVE),
+            state(sequence(8, 3), PHASE_LIVE)
+        );
+        // Never the free word, whatever the counter and CPU.
+        for (c, cpu) in [(0, 0), (1, 0), (0, 1), (u64::MAX, 4095)] {
+            let seq = sequence(c, cpu);
+            if seq != 0 {
+                assert_ne!(state(seq, PHASE_LIVE), FREE);
+            }
+        }
+    }
+
+    #[test]
+    fn slot_holds_exactly_its_key() {
+        let k = key(0x1234, 40000);
+        let slot = InflightSlot {
+            request_id: k.request_id,
+            client_addr: k.client_addr,
+            client_port: k.client_port,
+            group: 0,
+            ..Default::default()
+        };
+        assert!(slot.holds(&k));
+        assert_eq!(slot.key(), k);
+        assert!(!slot.holds(&key(0x1235, 40000)));
+        assert!(!slot.holds(&key(0x1234, 40001)));
+        let mut other_group = k;
+        other_group.group = 1;
+        assert!(!slot.holds(&other_group));
+    }
+
+    #[test]
+    fn table_size_is_a_power_of_two_with_headroom() {
+        assert_eq!(slots_for(1), 2);
+        assert_eq!(slots_for(1000), 2048);
+        assert_eq!(slots_for(65536), 131072);
+        assert_eq!(slots_for(u32::MAX), 1 << 31);
+    }
+
+    #[test]
+    fn probe_wraps_within_the_table() {
+        assert_eq!(probe(6, 0, 7), 6);
+        assert_eq!(probe(6, 3, 7), 1);
+        assert_eq!(probe(u64::MAX, 1, 1023), 0);
+    }
+
+    #[test]
+    fn hashes_spread_sequential_ids_and_ports() {
+        // 4096 sequential ids from one socket over 8192 slots: no probe
+        // window may see more than a handful of them.
+        let mask = 8191u32;
+        let mut load = [0u8; 8192];
+        for id in 0..4096u64 {
+            load[probe(key_hash(&key(id, 40000)), 0, mask) as usize] += 1;
+        }
+        assert!(
+            load.iter().all(|&n| n <= 6),
+            "clustered: {:?}",
+            load.iter().max()
+        );
+        assert_ne!(
+            client_hash(&key(1, 1).client_addr, 1),
+            client_hash(&key(1, 2).client_addr, 2)
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! The in-flight slot table, kernel side: find, insert, claim. The protocol
+//! and why it closes the races are in `selector_common::inflight`.
+//!
+//! Ordering: fields are written with volatile stores before the state word
+//! is published with an atomic exchange (a full barrier on every JIT); a
+//! reader loads the state, the fields, then the state again. Loads are not
+//! reordered with loads on x86-64, the architecture this is built and tested
+//! on.
+
+use core::{
+    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xchg},
+    ptr::{read_volatile, write_volatile},
+};
+
+use aya_ebpf::helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns};
+use selector_common::{
+    InflightKey,
+    inflight::{
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, phase, probe, sequence, state,
+        with_phase,
+    },
+};
+
+use crate::maps::{INFLIGHT, SEQUENCE};
+
+/// What a reader needs of an occupied slot, read consistently, and the
+/// state it was read in.
+#[derive(Clone, Copy)]
+pub struct Seen {
+    pub index: u32,
+    pub state: u64,
+    pub primary: u32,
+    pub chosen: u32,
+    pub sent_ns: u64,
+}
+
+/// Reads slot `index` if it is occupied by a published request holding
+/// `key`: `None` if free, being written, another key's, or changed while read.
+#[inline(always)]
+fn read_if_holds(index: u32, key: &InflightKey) -> Option<Seen> {
+    let p = INFLIGHT.get_ptr_mut(index)?;
+    let before = unsafe { read_volatile(&raw const (*p).state) };
+    if before == FREE || phase(before) == PHASE_WRITING {
+        return None;
+    }
+    // The cheapest field first: most occupied slots hold other ids.
+    let holds = unsafe {
+        read_volatile(&raw const (*p).request_id) == key.request_id
+            && read_volatile(&raw const (*p).client_port) == key.client_port
+            && u32::from(read_volatile(&raw const (*p).group)) == key.group
+            && read_volatile(&raw const (*p).client_addr) == key.client_addr
+    };
+    if !holds {
+        return None;
+    }
+    let seen = unsafe {
+        Seen {
+            index,
+            state: before,
+            primary: u32::from(read_volatile(&raw const (*p).primary)),
+            chosen: u32::from(read_volatile(&raw const (*p).chosen)),
+            sent_ns: read_volatile(&raw const (*p).sent_ns),
+        }
+    };
+    let after = unsafe { read_volatile(&raw const (*p).state) };
+    (before == after).then_some(seen)
+}
+
+/// The first slot in the key's probe window that holds it in `phase`
+/// and satisfies `want`. One small result per scan keeps the verifier's
+/// view of the unrolled loop linear.
+#[inline(always)]
+pub fn find(
+    key: &InflightKey,
+    hash: u64,
+    mask: u32,
+    phase_wanted: u64,
+    want: impl Fn(&Seen) -> bool,
+) -> Option<Seen> {
+    let mut i = 0;
+    while i < PROBE_WINDOW {
+        if let Some(seen) = read_if_holds(probe(hash, i, mask), key)
+            && phase(seen.state) == phase_wanted
+            && want(&seen)
+        {
+            return Some(seen);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Moves slot `index` from `from` to `to`; true if this caller made the move.
+#[inline(always)]
+pub fn cas(index: u32, from: u64, to: u64) -> bool {
+    let Some(p) = INFLIGHT.get_ptr_mut(index) else {
+        return false;
+    };
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+            &raw mut (*p).state,
+            from,
+            to,
+        )
+    };
+    won
+}
+
+/// A unique instance number for a new request.
+#[inline(always)]
+fn next_sequence() -> Option<u64> {
+    let c = SEQUENCE.get_ptr_mut(0)?;
+    let n = unsafe {
+        *c += 1;
+        *c
+    };
+    Some(sequence(n, unsafe { bpf_get_smp_processor_id() }))
+}
+
+/// A slot owned by this inserter (state `WRITING`), not yet published.
+pub struct Reserved {
+    index: u32,
+    seq: u64,
+}
+
+/// Takes the first free slot in the key's window.
+#[inline(always)]
+pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
+    let seq = next_sequence()?;
+    let writing = state(seq, PHASE_WRITING);
+    let mut i = 0;
+    while i < PROBE_WINDOW {
+        let index = probe(hash, i, mask);
+        if cas(index, FREE, writing) {
+            return Some(Reserved { index, seq });
+        }
+        i += 1;
+    }
+    None
+}
+
+/// The fields of a new request.
+pub struct NewRequest {
+    pub key: InflightKey,
+    pub primary: u32,
+    pub chosen: u32,
+}
+
+impl Reserved {
+    /// Writes the request and makes it visible as `LIVE`.
+    #[inline(always)]
+    pub fn publish(self, req: &NewRequest) {
+        let Some(p) = INFLIGHT.get_ptr_mut(self.index) else {
+            return;
+        };
+        unsafe {
+            write_volatile(&raw mut (*p).request_id, req.key.request_id);
+            write_volatile(&raw mut (*p).client_addr, req.key.client_addr);
+            write_volatile(&raw mut (*p).client_port, req.key.client_port);
+            write_volatile(&raw mut (*p).group, req.key.group as u16);
+            write_volatile(&raw mut (*p).primary, req.primary as u16);
+            write_volatile(&raw mut (*p).chosen, req.chosen as u16);
+            write_volatile(&raw mut (*p).sent_ns, bpf_ktime_get_ns());
+            write_volatile(&raw mut (*p).datagrams_seen, 0);
+            atomic_xchg::<u64, { AtomicOrdering::SeqCst }>(
+                &raw mut (*p).state,
+                state(self.seq, PHASE_LIVE),
+            );
+        }
+    }
+}
+
+/// Records reply datagram `seq` of `total` on a live slot; true when every
+/// datagram has now arrived (always, for a one-datagram reply). Exactly one
+/// of several concurrent last datagrams sees true.
+#[inline(always)]
+pub fn datagram_arrived(index: u32, seq: u16, total: u16) -> bool {
+    if total <= 1 {
+        return true;
+    }
+    let Some(p) = INFLIGHT.get_ptr_mut(index) else {
+        return true;
+    };
+    let bit = 1u64 << if seq < 63 { seq } else { 63 };
+    let all = if total >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << total) - 1
+    };
+    let before = unsafe {
+        atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*p).datagrams_seen, bit)
+    };
+    before & all != all && (before | bit) & all == all
+}
+
+/// The state a claimed request moves to: a redirected read lingers so its
+/// late datagrams are still rewritten; any other request frees its slot.
+#[inline(always)]
+pub fn claimed_state(seen: &Seen) -> u64 {
+    if seen.primary != seen.chosen {
+        with_phase(seen.state, PHASE_LINGER)
+    } else {
+        FREE
+    }
+}

@@ -1,0 +1,77 @@
+//! Direct writes into the state shared with the kernel, for packet-fixture
+//! tests and benchmarks that need a table in a given state without sending
+//! the traffic that would build it. They follow the kernel's own protocol
+//! (reserve, write, publish), so the programs see exactly what a real
+//! request would have left.
+
+use std::sync::atomic::Ordering;
+
+use selector_common::{
+    InflightKey,
+    inflight::{
+        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hash, probe, sequence,
+        state,
+    },
+    split_backend_id,
+};
+
+use crate::{Selector, shared::atomic};
+
+/// The CPU id the agent's planted instances claim: kernel CPU ids stay
+/// below it, so planted and kernel instance numbers never collide.
+const AGENT_CPU: u32 = 0xfff;
+
+impl Selector {
+    /// Puts a live request in flight under `key`, as the egress program
+    /// would, without counting it: callers set the counters they need
+    /// (`add_to_issued`). False if its window is full.
+    pub fn plant_inflight(
+        &mut self,
+        key: &InflightKey,
+        primary: u32,
+        chosen: u32,
+        sent_ns: u64,
+    ) -> bool {
+        self.planted += 1;
+        let seq = sequence(self.planted, AGENT_CPU);
+        let mask = self.slots.len() as u32 - 1;
+        let hash = key_hash(key);
+        for i in 0..PROBE_WINDOW {
+            let index = probe(hash, i, mask) as usize;
+            let p = self.slots.ptr(index);
+            // SAFETY: the state word of a live shared element.
+            let word = unsafe { atomic(&raw mut (*p).state) };
+            let writing = state(seq, PHASE_WRITING);
+            if word
+                .compare_exchange(FREE, writing, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            let slot = InflightSlot {
+                state: writing,
+                request_id: key.request_id,
+                client_addr: key.client_addr,
+                client_port: key.client_port,
+                group: key.group as u16,
+                primary: primary as u16,
+                chosen: chosen as u16,
+                sent_ns,
+                ..Default::default()
+            };
+            // SAFETY: this slot is ours while WRITING.
+            unsafe { std::ptr::write_volatile(p, slot) };
+            word.store(state(seq, PHASE_LIVE), Ordering::SeqCst);
+            return true;
+        }
+        false
+    }
+
+    /// Adds `delta` to backend `id`'s issued counter.
+    pub fn add_to_issued(&self, id: u32, delta: i64) {
+        let (group, position) = split_backend_id(id);
+        let c = self.counters.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        unsafe { atomic(&raw mut (*c).issued[position]) }.fetch_add(delta as u64, Ordering::SeqCst);
+    }
+}
