@@ -4,6 +4,7 @@
 //! Every namespace gets a name unique to the process and the testbed, and
 //! is removed when its owner is dropped, also when a test fails.
 
+pub mod agent;
 pub mod bench;
 pub mod memcached;
 pub mod netns;
