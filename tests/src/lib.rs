@@ -10,6 +10,8 @@ pub mod memcached;
 pub mod netns;
 pub mod topology;
 
-pub use memcached::{LoadReport, LoadSpec, MemcachedClient, Replica, preload, run_load};
+pub use memcached::{
+    ClientSocket, LoadReport, LoadSpec, MemcachedClient, Replica, preload, run_load, run_load_on,
+};
 pub use netns::{Namespace, sh};
 pub use topology::Testbed;
