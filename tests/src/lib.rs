@@ -4,11 +4,15 @@
 //! Every namespace gets a name unique to the process and the testbed, and
 //! is removed when its owner is dropped, also when a test fails.
 
+pub mod agent;
 pub mod bench;
+pub mod faults;
 pub mod memcached;
 pub mod netns;
 pub mod topology;
 
-pub use memcached::{LoadReport, LoadSpec, MemcachedClient, Replica, preload, run_load};
+pub use memcached::{
+    ClientSocket, LoadReport, LoadSpec, MemcachedClient, Replica, preload, run_load, run_load_on,
+};
 pub use netns::{Namespace, sh};
 pub use topology::Testbed;

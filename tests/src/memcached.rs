@@ -47,17 +47,7 @@ impl Replica {
 
     /// Waits until the replica answers over UDP from the client namespace.
     pub fn wait_ready(&self, client: &Namespace) -> Result<()> {
-        let addr = self.addr;
-        client.run(move || -> Result<()> {
-            let c = MemcachedClient::connect(addr)?;
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline {
-                if c.request(b"version\r\n", Duration::from_millis(50)).is_ok() {
-                    return Ok(());
-                }
-            }
-            bail!("memcached at {addr} did not answer")
-        })?
+        wait_until_serving(client, self.addr)
     }
 
     pub fn pid(&self) -> i32 {
@@ -80,6 +70,21 @@ impl Replica {
     pub fn resume(&self) {
         unsafe { libc::kill(self.pid(), libc::SIGCONT) };
     }
+}
+
+/// Waits until a memcached (or anything speaking for one) answers at `addr`
+/// over UDP from `client`.
+pub fn wait_until_serving(client: &Namespace, addr: SocketAddrV4) -> Result<()> {
+    client.run(move || -> Result<()> {
+        let c = MemcachedClient::connect(addr)?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if c.request(b"version\r\n", Duration::from_millis(50)).is_ok() {
+                return Ok(());
+            }
+        }
+        bail!("memcached at {addr} did not answer")
+    })?
 }
 
 impl Drop for Replica {
@@ -122,6 +127,25 @@ pub fn parse_get_response(body: &[u8]) -> Option<&[u8]> {
     (body.get(start + len..)? == b"\r\nEND\r\n").then_some(data)
 }
 
+/// An unconnected client socket with a large receive buffer, so a busy CI
+/// machine that briefly starves the receiving thread does not drop replies
+/// and fail a test. Must be called on a thread inside the client namespace.
+fn client_socket() -> Result<UdpSocket> {
+    let socket = UdpSocket::bind("0.0.0.0:0")?;
+    let size: libc::c_int = 8 << 20;
+    // SAFETY: valid socket and option value; as root, FORCE lifts rmem_max.
+    unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            &size as *const libc::c_int as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    Ok(socket)
+}
+
 /// A memcached UDP client on a connected socket, as an application would
 /// use one: it only accepts datagrams from the address it sent to.
 pub struct MemcachedClient {
@@ -132,21 +156,8 @@ pub struct MemcachedClient {
 impl MemcachedClient {
     /// Must be called on a thread inside the client namespace.
     pub fn connect(addr: SocketAddrV4) -> Result<Self> {
-        let socket = UdpSocket::bind("0.0.0.0:0")?;
+        let socket = client_socket()?;
         socket.connect(addr)?;
-        // A large receive buffer, so a busy CI machine that briefly starves
-        // the receiving thread does not drop replies and fail a test.
-        let size: libc::c_int = 8 << 20;
-        // SAFETY: valid socket and option value; as root, FORCE lifts rmem_max.
-        unsafe {
-            libc::setsockopt(
-                std::os::fd::AsRawFd::as_raw_fd(&socket),
-                libc::SOL_SOCKET,
-                libc::SO_RCVBUFFORCE,
-                &size as *const libc::c_int as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
         Ok(Self {
             socket,
             next_id: std::cell::Cell::new(1),
@@ -221,8 +232,18 @@ pub struct LoadReport {
     /// Requests the socket refused to send (a pending ICMP error).
     pub refused: u64,
     pub received: u64,
+    /// Replies without the key's value, cache misses included.
     pub wrong_values: u64,
+    /// Of `wrong_values`, cache misses (a replica that lost its data).
+    pub misses: u64,
+    /// Replies to no outstanding request: duplicates, or late ones.
     pub duplicates: u64,
+    /// Replies from another address than the one asked. Only an
+    /// unconnected socket sees them: a connected one drops them, so the
+    /// application would wait for a reply that never comes.
+    pub wrong_source: u64,
+    /// Replies that arrived after a reply to a later request.
+    pub out_of_order: u64,
     pub latency_us: Histogram<u64>,
     pub elapsed: Duration,
 }
@@ -233,15 +254,49 @@ impl LoadReport {
     }
 }
 
+/// How the load client's socket takes replies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientSocket {
+    /// Connected, as an application would use one: the kernel drops a reply
+    /// from any other source.
+    Connected,
+    /// Unconnected, so that a reply from a wrong source reaches the client
+    /// and is counted (`LoadReport::wrong_source`) instead of vanishing.
+    Unconnected,
+}
+
 struct Outstanding {
+    /// Position in send order.
+    seq: u64,
     intended: Instant,
     key: usize,
 }
 
-/// Runs the load; must be called on a thread inside the client namespace.
+/// What the receiving thread counted.
+struct Replies {
+    received: u64,
+    wrong_values: u64,
+    misses: u64,
+    duplicates: u64,
+    wrong_source: u64,
+    out_of_order: u64,
+    latency_us: Histogram<u64>,
+}
+
+/// Runs the load on a connected socket; must be called on a thread inside
+/// the client namespace.
 pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
-    let client = MemcachedClient::connect(spec.target)?;
-    let socket = client.socket.try_clone()?;
+    run_load_on(spec, ClientSocket::Connected)
+}
+
+/// Runs the load on a socket of the given kind; must be called on a thread
+/// inside the client namespace.
+pub fn run_load_on(spec: &LoadSpec, kind: ClientSocket) -> Result<LoadReport> {
+    let sender = client_socket()?;
+    if kind == ClientSocket::Connected {
+        sender.connect(spec.target)?;
+    }
+    let socket = sender.try_clone()?;
     socket.set_read_timeout(Some(Duration::from_millis(20)))?;
     let table: Arc<Mutex<Vec<Option<Outstanding>>>> =
         Arc::new(Mutex::new((0..=u16::MAX as usize).map(|_| None).collect()));
@@ -252,28 +307,46 @@ pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
     let receiver = {
         let table = table.clone();
         let send_end = send_end.clone();
-        let drain = spec.drain;
-        std::thread::spawn(move || -> Result<(u64, u64, u64, Histogram<u64>)> {
-            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-            let (mut received, mut wrong, mut dups) = (0u64, 0u64, 0u64);
+        let (drain, target) = (spec.drain, spec.target);
+        std::thread::spawn(move || -> Result<Replies> {
+            let mut r = Replies {
+                received: 0,
+                wrong_values: 0,
+                misses: 0,
+                duplicates: 0,
+                wrong_source: 0,
+                out_of_order: 0,
+                latency_us: Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?,
+            };
+            let mut latest_seq = None::<u64>;
             let mut buf = [0u8; 2048];
             loop {
-                match socket.recv(&mut buf) {
-                    Ok(n) if n >= 8 => {
+                match socket.recv_from(&mut buf) {
+                    Ok((_, from)) if from != std::net::SocketAddr::V4(target) => {
+                        r.wrong_source += 1;
+                    }
+                    Ok((n, _)) if n >= 8 => {
                         let now = Instant::now();
                         let id = u16::from_be_bytes([buf[0], buf[1]]) as usize;
                         let Some(o) = table.lock().unwrap()[id].take() else {
-                            dups += 1;
+                            r.duplicates += 1;
                             continue;
                         };
-                        received += 1;
-                        let ok = parse_get_response(&buf[8..n])
-                            .is_some_and(|v| v == value_for(o.key).as_bytes());
-                        if !ok {
-                            wrong += 1;
+                        r.received += 1;
+                        if latest_seq.is_some_and(|latest| o.seq < latest) {
+                            r.out_of_order += 1;
+                        } else {
+                            latest_seq = Some(o.seq);
+                        }
+                        let body = &buf[8..n];
+                        if parse_get_response(body) != Some(value_for(o.key).as_bytes()) {
+                            r.wrong_values += 1;
+                            if body == b"END\r\n" {
+                                r.misses += 1;
+                            }
                         }
                         let us = now.duration_since(o.intended).as_micros() as u64;
-                        hist.saturating_record(us.max(1));
+                        r.latency_us.saturating_record(us.max(1));
                     }
                     Ok(_) => {}
                     Err(e)
@@ -288,7 +361,7 @@ pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
                 if let Some(end) = *send_end.lock().unwrap() {
                     let all_in = table.lock().unwrap().iter().all(Option::is_none);
                     if all_in || end.elapsed() >= drain {
-                        return Ok((received, wrong, dups, hist));
+                        return Ok(r);
                     }
                 }
             }
@@ -297,17 +370,21 @@ pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
 
     let interval = Duration::from_secs_f64(1.0 / f64::from(spec.rate.max(1)));
     let (mut sent, mut refused) = (0u64, 0u64);
-    for i in 0..total {
-        let intended = start + interval.mul_f64(i as f64);
+    for seq in 0..total {
+        let intended = start + interval.mul_f64(seq as f64);
         let now = Instant::now();
         if intended > now {
             std::thread::sleep(intended - now);
         }
-        let id = (i % (u16::MAX as u64 + 1)) as u16;
-        let key = (i as usize) % spec.keys.max(1);
-        table.lock().unwrap()[id as usize] = Some(Outstanding { intended, key });
+        let id = (seq % (u16::MAX as u64 + 1)) as u16;
+        let key = (seq as usize) % spec.keys.max(1);
+        table.lock().unwrap()[id as usize] = Some(Outstanding { seq, intended, key });
         let request = frame(id, format!("get {}\r\n", key_for(key)).as_bytes());
-        match client.socket.send(&request) {
+        let result = match kind {
+            ClientSocket::Connected => sender.send(&request),
+            ClientSocket::Unconnected => sender.send_to(&request, spec.target),
+        };
+        match result {
             // The socket reports an ICMP error from an earlier datagram (a
             // crashed replica) instead of sending; an application would
             // see a failed request.
@@ -322,16 +399,19 @@ pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
         }
     }
     *send_end.lock().unwrap() = Some(Instant::now());
-    let (received, wrong_values, duplicates, latency_us) = receiver
+    let replies = receiver
         .join()
         .map_err(|_| anyhow::anyhow!("receiver panicked"))??;
     Ok(LoadReport {
         sent,
         refused,
-        received,
-        wrong_values,
-        duplicates,
-        latency_us,
+        received: replies.received,
+        wrong_values: replies.wrong_values,
+        misses: replies.misses,
+        duplicates: replies.duplicates,
+        wrong_source: replies.wrong_source,
+        out_of_order: replies.out_of_order,
+        latency_us: replies.latency_us,
         elapsed: start.elapsed(),
     })
 }

@@ -24,6 +24,11 @@ pub fn replica_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 0, 10 + i as u8)
 }
 
+/// The switch's port for host `host` (0 is the client, 1 + i replica i).
+pub fn switch_port(host: usize) -> String {
+    format!("p{host}")
+}
+
 /// Namespaces and replicas; everything goes away on drop (replicas first).
 pub struct Testbed {
     pub replicas: Vec<Replica>,
@@ -57,7 +62,7 @@ impl Testbed {
             )
             .collect();
         for (port, (ns, addr)) in hosts.iter().enumerate() {
-            let peer = format!("p{port}");
+            let peer = switch_port(port);
             // Create the pair inside the switch so no name touches the host.
             switch.ip(&[
                 "link",
@@ -95,6 +100,15 @@ impl Testbed {
             r.wait_ready(&self.client)?;
         }
         Ok(())
+    }
+
+    /// Starts replica `i` again at its address (after a crash), empty, and
+    /// waits until it answers, asking from its own namespace so that no
+    /// request passes a selector on the client.
+    pub fn restart_replica(&mut self, i: usize) -> Result<()> {
+        let endpoint = self.replica_endpoints()[i];
+        self.replicas[i] = Replica::start(&self.replica_ns[i], endpoint)?;
+        self.replicas[i].wait_ready(&self.replica_ns[i])
     }
 
     pub fn replica_endpoints(&self) -> Vec<SocketAddrV4> {

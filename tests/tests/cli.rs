@@ -2,37 +2,18 @@
 //! and nothing attached; SIGTERM detaches cleanly.
 
 use std::{
-    io::{BufRead as _, BufReader},
-    path::PathBuf,
-    process::{Command, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
 use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
-use selector_testbed::{Testbed, topology::CLIENT_IFACE};
+use selector_testbed::{
+    Testbed,
+    agent::{self, Agent, TotalsRow, selector_binary},
+    topology::CLIENT_IFACE,
+};
 use selector_user::{IngressMode, Selector, Settings};
-
-/// target/debug/selector, brought up to date once per test process.
-fn selector_bin() -> PathBuf {
-    static BUILT: std::sync::Once = std::sync::Once::new();
-    BUILT.call_once(|| {
-        let status = Command::new(env!("CARGO"))
-            .args([
-                "build",
-                "--quiet",
-                "--package",
-                "selector-user",
-                "--bin",
-                "selector",
-            ])
-            .status()
-            .unwrap();
-        assert!(status.success(), "building selector");
-    });
-    let deps = std::env::current_exe().unwrap();
-    deps.parent().unwrap().parent().unwrap().join("selector")
-}
 
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
@@ -213,58 +194,23 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
 
 /// Starts `selector run` with the standard group and `extra` flags, and
 /// waits for its "attached" line.
-fn spawn_agent(
-    tb: &Testbed,
-    extra: &[&str],
-) -> (
-    std::process::Child,
-    std::io::Lines<BufReader<std::process::ChildStdout>>,
-) {
-    let mut child = tb
-        .client
-        .command(selector_bin().to_str().unwrap())
-        .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    assert!(first.starts_with("selector: attached to eth0"), "{first}");
-    (child, lines)
+fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {
+    let mut args = vec!["--iface", CLIENT_IFACE, "--group", GROUP];
+    args.extend_from_slice(extra);
+    agent::spawn_agent(&tb.client, &args)
 }
 
-/// Columns of one backend's row in `selector status`.
-fn status_row(tb: &Testbed, backend: &str) -> Vec<u64> {
-    let (code, out) = run_ctl(tb, &["status", "--iface", CLIENT_IFACE]);
-    assert_eq!(code, 0, "{out}");
-    let line = out
-        .lines()
-        .find(|l| l.starts_with(backend))
-        .unwrap_or_else(|| panic!("no row for {backend} in:\n{out}"));
-    // backend requests responses away to timeouts p50 p99
-    line.split_whitespace()
-        .skip(1)
-        .take(5)
-        .map(|v| v.parse().unwrap())
-        .collect()
+/// One backend's row in `selector status`.
+fn status_row(tb: &Testbed, backend: &str) -> TotalsRow {
+    agent::status(&tb.client, CLIENT_IFACE)
+        .into_iter()
+        .find(|row| row.backend == backend)
+        .unwrap_or_else(|| panic!("no row for {backend}"))
 }
 
 /// Runs a control command; (exit code, stdout + stderr).
 fn run_ctl(tb: &Testbed, args: &[&str]) -> (i32, String) {
-    let out = tb
-        .client
-        .command(selector_bin().to_str().unwrap())
-        .args(args)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code().unwrap_or(-1), text)
+    agent::run_selector(&tb.client, args)
 }
 
 fn stalled_load(tb: &Testbed) {
@@ -307,7 +253,7 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
 
     let (primary, first, second) = ("10.77.0.10:11211", "10.77.0.11:11211", "10.77.0.12:11211");
     stalled_load(&tb);
-    assert_eq!(status_row(&tb, primary)[2], 0, "observe never redirects");
+    assert_eq!(status_row(&tb, primary).away, 0, "observe never redirects");
 
     let (code, out) = run_ctl(
         &tb,
@@ -315,9 +261,9 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     );
     assert_eq!((code, out.trim()), (0, "policy threshold threshold 2"));
     stalled_load(&tb);
-    let away = status_row(&tb, primary)[2];
+    let away = status_row(&tb, primary).away;
     assert!(away > 0, "threshold policy set at run time must redirect");
-    let (to_first, to_second) = (status_row(&tb, first)[3], status_row(&tb, second)[3]);
+    let (to_first, to_second) = (status_row(&tb, first).to, status_row(&tb, second).to);
     assert_eq!(to_first + to_second, away);
     assert!(to_first > 0, "the first least-loaded replica takes reads");
 
@@ -330,12 +276,12 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     );
     stalled_load(&tb);
     assert_eq!(
-        status_row(&tb, first)[3],
+        status_row(&tb, first).to,
         to_first,
         "a drained replica gets nothing new"
     );
     assert!(
-        status_row(&tb, second)[3] > to_second,
+        status_row(&tb, second).to > to_second,
         "the other replica takes the reads"
     );
 
@@ -344,7 +290,7 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         .client
         .command("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(selector_bin())
+        .arg(selector_binary())
         .args(["set", "--iface", CLIENT_IFACE, "--policy", "observe"])
         .output()
         .unwrap();
@@ -373,7 +319,7 @@ fn duration_ends_the_run_with_totals_and_nothing_attached() {
     let tb = Testbed::new("seld", 3).unwrap();
     let mut child = tb
         .client
-        .command(selector_bin().to_str().unwrap())
+        .command(selector_binary().to_str().unwrap())
         .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
         .args(["--duration", "0.5", "--quiet"])
         .stdout(Stdio::piped())

@@ -4,18 +4,13 @@
 //! right values, observe mode never rewrites, and pending counts drain to
 //! exactly zero.
 
-use std::{
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    thread,
-    time::Duration,
-};
+use std::{thread, time::Duration};
 
 use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
-use selector_testbed::{LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
-use selector_user::{IngressMode, Selector, Settings, sys};
+use selector_testbed::{
+    LoadSpec, Testbed, agent::SweptSelector, preload, run_load, topology::CLIENT_IFACE,
+};
+use selector_user::{IngressMode, Settings};
 
 const KEYS: usize = 200;
 
@@ -51,58 +46,6 @@ fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duratio
     }
 }
 
-/// A selector attached in the client namespace, swept every 10 ms.
-struct Running {
-    selector: Arc<Mutex<Selector>>,
-    stop: Arc<AtomicBool>,
-    sweeper: Option<thread::JoinHandle<()>>,
-}
-
-impl Running {
-    fn start(tb: &Testbed, settings: Settings) -> Self {
-        let selector = tb
-            .client
-            .run(move || Selector::attach(&settings))
-            .unwrap()
-            .expect("attach");
-        let addrs = tb.replica_endpoints();
-        tb.client
-            .run(move || selector_user::neighbours::warm_up(&addrs, Duration::from_secs(1)))
-            .unwrap();
-        let selector = Arc::new(Mutex::new(selector));
-        let stop = Arc::new(AtomicBool::new(false));
-        let sweeper = {
-            let (selector, stop) = (selector.clone(), stop.clone());
-            thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
-                    s.sweep(sys::monotonic_ns()).expect("sweep");
-                    thread::sleep(Duration::from_millis(10));
-                }
-            })
-        };
-        Self {
-            selector,
-            stop,
-            sweeper: Some(sweeper),
-        }
-    }
-
-    fn stop_sweeper(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(s) = self.sweeper.take() {
-            // A failed sweep already failed the test; do not panic twice.
-            let _ = s.join();
-        }
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.stop_sweeper();
-    }
-}
-
 /// Load at `rate` for `secs`; stops the primary for `stall` halfway.
 fn load_with_stall(
     tb: &Testbed,
@@ -128,28 +71,18 @@ fn load_with_stall(
 /// Waits for every pending count to reach zero, then checks the raw
 /// counters: each backend's issued requests were completed or expired
 /// exactly once (a drift would show here even where `pending` saturates).
-fn wait_for_zero_pending(running: &Running, timeout: Duration) -> Vec<u64> {
-    let deadline = std::time::Instant::now() + timeout * 3 + Duration::from_secs(1);
-    loop {
-        let sel = running.selector.lock().unwrap();
-        let pending = sel.pending().unwrap();
-        if pending.iter().all(|p| *p == 0) || std::time::Instant::now() > deadline {
-            for (i, (issued, completed, expired)) in
-                sel.accounting().unwrap().into_iter().enumerate()
-            {
-                assert_eq!(issued, completed + expired, "backend {i} drifted");
-            }
-            return pending;
-        }
-        drop(sel);
-        thread::sleep(Duration::from_millis(20));
+fn wait_for_zero_pending(running: &SweptSelector, timeout: Duration) -> Vec<u64> {
+    let settled = running.settle(timeout);
+    for (i, (issued, completed, expired)) in settled.accounting.into_iter().enumerate() {
+        assert_eq!(issued, completed + expired, "backend {i} drifted");
     }
+    settled.pending
 }
 
 fn stall_redirects_and_every_reply_arrives(ingress: IngressMode, prefix: &str, port_step: u16) {
     let tb = testbed_with_ports(prefix, port_step);
     let timeout = Duration::from_millis(500);
-    let running = Running::start(&tb, settings(&tb, Policy::Threshold, ingress, timeout));
+    let running = SweptSelector::start(&tb, settings(&tb, Policy::Threshold, ingress, timeout));
     let report = load_with_stall(&tb, 2000, 1.5, Duration::from_millis(50));
 
     let sel = running.selector.lock().unwrap();
@@ -203,7 +136,7 @@ fn stall_redirects_reads_and_replies_come_from_the_primary_tc_ingress() {
 fn observe_mode_counts_but_never_rewrites() {
     let tb = testbed("selo");
     let timeout = Duration::from_millis(500);
-    let running = Running::start(
+    let running = SweptSelector::start(
         &tb,
         settings(&tb, Policy::Observe, IngressMode::Xdp, timeout),
     );
@@ -227,7 +160,7 @@ fn observe_mode_counts_but_never_rewrites() {
 fn lost_requests_expire_and_pending_returns_to_exactly_zero() {
     let mut tb = testbed("sell");
     let timeout = Duration::from_millis(200);
-    let running = Running::start(
+    let running = SweptSelector::start(
         &tb,
         settings(&tb, Policy::Threshold, IngressMode::Xdp, timeout),
     );

@@ -23,6 +23,8 @@ const PACKAGES: &[&str] = &[
     "memcached",
     "iproute2",
     "ethtool",
+    // The fault tests drop and duplicate datagrams at the switch with nft.
+    "nftables",
     "nginx",
     "libnginx-mod-stream",
     // The benchmark's plots draw text with a TrueType font.

@@ -1,0 +1,343 @@
+//! Fault injectors for the testbed: loss and duplication on the wire
+//! (nftables at the switch ports), and replies delayed and reordered by a
+//! relay in front of a replica.
+//!
+//! This kernel has no netem. Faults on the wire live in the switch
+//! namespace, so the selector on the client sees every request leave and
+//! only the wire loses or copies it (a drop in the client's own output hook
+//! would happen before TC egress).
+
+use std::{
+    collections::{BinaryHeap, HashMap},
+    io::{ErrorKind, Write as _},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    process::Stdio,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{
+    memcached::{Replica, wait_until_serving},
+    netns::Namespace,
+    topology::{CLIENT_ADDR, Testbed, switch_port},
+};
+
+/// What happens to the datagrams a wire fault picks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WireFault {
+    Drop,
+    Duplicate,
+}
+
+/// The nftables table holding the wire faults in the switch namespace.
+const TABLE: &str = "wire_faults";
+
+/// Applies `fault` to `percent` % of the requests (client to replicas) and,
+/// independently, of the replies (replicas to client), as they enter the
+/// switch. Only UDP to and from the replicas' service ports is touched.
+pub fn install_wire_fault(tb: &Testbed, fault: WireFault, percent: u32) -> Result<()> {
+    let client_port = switch_port(0);
+    let pick = format!("numgen random mod 100 < {percent} counter");
+    let mut requests = Vec::new();
+    let mut replies = Vec::new();
+    for (i, replica) in tb.replica_endpoints().iter().enumerate() {
+        let replica_port = switch_port(i + 1);
+        // A copy goes straight out of the port towards its receiver.
+        let (to_replica, to_client) = match fault {
+            WireFault::Drop => ("drop".to_string(), "drop".to_string()),
+            WireFault::Duplicate => (
+                format!("dup to \"{replica_port}\""),
+                format!("dup to \"{client_port}\""),
+            ),
+        };
+        requests.push(format!(
+            "ip saddr {CLIENT_ADDR} ip daddr {} udp dport {} {pick} {to_replica}",
+            replica.ip(),
+            replica.port()
+        ));
+        replies.push(format!(
+            "ip saddr {} udp sport {} ip daddr {CLIENT_ADDR} {pick} {to_client}",
+            replica.ip(),
+            replica.port()
+        ));
+    }
+    let replica_ports: Vec<String> = (1..=tb.replica_ns.len())
+        .map(|i| format!("\"{}\"", switch_port(i)))
+        .collect();
+    let ruleset = format!(
+        "table netdev {TABLE} {{\n\
+         chain requests {{\n\
+         type filter hook ingress devices = {{ \"{client_port}\" }} priority 0;\n\
+         {}\n}}\n\
+         chain replies {{\n\
+         type filter hook ingress devices = {{ {} }} priority 0;\n\
+         {}\n}}\n}}\n",
+        requests.join("\n"),
+        replica_ports.join(", "),
+        replies.join("\n"),
+    );
+    nft_script(&tb.switch, &ruleset)
+}
+
+/// Datagrams the wire fault picked so far: (requests, replies).
+pub fn wire_fault_hits(tb: &Testbed) -> Result<(u64, u64)> {
+    let out = tb.switch.exec("nft", &["list", "table", "netdev", TABLE])?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut requests, mut replies) = (0, 0);
+    let mut chain = "";
+    for line in text.lines() {
+        let line = line.trim();
+        if let Some(name) = line.strip_prefix("chain ") {
+            chain = name.trim_end_matches(" {");
+        }
+        let Some(rest) = line.split("counter packets ").nth(1) else {
+            continue;
+        };
+        let packets: u64 = rest
+            .split_whitespace()
+            .next()
+            .context("counter without a value")?
+            .parse()?;
+        match chain {
+            "requests" => requests += packets,
+            "replies" => replies += packets,
+            other => bail!("counter in unexpected chain {other}"),
+        }
+    }
+    Ok((requests, replies))
+}
+
+/// Loads an nftables script in `ns`.
+fn nft_script(ns: &Namespace, script: &str) -> Result<()> {
+    let mut child = ns
+        .command("nft")
+        .args(["-f", "-"])
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("running nft (is nftables installed? run `cargo xtask setup`)")?;
+    child
+        .stdin
+        .take()
+        .context("nft stdin")?
+        .write_all(script.as_bytes())?;
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "nft -f failed: {}\n{script}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// A small xorshift generator: the delays need no quality, only variety.
+struct XorShift(u64);
+
+impl XorShift {
+    fn seeded() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64);
+        Self(nanos | 1)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n.max(1)
+    }
+}
+
+/// A reply held back until `release`.
+struct HeldReply {
+    release: Instant,
+    to: SocketAddr,
+    datagram: Vec<u8>,
+}
+
+impl PartialEq for HeldReply {
+    fn eq(&self, other: &Self) -> bool {
+        self.release == other.release
+    }
+}
+
+impl Eq for HeldReply {}
+
+impl PartialOrd for HeldReply {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for HeldReply {
+    /// Reversed, so the max-heap pops the earliest release first.
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.release.cmp(&self.release)
+    }
+}
+
+/// A UDP relay in a replica namespace that stands in for the replica at
+/// its address: it forwards requests to a memcached in the same namespace
+/// and sends each reply on after its own random delay, so replies overtake
+/// each other. Stops and joins its threads on drop.
+pub struct DelayingRelay {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<Result<()>>>,
+}
+
+/// Starts every replica as a memcached on the namespace's loopback behind a
+/// `DelayingRelay` at the replica's address, and waits until each answers.
+/// Drop the relays before the testbed.
+pub fn start_delayed_replicas(tb: &mut Testbed, max_delay: Duration) -> Result<Vec<DelayingRelay>> {
+    let mut relays = Vec::new();
+    for (ns, endpoint) in tb.replica_ns.iter().zip(tb.replica_endpoints()) {
+        let local = SocketAddrV4::new(Ipv4Addr::LOCALHOST, endpoint.port());
+        tb.replicas.push(Replica::start(ns, local)?);
+        relays.push(DelayingRelay::start(ns, endpoint, local, max_delay)?);
+    }
+    for endpoint in tb.replica_endpoints() {
+        wait_until_serving(&tb.client, endpoint)?;
+    }
+    Ok(relays)
+}
+
+/// How often the relay's threads look at the stop flag when idle.
+const RELAY_POLL: Duration = Duration::from_millis(10);
+
+impl DelayingRelay {
+    /// Serves `front` in `ns` for the memcached at `backend` (reachable from
+    /// `ns`), delaying each reply by 0 to `max_delay`.
+    pub fn start(
+        ns: &Namespace,
+        front: SocketAddrV4,
+        backend: SocketAddrV4,
+        max_delay: Duration,
+    ) -> Result<Self> {
+        // Sockets belong to the namespace they were made in.
+        let (front, back) = ns.run(move || -> Result<(UdpSocket, UdpSocket)> {
+            let front = UdpSocket::bind(front)?;
+            front.set_read_timeout(Some(RELAY_POLL))?;
+            let back = UdpSocket::bind("127.0.0.1:0")?;
+            back.connect(backend)?;
+            Ok((front, back))
+        })??;
+        // memcached echoes the request id, which says whom a reply is for.
+        let clients: Arc<Mutex<HashMap<u16, SocketAddr>>> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let forward = {
+            let (front, back) = (front.try_clone()?, back.try_clone()?);
+            let (clients, stop) = (clients.clone(), stop.clone());
+            std::thread::spawn(move || forward_requests(&front, &back, &clients, &stop))
+        };
+        let reply = {
+            let stop = stop.clone();
+            std::thread::spawn(move || delay_replies(&back, &front, &clients, &stop, max_delay))
+        };
+        Ok(Self {
+            stop,
+            threads: vec![forward, reply],
+        })
+    }
+
+    /// Stops the relay; an error either thread met.
+    pub fn stop(&mut self) -> Result<()> {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            t.join()
+                .map_err(|_| anyhow::anyhow!("relay thread panicked"))??;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DelayingRelay {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+/// Errors a relay thread waits out: nothing to read yet, or an ICMP error
+/// from a datagram to a memcached that was not listening yet.
+fn is_transient(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::ConnectionRefused
+    )
+}
+
+/// Client to memcached, remembering who asked under each request id.
+fn forward_requests(
+    front: &UdpSocket,
+    back: &UdpSocket,
+    clients: &Mutex<HashMap<u16, SocketAddr>>,
+    stop: &AtomicBool,
+) -> Result<()> {
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        match front.recv_from(&mut buf) {
+            Ok((n, from)) if n >= 2 => {
+                let id = u16::from_be_bytes([buf[0], buf[1]]);
+                clients.lock().unwrap().insert(id, from);
+                match back.send(&buf[..n]) {
+                    Err(e) if !is_transient(&e) => return Err(e.into()),
+                    _ => {}
+                }
+            }
+            Ok(_) => {}
+            Err(e) if is_transient(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// memcached to client, each reply held back by its own random delay.
+fn delay_replies(
+    back: &UdpSocket,
+    front: &UdpSocket,
+    clients: &Mutex<HashMap<u16, SocketAddr>>,
+    stop: &AtomicBool,
+    max_delay: Duration,
+) -> Result<()> {
+    let mut held = BinaryHeap::<HeldReply>::new();
+    let mut random = XorShift::seeded();
+    let max_delay_us = max_delay.as_micros() as u64;
+    let mut buf = [0u8; 2048];
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        while held.peek().is_some_and(|r| r.release <= now) {
+            let r = held.pop().expect("peeked");
+            front.send_to(&r.datagram, r.to)?;
+        }
+        let wait = held
+            .peek()
+            .map_or(RELAY_POLL, |r| r.release - now)
+            .clamp(Duration::from_micros(50), RELAY_POLL);
+        back.set_read_timeout(Some(wait))?;
+        match back.recv(&mut buf) {
+            Ok(n) if n >= 2 => {
+                let id = u16::from_be_bytes([buf[0], buf[1]]);
+                let Some(to) = clients.lock().unwrap().get(&id).copied() else {
+                    continue;
+                };
+                held.push(HeldReply {
+                    release: Instant::now() + Duration::from_micros(random.below(max_delay_us + 1)),
+                    to,
+                    datagram: buf[..n].to_vec(),
+                });
+            }
+            Ok(_) => {}
+            Err(e) if is_transient(&e) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
