@@ -5,6 +5,7 @@
 //! is removed when its owner is dropped, also when a test fails.
 
 pub mod bench;
+pub mod frames;
 pub mod memcached;
 pub mod netns;
 pub mod topology;
