@@ -134,8 +134,8 @@ pub struct Datagram {
     /// Host order.
     pub src_port: u16,
     pub dst_port: u16,
-    /// UDP payload length per the UDP header (for a first fragment, of the
-    /// whole datagram; reads stop at the end of the packet anyway).
+    /// UDP payload bytes in this packet (per the UDP header, and for a first
+    /// fragment only what it carries).
     pub payload_len: usize,
 }
 
@@ -236,15 +236,25 @@ pub fn parse_udp(
     if ip.fragment && !(allow_first_fragment && ip.first_fragment) {
         return Err(PassReason::Fragment);
     }
+    if ip.total_len < IPV4_LEN + UDP_LEN {
+        return Err(PassReason::BadHeader);
+    }
     let udp: [u8; UDP_LEN] = read_bytes(pkt, ip.layout.udp()).map_err(|_| PassReason::BadHeader)?;
     let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
-    if udp_len < UDP_LEN || (!ip.fragment && udp_len > ip.total_len - IPV4_LEN) {
+    let in_packet = ip.total_len - IPV4_LEN;
+    if udp_len < UDP_LEN || (!ip.fragment && udp_len > in_packet) {
         return Err(PassReason::BadHeader);
     }
     Ok(Datagram {
         ip,
         src_port: u16::from_be_bytes([udp[0], udp[1]]),
         dst_port: u16::from_be_bytes([udp[2], udp[3]]),
-        payload_len: udp_len - UDP_LEN,
+        // A first fragment holds only part of the datagram; never read
+        // past the IP packet into padding.
+        payload_len: if udp_len < in_packet {
+            udp_len
+        } else {
+            in_packet
+        } - UDP_LEN,
     })
 }

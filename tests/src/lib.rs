@@ -7,6 +7,7 @@
 pub mod agent;
 pub mod bench;
 pub mod faults;
+pub mod frames;
 pub mod memcached;
 pub mod netns;
 pub mod topology;

@@ -42,6 +42,11 @@ fn settings(tb: &Testbed) -> Settings {
         timeout: TIMEOUT,
         inflight_max: DEFAULT_INFLIGHT_MAX,
         ingress: IngressMode::Xdp,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: Duration::from_secs(1),
     }
 }
 

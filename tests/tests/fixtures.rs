@@ -6,31 +6,18 @@ use std::time::Duration;
 
 use aya::{
     maps::PerCpuArray,
-    programs::{SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
+    programs::{SchedClassifier, TestRun, TestRunOptions},
 };
 use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
 use selector_common::{
     BackendStats, Descriptor, Direction, InflightKey, MARK_REDIRECTED, PassReason, Policy, latency,
     names, programs,
 };
-use selector_user::{IngressMode, Selector, Settings, sys};
-
-const TC_ACT_PIPE: u32 = 3;
-const TC_ACT_REDIRECT: u32 = 7;
-const XDP_PASS: u32 = 2;
-
-const CLIENT: [u8; 4] = [10, 77, 0, 1];
-const CLIENT_PORT: u16 = 40_000;
-const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
-const PRIMARY_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
-/// Replica i: 10.77.0.(10+i), port 11211+i (ports differ so port rewrites show).
-fn replica(i: usize) -> ([u8; 4], u16) {
-    ([10, 77, 0, 10 + i as u8], 11211 + i as u16)
-}
-
-const GET: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00get foo\r\n";
-const SET: &[u8] = b"\x12\x35\x00\x00\x00\x01\x00\x00set foo 0 0 1\r\nx\r\n";
-const VALUE: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00VALUE foo 0 3\r\nbar\r\nEND\r\n";
+use selector_testbed::frames::{
+    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE,
+    XDP_PASS, egress, fits_skb_test_run, replica, run_tc, run_xdp, settings_for, udp,
+};
+use selector_user::{Selector, Settings, sys};
 
 fn selector() -> Selector {
     selector_for(Descriptor::memcached(), replica)
@@ -40,64 +27,12 @@ fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> 
     Selector::load(&settings_for(descriptor, member)).expect("load")
 }
 
-fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Settings {
-    Settings {
-        iface: "lo".into(),
-        groups: vec![
-            (0..3)
-                .map(|i| {
-                    let (a, p) = member(i);
-                    std::net::SocketAddrV4::new(a.into(), p)
-                })
-                .collect(),
-        ],
-        policy: Policy::Threshold,
-        threshold: 1,
-        descriptor,
-        timeout: Duration::from_secs(1),
-        inflight_max: 1024,
-        ingress: IngressMode::Xdp,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
-        mark: selector_common::MARK_REDIRECTED,
-        grace: std::time::Duration::from_secs(1),
-    }
-}
-
-fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
-        .ipv4(src.0, dst.0, 64)
-        .udp(src.1, dst.1)
-        .write(&mut out, payload)
-        .unwrap();
-    out
-}
-
 fn request(payload: &[u8]) -> Vec<u8> {
     udp((CLIENT, CLIENT_PORT), replica(0), payload)
 }
 
 fn response_from(i: usize) -> Vec<u8> {
     udp(replica(i), (CLIENT, CLIENT_PORT), VALUE)
-}
-
-/// Runs `prog` once on `input`: (verdict, output packet).
-fn run_once<P>(prog: &P, input: &[u8]) -> (u32, Vec<u8>)
-where
-    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
-{
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            ..Default::default()
-        })
-        .unwrap();
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
 }
 
 /// `struct __sk_buff` is 192 bytes; `mark` is at offset 8.
@@ -130,27 +65,6 @@ fn egress_marked(sel: &mut Selector, input: &[u8], mark: u32) -> (u32, Vec<u8>, 
     (r.return_value, out, mark_out)
 }
 
-fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
-    let prog: &mut SchedClassifier = sel
-        .ebpf_mut()
-        .program_mut(name)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    run_once(prog, input)
-}
-
-fn run_xdp(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
-    let prog = sel.ebpf_mut().program_mut(programs::INGRESS_XDP).unwrap();
-    let prog: &mut Xdp = prog.try_into().unwrap();
-    run_once(prog, input)
-}
-
-fn egress(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
-    run_tc(sel, programs::EGRESS, input)
-}
-
-/// Sets member `position`'s issued count of group 0 (its pending load).
 fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
     let now = counters(sel).issued[position];
     sel.add_to_issued(position as u32, issued as i64 - now as i64);
@@ -466,19 +380,14 @@ fn pass_through_cases() -> Vec<(&'static str, Vec<u8>)> {
     cases
 }
 
-/// The kernel's skb test harness refuses IPv4 frames without a whole IPv4
-/// header (EINVAL); the stack never hands TC such an skb either. XDP sees
-/// raw frames, so it gets every case.
-fn fits_skb_test_run((_, frame): &(&str, Vec<u8>)) -> bool {
-    let is_ipv4 = frame.len() >= 14 && frame[12..14] == [0x08, 0x00];
-    !is_ipv4 || frame.len() >= 14 + 20
-}
-
 #[test]
 fn egress_passes_what_it_does_not_own_byte_identical() {
     let mut sel = selector();
     set_issued(&mut sel, 0, 5);
-    for (what, input) in pass_through_cases().into_iter().filter(fits_skb_test_run) {
+    for (what, input) in pass_through_cases()
+        .into_iter()
+        .filter(|(_, frame)| fits_skb_test_run(frame))
+    {
         let (verdict, out) = egress(&mut sel, &input);
         assert_eq!(verdict, TC_ACT_PIPE, "{what}");
         assert_eq!(out, input, "{what} must pass untouched");
@@ -498,7 +407,7 @@ fn ingress_passes_what_it_does_not_own_byte_identical() {
             (XDP_PASS, input.clone()),
             "XDP: {what}"
         );
-        if fits_skb_test_run(&(what, input.clone())) {
+        if fits_skb_test_run(&input) {
             let tc = run_tc(&mut sel, programs::INGRESS_TC, &input);
             assert_eq!(tc, (TC_ACT_PIPE, input), "TC: {what}");
         }

@@ -1,0 +1,141 @@
+//! Frames and program runs for the BPF_PROG_TEST_RUN tests (`fixtures`,
+//! `fuzz`): the test group's addresses, memcached payloads, a UDP frame
+//! builder, settings for a loaded (not attached) selector, and runners for
+//! the three programs.
+
+use std::time::Duration;
+
+use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp};
+use etherparse::PacketBuilder;
+use selector_common::{Descriptor, Policy, programs};
+use selector_user::{IngressMode, Selector, Settings};
+
+pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_PIPE: u32 = 3;
+pub const TC_ACT_REDIRECT: u32 = 7;
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+pub const XDP_REDIRECT: u32 = 4;
+
+pub const CLIENT: [u8; 4] = [10, 77, 0, 1];
+pub const CLIENT_PORT: u16 = 40_000;
+pub const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+pub const PRIMARY_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x10];
+
+/// Members of the test group.
+pub const REPLICAS: usize = 3;
+
+/// Replica i: 10.77.0.(10+i), port 11211+i (ports differ so port rewrites show).
+pub fn replica(i: usize) -> ([u8; 4], u16) {
+    ([10, 77, 0, 10 + i as u8], 11211 + i as u16)
+}
+
+/// memcached UDP frame header (request id 0x1234) + a command.
+pub const GET: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00get foo\r\n";
+pub const SET: &[u8] = b"\x12\x35\x00\x00\x00\x01\x00\x00set foo 0 0 1\r\nx\r\n";
+pub const VALUE: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00VALUE foo 0 3\r\nbar\r\nEND\r\n";
+
+/// One group of `REPLICAS` members placed by `member`, threshold policy with
+/// threshold 1, for a selector that is loaded, not attached.
+pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Settings {
+    Settings {
+        iface: "lo".into(),
+        groups: vec![
+            (0..REPLICAS)
+                .map(|i| {
+                    let (a, p) = member(i);
+                    std::net::SocketAddrV4::new(a.into(), p)
+                })
+                .collect(),
+        ],
+        policy: Policy::Threshold,
+        threshold: 1,
+        descriptor,
+        timeout: Duration::from_secs(1),
+        inflight_max: 1024,
+        ingress: IngressMode::Xdp,
+        max_pending: 0,
+        max_pending_client: 0,
+        on_overload: selector_common::OnOverload::Pass,
+        mark: selector_common::MARK_REDIRECTED,
+        grace: Duration::from_secs(1),
+    }
+}
+
+/// Ethernet + IPv4 (no options, TTL 64) + UDP with correct checksums.
+pub fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+        .ipv4(src.0, dst.0, 64)
+        .udp(src.1, dst.1)
+        .write(&mut out, payload)
+        .unwrap();
+    out
+}
+
+/// Runs `prog` once on `input`: (verdict, output packet), or the harness's
+/// refusal.
+fn try_run_once<P>(prog: &P, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError>
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+{
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog.test_run(TestRunOptions {
+        data_in: Some(input),
+        data_out: Some(&mut out),
+        ..Default::default()
+    })?;
+    out.truncate(r.data_size_out as usize);
+    Ok((r.return_value, out))
+}
+
+/// Runs the TC program `name` once on `input`.
+pub fn try_run_tc(
+    sel: &mut Selector,
+    name: &str,
+    input: &[u8],
+) -> Result<(u32, Vec<u8>), ProgramError> {
+    let prog: &mut SchedClassifier = sel
+        .ebpf_mut()
+        .program_mut(name)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    try_run_once(prog, input)
+}
+
+/// Runs the XDP ingress program once on `input`.
+pub fn try_run_xdp(sel: &mut Selector, input: &[u8]) -> Result<(u32, Vec<u8>), ProgramError> {
+    let prog = sel.ebpf_mut().program_mut(programs::INGRESS_XDP).unwrap();
+    let prog: &mut Xdp = prog.try_into().unwrap();
+    try_run_once(prog, input)
+}
+
+pub fn run_tc(sel: &mut Selector, name: &str, input: &[u8]) -> (u32, Vec<u8>) {
+    try_run_tc(sel, name, input).unwrap()
+}
+
+pub fn run_xdp(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
+    try_run_xdp(sel, input).unwrap()
+}
+
+pub fn egress(sel: &mut Selector, input: &[u8]) -> (u32, Vec<u8>) {
+    run_tc(sel, programs::EGRESS, input)
+}
+
+/// The kernel's skb test harness refuses IPv4 and IPv6 frames without a
+/// whole network header (EINVAL); the stack never hands TC such an skb
+/// either. XDP sees raw frames, so it takes every frame of at least an
+/// Ethernet header.
+pub fn fits_skb_test_run(frame: &[u8]) -> bool {
+    const ETH_LEN: usize = 14;
+    if frame.len() < ETH_LEN {
+        return false;
+    }
+    let network_header = match [frame[12], frame[13]] {
+        [0x08, 0x00] => 20,
+        [0x86, 0xdd] => 40,
+        _ => 0,
+    };
+    frame.len() >= ETH_LEN + network_header
+}
