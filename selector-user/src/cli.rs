@@ -230,18 +230,22 @@ impl RunArgs {
         if self.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
             bail!("--duration must be a positive number of seconds");
         }
+        let timeout = Duration::from_millis(self.timeout);
         let settings = Settings {
-            iface: self.iface.clone(),
-            groups: self.groups.iter().map(|g| g.0.clone()).collect(),
             policy: self.policy.into(),
             threshold: self.threshold,
             descriptor,
-            timeout: Duration::from_millis(self.timeout),
+            timeout,
+            grace: timeout,
             inflight_max: self.inflight_max,
             ingress: match self.ingress {
                 IngressArg::Xdp => IngressMode::Xdp,
                 IngressArg::Tc => IngressMode::Tc,
             },
+            ..Settings::new(
+                self.iface.clone(),
+                self.groups.iter().map(|g| g.0.clone()).collect(),
+            )
         };
         settings.plan()?;
         Ok(settings)

@@ -9,9 +9,8 @@ use std::{
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
 use selector_testbed::{Testbed, topology::CLIENT_IFACE};
-use selector_user::{IngressMode, Selector, Settings};
+use selector_user::{Selector, Settings};
 
 /// target/debug/selector, brought up to date once per test process.
 fn selector_bin() -> PathBuf {
@@ -149,14 +148,8 @@ fn failed_attach_detaches_what_it_attached() {
     let tb = Testbed::new("self", 3).unwrap();
     // Another selector holds the interface's XDP hook.
     let settings = Settings {
-        iface: CLIENT_IFACE.into(),
-        groups: vec![tb.replica_endpoints()],
-        policy: Policy::Threshold,
         threshold: 1,
-        descriptor: Descriptor::memcached(),
-        timeout: Duration::from_secs(1),
-        inflight_max: DEFAULT_INFLIGHT_MAX,
-        ingress: IngressMode::Xdp,
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     };
     let first = tb
         .client

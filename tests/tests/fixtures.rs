@@ -2,8 +2,6 @@
 //! expected output packets and verdicts, checksums checked by an independent
 //! implementation (etherparse). Programs are loaded, not attached.
 
-use std::time::Duration;
-
 use aya::{
     maps::{Array, HashMap, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp},
@@ -13,7 +11,7 @@ use selector_common::{
     BackendStats, Descriptor, GroupCounters, InflightEntry, InflightKey, MARK_REDIRECTED, Policy,
     latency, names, programs,
 };
-use selector_user::{IngressMode, Selector, Settings, sys};
+use selector_user::{Selector, Settings, sys};
 
 const TC_ACT_PIPE: u32 = 3;
 const TC_ACT_REDIRECT: u32 = 7;
@@ -41,22 +39,17 @@ fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> 
 }
 
 fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Settings {
+    let members = (0..3)
+        .map(|i| {
+            let (a, p) = member(i);
+            std::net::SocketAddrV4::new(a.into(), p)
+        })
+        .collect();
     Settings {
-        iface: "lo".into(),
-        groups: vec![
-            (0..3)
-                .map(|i| {
-                    let (a, p) = member(i);
-                    std::net::SocketAddrV4::new(a.into(), p)
-                })
-                .collect(),
-        ],
-        policy: Policy::Threshold,
         threshold: 1,
         descriptor,
-        timeout: Duration::from_secs(1),
         inflight_max: 1024,
-        ingress: IngressMode::Xdp,
+        ..Settings::new("lo", vec![members])
     }
 }
 

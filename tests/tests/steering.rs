@@ -13,7 +13,7 @@ use std::{
     time::Duration,
 };
 
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
+use selector_common::Policy;
 use selector_testbed::{LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
 use selector_user::{IngressMode, Selector, Settings, sys};
 
@@ -35,14 +35,11 @@ fn testbed_with_ports(prefix: &str, port_step: u16) -> Testbed {
 
 fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duration) -> Settings {
     Settings {
-        iface: CLIENT_IFACE.into(),
-        groups: vec![tb.replica_endpoints()],
         policy,
         threshold: 2,
-        descriptor: Descriptor::memcached(),
         timeout,
-        inflight_max: DEFAULT_INFLIGHT_MAX,
         ingress,
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     }
 }
 

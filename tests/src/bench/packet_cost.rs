@@ -28,10 +28,8 @@ use aya::{
     },
 };
 use etherparse::PacketBuilder;
-use selector_common::{
-    Descriptor, Endpoint, GroupCounters, InflightEntry, InflightKey, Policy, names, programs,
-};
-use selector_user::{IngressMode, Selector, Settings, sys};
+use selector_common::{Endpoint, GroupCounters, InflightEntry, InflightKey, names, programs};
+use selector_user::{Selector, Settings, sys};
 
 use crate::{memcached::frame, netns::Namespace};
 
@@ -370,15 +368,10 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         .map(|i| SocketAddrV4::new(replica(i).into(), PORT))
         .collect();
     let settings = Settings {
-        iface: "lo".into(),
-        groups: vec![replicas],
-        policy: Policy::Threshold,
         threshold: 1,
-        descriptor: Descriptor::memcached(),
-        timeout: Duration::from_secs(1),
         // Room for the large fill and the measured requests.
         inflight_max: o.inflight_large + 70_000,
-        ingress: IngressMode::Xdp,
+        ..Settings::new("lo", vec![replicas])
     };
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();
