@@ -415,7 +415,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
     selector.sweep(sys::monotonic_ns())?;
     let end = selector.snapshot()?;
     println!("selector: detaching from {}; totals:", settings.iface);
-    print!("{}", telemetry::render_summary(&selector.backends, &end));
+    let totals = telemetry::totals(&selector.backends, &end);
+    print!("{}", telemetry::render_summary(&totals));
+    print!(
+        "{}",
+        telemetry::render_footer(
+            end.inflight,
+            &totals,
+            &telemetry::passed_counts(&end.passed)
+        )
+    );
     drop(selector);
     Ok(())
 }

@@ -118,7 +118,14 @@ pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
                     }
                 }
             );
-            out += &telemetry::render_summary(&selector.backends, &selector.snapshot()?);
+            let now = selector.snapshot()?;
+            let totals = telemetry::totals(&selector.backends, &now);
+            out += &telemetry::render_summary(&totals);
+            out += &telemetry::render_footer(
+                now.inflight,
+                &totals,
+                &telemetry::passed_counts(&now.passed),
+            );
             Ok(out)
         }
         Request::Set { policy, threshold } => {

@@ -7,6 +7,7 @@ pub mod interface;
 pub mod loader;
 pub mod neighbours;
 pub mod settings;
+pub mod shutdown;
 pub mod sweep;
 pub mod sys;
 pub mod telemetry;
