@@ -1,5 +1,5 @@
 //! The `selector` binary: bad input gives one error line, a non-zero exit
-//! and nothing attached; SIGTERM detaches cleanly.
+//! and nothing attached; run-time control; SIGTERM detaches cleanly.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -36,14 +36,22 @@ fn selector_bin() -> PathBuf {
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
 fn tcx_programs(tb: &Testbed, attach: TcAttachType) -> usize {
+    tcx_programs_on(tb, CLIENT_IFACE, attach)
+}
+
+fn tcx_programs_on(tb: &Testbed, iface: &'static str, attach: TcAttachType) -> usize {
     tb.client
-        .run(move || SchedClassifier::query_tcx(CLIENT_IFACE, attach).map(|(_, p)| p.len()))
+        .run(move || SchedClassifier::query_tcx(iface, attach).map(|(_, p)| p.len()))
         .unwrap()
         .unwrap()
 }
 
 fn has_xdp(tb: &Testbed) -> bool {
-    let out = tb.client.ip(&["-d", "link", "show", CLIENT_IFACE]).unwrap();
+    has_xdp_on(tb, CLIENT_IFACE)
+}
+
+fn has_xdp_on(tb: &Testbed, iface: &str) -> bool {
+    let out = tb.client.ip(&["-d", "link", "show", iface]).unwrap();
     String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
 }
 
@@ -124,6 +132,96 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
             ],
             "fastest",
         ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--mark",
+                "0x3",
+            ],
+            "--mark must have exactly one bit set",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--mark",
+                "bit24",
+            ],
+            "0x hex",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--timeout",
+                "0",
+            ],
+            "--timeout must be at least 1 ms",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--timeout",
+                "3600001",
+            ],
+            "--timeout must be at most 3600000 ms",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--grace",
+                "3600001",
+            ],
+            "--grace must be at most",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--proto",
+                "custom",
+                "--req-id-offset",
+                "0",
+                "--req-id-len",
+                "4",
+                "--on-overload",
+                "reject",
+            ],
+            "--on-overload reject needs --proto memcached or dns",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--on-overload",
+                "throttle",
+            ],
+            "throttle",
+        ),
     ];
     for (args, expect) in cases {
         let (code, stderr) = run_ctl(&tb, &args);
@@ -141,6 +239,31 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
     }
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
+    let tb = Testbed::new("selv", 0).unwrap();
+    // A veth pair that is up, with an IPv6 address only.
+    tb.client
+        .ip(&[
+            "link", "add", "v4less0", "type", "veth", "peer", "name", "v4less1",
+        ])
+        .unwrap();
+    tb.client
+        .ip(&["addr", "add", "fd00:77::1/64", "dev", "v4less0", "nodad"])
+        .unwrap();
+    for dev in ["v4less0", "v4less1"] {
+        tb.client.ip(&["link", "set", dev, "up"]).unwrap();
+    }
+    let (code, stderr) = run_ctl(&tb, &["run", "--iface", "v4less0", "--group", GROUP]);
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "error: interface 'v4less0' has no IPv4 address"
+    );
+    assert_eq!(tcx_programs_on(&tb, "v4less0", TcAttachType::Egress), 0);
+    assert!(!has_xdp_on(&tb, "v4less0"));
 }
 
 #[test]
@@ -191,12 +314,94 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
-    assert!(
-        rest.iter().any(|l| l.contains("detaching from eth0")),
-        "{rest:?}"
-    );
+    let position = |text: &str| {
+        rest.iter()
+            .position(|l| l.contains(text))
+            .unwrap_or_else(|| panic!("no '{text}' in {rest:#?}"))
+    };
+    let detaching = position("detaching from eth0; totals:");
+    // The totals: a header and one row per backend.
+    assert!(rest[detaching + 1].starts_with("backend"), "{rest:#?}");
+    for backend in GROUP.split(',') {
+        assert!(
+            rest[detaching..].iter().any(|l| l.starts_with(backend)),
+            "{rest:#?}"
+        );
+    }
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn set_changes_show_in_the_json_status() {
+    let tb = Testbed::new("selj", 3).unwrap();
+    let (mut agent, _lines) = spawn_agent(&tb, &["--quiet", "--mark", "0x10", "--grace", "300"]);
+    let (code, out) = run_ctl(
+        &tb,
+        &[
+            "set",
+            "--iface",
+            CLIENT_IFACE,
+            "--max-pending",
+            "5",
+            "--on-overload",
+            "drop",
+        ],
+    );
+    assert_eq!(
+        (code, out.trim()),
+        (
+            0,
+            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop"
+        )
+    );
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out.trim_end().lines().count(),
+        1,
+        "one JSON document: {out}"
+    );
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let settings = &status["settings"];
+    assert_eq!(settings["max_pending"], 5, "{status}");
+    assert_eq!(settings["on_overload"], "drop", "{status}");
+    assert_eq!(settings["max_pending_client"], 0, "{status}");
+    assert_eq!(settings["policy"], "threshold", "{status}");
+    assert_eq!(settings["mark"], 0x10, "{status}");
+    assert_eq!(settings["timeout_ms"], 1000, "{status}");
+    assert_eq!(settings["grace_ms"], 300, "{status}");
+    assert_eq!(settings["proto"], "memcached", "{status}");
+    assert_eq!(status["iface"], CLIENT_IFACE);
+    assert!(status["passed"].is_array(), "{status}");
+    let backends = status["backends"].as_array().unwrap();
+    let names: Vec<&str> = backends
+        .iter()
+        .map(|b| b["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.join(","), GROUP);
+    assert_eq!(backends[2]["position"], 2);
+    assert_eq!(backends[0]["pending"], 0);
+
+    // The human form says the same.
+    let (_, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert!(out.contains("max-pending 5"), "{out}");
+    assert!(out.contains("on-overload drop"), "{out}");
+    assert!(out.contains("mark 0x00000010"), "{out}");
+    assert!(out.contains("passed untouched:"), "{out}");
+
+    // A bad change is refused and changes nothing.
+    let (code, err) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE]);
+    assert_ne!(code, 0);
+    assert!(err.contains("set needs at least one of"), "{err}");
+    let (code, err) = run_ctl(
+        &tb,
+        &["set", "--iface", CLIENT_IFACE, "--on-overload", "throttle"],
+    );
+    assert_eq!(code, 2, "{err}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and
@@ -301,7 +506,13 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         &tb,
         &["set", "--iface", CLIENT_IFACE, "--policy", "threshold"],
     );
-    assert_eq!((code, out.trim()), (0, "policy threshold threshold 2"));
+    assert_eq!(
+        (code, out.trim()),
+        (
+            0,
+            "policy threshold threshold 2 max-pending 0 max-pending-client 0 on-overload pass"
+        )
+    );
     stalled_load(&tb);
     let away = status_row(&tb, primary)[2];
     assert!(away > 0, "threshold policy set at run time must redirect");
