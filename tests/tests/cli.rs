@@ -1,5 +1,6 @@
 //! The `selector` binary: bad input gives one error line, a non-zero exit
-//! and nothing attached; run-time control; SIGTERM detaches cleanly.
+//! and nothing attached; run-time control; SIGTERM stops steering, waits for
+//! the redirected reads and detaches cleanly.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -319,7 +320,9 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
             .position(|l| l.contains(text))
             .unwrap_or_else(|| panic!("no '{text}' in {rest:#?}"))
     };
+    let stopping = position("selector: stopping: 0 redirected reads in flight");
     let detaching = position("detaching from eth0; totals:");
+    assert!(stopping < detaching, "{rest:#?}");
     // The totals: a header and one row per backend.
     assert!(rest[detaching + 1].starts_with("backend"), "{rest:#?}");
     for backend in GROUP.split(',') {
@@ -330,6 +333,116 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
     }
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
+    let mut tb = Testbed::new("selg", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let (mut agent, lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    let spec = selector_testbed::LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(800),
+        keys: 100,
+        drain: Duration::from_millis(1500),
+    };
+    let load = tb
+        .client
+        .spawn(move || selector_testbed::run_load(&spec))
+        .unwrap();
+    // The first replica stalls, then the primary: reads leave the primary,
+    // and the first one redirected goes to the stalled replica and waits
+    // there. The agent is told to stop while it waits; if it detached at
+    // once, the replica's late reply would not be rewritten and the
+    // client's connected socket would drop it.
+    std::thread::sleep(Duration::from_millis(250));
+    tb.replicas[1].stop();
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(100));
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    // Not much longer: the stalled primary's socket buffer holds only a
+    // few hundred reads, and those sent to it meanwhile must not overflow it.
+    std::thread::sleep(Duration::from_millis(50));
+    tb.replicas[0].resume();
+    tb.replicas[1].resume();
+    let report = load.join().unwrap().unwrap();
+    assert!(agent.wait().unwrap().success());
+    let out: Vec<String> = lines.map(Result::unwrap).collect();
+    let stopping = out
+        .iter()
+        .position(|l| l.starts_with("selector: stopping:"))
+        .unwrap_or_else(|| panic!("no stopping line in {out:#?}"));
+    let detaching = out
+        .iter()
+        .position(|l| l.contains("detaching from eth0; totals:"))
+        .unwrap_or_else(|| panic!("no totals in {out:#?}"));
+    assert!(stopping < detaching, "{out:#?}");
+    // The stop came while reads were being steered away from the primary.
+    let primary = out[detaching..]
+        .iter()
+        .find(|l| l.starts_with("10.77.0.10:11211"))
+        .unwrap_or_else(|| panic!("no totals row for the primary in {out:#?}"));
+    let away: u64 = primary.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert!(away > 0, "{out:#?}");
+    assert!(report.sent > 1000, "{}", report.sent);
+    assert_eq!(report.lost(), 0, "{out:#?}");
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    tb.replicas.clear();
+}
+
+#[test]
+fn a_second_signal_cuts_the_wait_short() {
+    let mut tb = Testbed::new("sel2", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let (mut agent, mut lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    let spec = selector_testbed::LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(400),
+        keys: 100,
+        drain: Duration::from_millis(100),
+    };
+    let load = tb
+        .client
+        .spawn(move || selector_testbed::run_load(&spec))
+        .unwrap();
+    // Every replica stalls: redirected reads stay in flight, and the agent
+    // would wait for them (up to timeout + grace) after the first signal.
+    std::thread::sleep(Duration::from_millis(100));
+    for replica in &tb.replicas {
+        replica.stop();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let stopping = lines.next().unwrap().unwrap();
+    assert!(stopping.starts_with("selector: stopping: "), "{stopping}");
+    assert_ne!(
+        stopping, "selector: stopping: 0 redirected reads in flight",
+        "the stall must leave redirected reads in flight"
+    );
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    assert!(agent.wait().unwrap().success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let second = rest
+        .iter()
+        .position(|l| l.starts_with("selector: second signal: detaching with "))
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    let detaching = rest
+        .iter()
+        .position(|l| l.contains("detaching from eth0; totals:"))
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    assert!(second < detaching, "{rest:#?}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
+    for replica in &tb.replicas {
+        replica.resume();
+    }
+    let _ = load.join().unwrap();
+    tb.replicas.clear();
 }
 
 #[test]

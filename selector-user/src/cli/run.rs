@@ -1,12 +1,12 @@
-//! `selector run`: attach, steer until a signal or --duration, detach and
-//! print the totals.
+//! `selector run`: attach, steer until a signal or --duration, stop
+//! gracefully, detach and print the totals.
 
 use std::{net::SocketAddrV4, time::Duration};
 
 use anyhow::Result;
 use tokio::{
     signal::unix::{Signal, SignalKind, signal},
-    time::{Instant, MissedTickBehavior, interval, sleep},
+    time::{Instant, MissedTickBehavior, interval, sleep, sleep_until},
 };
 
 use super::{
@@ -18,8 +18,11 @@ use crate::{Selector, control::SettingsInForce, neighbours, sys, telemetry};
 /// How often the neighbour entries of the backends are refreshed.
 const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
 
-/// Attaches, then sweeps and prints until a signal or the duration ends,
-/// and detaches.
+/// How often a stopping agent checks whether the redirected reads are done.
+const STOP_POLL: Duration = Duration::from_millis(20);
+
+/// Attaches, then sweeps and prints until a signal or the duration ends;
+/// then stops steering, waits for the redirected reads in flight, and detaches.
 pub async fn run(args: RunArgs) -> Result<()> {
     let settings = args.settings()?;
     settings.check_interface()?;
@@ -29,6 +32,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let selector = Selector::attach(&settings)?;
     let mut agent = Agent::new(selector, &args)?;
     agent.steer(&mut signals, &mut control, args.duration).await;
+    agent.stop(&mut signals, &mut control).await?;
     agent.detach()
 }
 
@@ -132,6 +136,46 @@ impl Agent {
         }
     }
 
+    /// Stops making redirects, then waits, sweeping as usual, until no
+    /// redirected read is in flight or timeout + grace has passed: a detach
+    /// now would leave their replies unrewritten, and the application drops
+    /// a reply from a replica it did not ask. A second signal cuts it short.
+    async fn stop(&mut self, signals: &mut StopSignals, control: &mut ControlServer) -> Result<()> {
+        self.selector.stop_steering()?;
+        let mut waiting = self.selector.redirected_in_flight()?;
+        print_stopping(waiting);
+        if waiting == 0 {
+            return Ok(());
+        }
+        let settings = &self.selector.settings;
+        let give_up = sleep_until(Instant::now() + settings.timeout + settings.grace);
+        tokio::pin!(give_up);
+        let mut sweep_tick = interval(self.sweep_every);
+        let mut poll_tick = interval(STOP_POLL);
+        let mut print_tick = ticks_after(self.interval);
+        loop {
+            tokio::select! {
+                _ = signals.recv() => {
+                    println!("selector: second signal: detaching with {waiting} redirected reads in flight");
+                    return Ok(());
+                }
+                _ = &mut give_up => {
+                    println!("selector: timeout and grace passed: detaching with {waiting} redirected reads in flight");
+                    return Ok(());
+                }
+                _ = sweep_tick.tick() => self.sweep(),
+                _ = poll_tick.tick() => {
+                    waiting = self.selector.redirected_in_flight()?;
+                    if waiting == 0 {
+                        return Ok(());
+                    }
+                }
+                call = control.next_call() => self.answer(call, true),
+                _ = print_tick.tick() => print_stopping(waiting),
+            }
+        }
+    }
+
     /// A last sweep, the totals, and the detach (dropping the selector).
     fn detach(self) -> Result<()> {
         let Self { mut selector, .. } = self;
@@ -183,6 +227,10 @@ impl Agent {
         }
         self.last = now;
     }
+}
+
+fn print_stopping(waiting: usize) {
+    println!("selector: stopping: {waiting} redirected reads in flight");
 }
 
 /// An interval whose first tick is one period from now (tokio's fires at once).
