@@ -268,6 +268,15 @@ pub enum Direction {
     Ingress = 1,
 }
 
+impl Direction {
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::Egress => "egress",
+            Direction::Ingress => "ingress",
+        }
+    }
+}
+
 /// Index into `PASSED`.
 #[inline(always)]
 pub const fn pass_index(direction: Direction, reason: PassReason) -> u32 {

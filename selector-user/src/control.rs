@@ -1,34 +1,54 @@
-//! Run-time control of a running agent. The agent listens on an abstract
-//! Unix socket named after its interface; abstract names belong to the
-//! network namespace, so each namespace's `eth0` has its own agent, and the
-//! name disappears with the agent. One request line, one reply.
+//! The control protocol between `selector status|set|drain|undrain` and a
+//! running agent.
+//!
+//! Transport: an abstract Unix socket named `selector/<iface>`. Abstract
+//! names belong to the network namespace, so each namespace's `eth0` has its
+//! own agent, and the name disappears with the agent. Only root or the
+//! agent's own user may use it.
+//!
+//! One request, one reply, each a single line of JSON:
+//!
+//! ```text
+//! {"request":"status"}
+//! {"request":"set","policy":"threshold","threshold":2,"max_pending":5,
+//!  "max_pending_client":0,"on_overload":"drop"}   (every field optional)
+//! {"request":"drain","backend":"10.0.0.2:11211","drained":true}
+//!
+//! {"reply":"status", ...Status...}
+//! {"reply":"done","message":"policy threshold threshold 2 ..."}
+//! {"reply":"error","message":"threshold must be at least 1"}
+//! ```
+//!
+//! [`Status`] is also what `selector status --json` prints.
 
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
+    io::{Read as _, Write as _},
     net::SocketAddrV4,
     os::{linux::net::SocketAddrExt as _, unix::net::SocketAddr},
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, anyhow, bail};
+use anyhow::{Context as _, Result};
 use selector_common::Policy;
+use serde::{Deserialize, Serialize};
 
-use crate::{Selector, telemetry};
+use crate::{
+    settings::{OnOverload, Settings},
+    telemetry::{self, BackendTotals, PassedCount},
+};
 
 /// The abstract socket name of the agent on `iface`.
 pub fn address(iface: &str) -> Result<SocketAddr> {
     Ok(SocketAddr::from_abstract_name(format!("selector/{iface}"))?)
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "request", rename_all = "snake_case")]
 pub enum Request {
-    /// Totals, pending counts and settings.
+    /// Settings, totals and pending counts.
     Status,
-    /// Change policy and/or threshold.
-    Set {
-        policy: Option<Policy>,
-        threshold: Option<u32>,
-    },
+    /// Change the run-time tunables.
+    Set(SettingsChange),
     /// Drain (never choose) or undrain a backend.
     Drain {
         backend: SocketAddrV4,
@@ -36,132 +56,251 @@ pub enum Request {
     },
 }
 
-impl Request {
-    /// The wire form: one line.
-    pub fn encode(&self) -> String {
-        match self {
-            Request::Status => "status".into(),
-            Request::Set { policy, threshold } => {
-                let mut line = String::from("set");
-                if let Some(p) = policy {
-                    line += &format!(" policy={}", p.name());
-                }
-                if let Some(t) = threshold {
-                    line += &format!(" threshold={t}");
-                }
-                line
-            }
-            Request::Drain { backend, drained } => {
-                format!("{} {backend}", if *drained { "drain" } else { "undrain" })
-            }
-        }
+/// The tunables `selector set` changes; absent fields keep their value.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettingsChange {
+    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    pub policy: Option<Policy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_pending_client: Option<u32>,
+    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    pub on_overload: Option<OnOverload>,
+}
+
+impl SettingsChange {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
     }
 
-    pub fn decode(line: &str) -> Result<Self> {
-        let mut words = line.split_whitespace();
-        match words.next() {
-            Some("status") => Ok(Request::Status),
-            Some("set") => {
-                let (mut policy, mut threshold) = (None, None);
-                for w in words {
-                    match w.split_once('=') {
-                        Some(("policy", v)) => {
-                            policy = Some(
-                                Policy::from_name(v)
-                                    .ok_or_else(|| anyhow!("unknown policy '{v}'"))?,
-                            )
-                        }
-                        Some(("threshold", v)) => {
-                            threshold = Some(v.parse().map_err(|_| anyhow!("bad threshold '{v}'"))?)
-                        }
-                        _ => bail!("unknown setting '{w}'"),
-                    }
-                }
-                if policy.is_none() && threshold.is_none() {
-                    bail!("nothing to set");
-                }
-                Ok(Request::Set { policy, threshold })
-            }
-            Some(verb @ ("drain" | "undrain")) => {
-                let addr = words
-                    .next()
-                    .ok_or_else(|| anyhow!("{verb} needs a backend"))?;
-                let backend = addr
-                    .parse()
-                    .map_err(|_| anyhow!("'{addr}' is not an IPv4 address:port"))?;
-                Ok(Request::Drain {
-                    backend,
-                    drained: verb == "drain",
-                })
-            }
-            _ => bail!("unknown request '{line}'"),
+    /// `settings` with this change applied, checked as `selector run` would.
+    pub fn applied_to(&self, settings: &Settings) -> Result<Settings> {
+        let changed = Settings {
+            policy: self.policy.unwrap_or(settings.policy),
+            threshold: self.threshold.unwrap_or(settings.threshold),
+            max_pending: self.max_pending.unwrap_or(settings.max_pending),
+            max_pending_client: self
+                .max_pending_client
+                .unwrap_or(settings.max_pending_client),
+            on_overload: self.on_overload.unwrap_or(settings.on_overload),
+            ..settings.clone()
+        };
+        changed.check_tunables()?;
+        Ok(changed)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    Status(Box<Status>),
+    /// A change was applied; the message says what is in force now.
+    Done {
+        message: String,
+    },
+    Error {
+        message: String,
+    },
+}
+
+/// The running agent's state: the reply to `status`, and the document
+/// `selector status --json` prints. Counters are totals since the agent
+/// started.
+///
+/// ```text
+/// {
+///   "iface": "eth0",
+///   "settings": {                  settings in force
+///     "policy": "threshold",       threshold | absolute | observe
+///     "threshold": 4,
+///     "max_pending": 0,            per backend; 0 = no bound
+///     "max_pending_client": 0,     per client socket; 0 = no bound
+///     "on_overload": "pass",       pass | drop | reject
+///     "proto": "memcached",        memcached | dns | custom
+///     "timeout_ms": 1000,
+///     "grace_ms": 1000,
+///     "mark": 16777216,            the skb mark bit, as a number
+///     "inflight_max": 65536,
+///     "ingress": "xdp"             xdp | tc
+///   },
+///   "in_flight": 3,                entries in the in-flight table now
+///   "drained": ["10.0.0.2:11211"],
+///   "passed": [                    packets passed untouched, by reason
+///     {"direction": "egress", "reason": "not_a_backend", "count": 12}
+///   ],
+///   "backends": [                  in --group order
+///     {"backend": "10.0.0.1:11211",
+///      "group": 1,                 from 1, in --group order
+///      "position": 0,              0 = the primary
+///      "pending": 2,               issued - completed - expired
+///      "issued": 900, "completed": 880,
+///      "requests": 900, "responses": 880,
+///      "redirected_away": 40, "redirected_to": 0,
+///      "expired": 18,              requests that timed out
+///      "untracked": 0, "no_reply": 0, "id_collisions": 0,
+///      "unmatched_responses": 1, "late_responses": 0,
+///      "overload_passed": 0, "overload_dropped": 0, "overload_rejected": 0,
+///      "p50_ns": 112000,           null until a reply was seen;
+///      "p99_ns": 28000000}         upper edge of a histogram bucket
+///   ]
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    pub iface: String,
+    pub settings: SettingsInForce,
+    pub in_flight: usize,
+    pub drained: Vec<SocketAddrV4>,
+    pub passed: Vec<PassedCount>,
+    pub backends: Vec<BackendTotals>,
+}
+
+/// The settings part of [`Status`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettingsInForce {
+    pub policy: String,
+    pub threshold: u32,
+    pub max_pending: u32,
+    pub max_pending_client: u32,
+    pub on_overload: String,
+    pub proto: String,
+    pub timeout_ms: u64,
+    pub grace_ms: u64,
+    pub mark: u32,
+    pub inflight_max: u32,
+    pub ingress: String,
+}
+
+impl From<&Settings> for SettingsInForce {
+    fn from(s: &Settings) -> Self {
+        Self {
+            policy: s.policy.name().into(),
+            threshold: s.threshold,
+            max_pending: s.max_pending,
+            max_pending_client: s.max_pending_client,
+            on_overload: s.on_overload.name().into(),
+            proto: s.protocol().name().into(),
+            timeout_ms: s.timeout.as_millis() as u64,
+            grace_ms: s.grace.as_millis() as u64,
+            mark: s.mark,
+            inflight_max: s.inflight_max,
+            ingress: s.ingress.name().into(),
         }
     }
 }
 
-/// Applies a request to the running selector; the reply text.
-pub fn apply(selector: &mut Selector, request: &Request) -> Result<String> {
-    match request {
-        Request::Status => {
-            let s = &selector.settings;
-            let mut out = format!(
-                "selector on {}: policy {} threshold {}, timeout {} ms, drained: {}\n",
-                s.iface,
-                s.policy.name(),
-                s.threshold,
-                s.timeout.as_millis(),
-                match selector.drained()?.as_slice() {
-                    [] => "none".to_string(),
-                    drained => {
-                        let names: Vec<String> = drained.iter().map(|a| a.to_string()).collect();
-                        names.join(", ")
-                    }
-                }
-            );
-            out += &telemetry::render_summary(&selector.backends, &selector.snapshot()?);
-            Ok(out)
-        }
-        Request::Set { policy, threshold } => {
-            let policy = policy.unwrap_or(selector.settings.policy);
-            let threshold = threshold.unwrap_or(selector.settings.threshold);
-            if threshold == 0 && policy != Policy::Observe {
-                bail!("threshold must be at least 1");
-            }
-            selector.set_policy(policy, threshold)?;
-            Ok(format!(
-                "policy {} threshold {}\n",
-                policy.name(),
-                threshold
-            ))
-        }
-        Request::Drain { backend, drained } => {
-            let id = selector
-                .backend_index(*backend)
-                .ok_or_else(|| anyhow!("{backend} is not a configured backend"))?;
-            selector.set_drained(id, *drained)?;
-            Ok(format!(
-                "{backend} {}\n",
-                if *drained { "drained" } else { "active" }
-            ))
-        }
+impl SettingsInForce {
+    /// The run-time tunables, in `selector set` flag order.
+    pub fn tunables(&self) -> String {
+        format!(
+            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {}",
+            self.policy,
+            self.threshold,
+            self.max_pending,
+            self.max_pending_client,
+            self.on_overload
+        )
     }
 }
+
+impl Status {
+    /// The human form `selector status` prints.
+    pub fn render(&self) -> String {
+        let s = &self.settings;
+        let drained = if self.drained.is_empty() {
+            "none".to_string()
+        } else {
+            let names: Vec<String> = self.drained.iter().map(|a| a.to_string()).collect();
+            names.join(", ")
+        };
+        let mut out = format!(
+            "selector on {}: {}\n\
+             proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, drained: {drained}\n",
+            self.iface,
+            s.tunables(),
+            s.proto,
+            s.timeout_ms,
+            s.grace_ms,
+            s.mark,
+            s.ingress,
+        );
+        out += &telemetry::render_summary(&self.backends);
+        out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
+        out
+    }
+}
+
+/// Longest request line the agent reads.
+pub const MAX_REQUEST_BYTES: u64 = 4096;
 
 /// Sends one request to the agent on `iface` (in this network namespace)
-/// and returns its reply; an error reply becomes an error.
-pub fn send(iface: &str, request: &Request) -> Result<String> {
-    let stream = std::os::unix::net::UnixStream::connect_addr(&address(iface)?)
+/// and returns its reply.
+pub fn send(iface: &str, request: &Request) -> Result<Reply> {
+    let mut stream = std::os::unix::net::UnixStream::connect_addr(&address(iface)?)
         .with_context(|| format!("no selector is running on {iface} in this network namespace"))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    (&stream).write_all(format!("{}\n", request.encode()).as_bytes())?;
-    let mut reply = String::new();
-    for line in BufReader::new(&stream).lines() {
-        reply += &line?;
-        reply.push('\n');
+    let mut line = serde_json::to_string(request)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    let mut text = String::new();
+    stream
+        .read_to_string(&mut text)
+        .context("reading the agent's reply")?;
+    serde_json::from_str(text.trim_end()).context("the agent's reply is not valid")
+}
+
+/// A name on the wire for the enums that have one (`Policy::name`, ...).
+pub trait Named: Sized + Copy {
+    /// What the name is of, for error messages.
+    const WHAT: &'static str;
+    fn name(self) -> &'static str;
+    fn from_name(name: &str) -> Option<Self>;
+}
+
+impl Named for Policy {
+    const WHAT: &'static str = "policy";
+    fn name(self) -> &'static str {
+        Policy::name(self)
     }
-    match reply.strip_prefix("error: ") {
-        Some(e) => bail!("{}", e.trim_end()),
-        None => Ok(reply),
+    fn from_name(name: &str) -> Option<Self> {
+        Policy::from_name(name)
+    }
+}
+
+impl Named for OnOverload {
+    const WHAT: &'static str = "overload response";
+    fn name(self) -> &'static str {
+        OnOverload::name(self)
+    }
+    fn from_name(name: &str) -> Option<Self> {
+        OnOverload::from_name(name)
+    }
+}
+
+/// Serde for an optional [`Named`] value as its name.
+mod by_name {
+    use serde::{Deserialize as _, Deserializer, Serializer, de::Error as _};
+
+    use super::Named;
+
+    pub fn serialize<S: Serializer, T: Named>(value: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
+        match value {
+            Some(v) => s.serialize_some(v.name()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Named>(d: D) -> Result<Option<T>, D::Error> {
+        Option::<String>::deserialize(d)?
+            .map(|name| {
+                T::from_name(&name)
+                    .ok_or_else(|| D::Error::custom(format!("unknown {} '{name}'", T::WHAT)))
+            })
+            .transpose()
     }
 }
 
@@ -169,39 +308,186 @@ pub fn send(iface: &str, request: &Request) -> Result<String> {
 mod tests {
     use super::*;
 
+    fn round_trip<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
+        value: &T,
+    ) {
+        let line = serde_json::to_string(value).unwrap();
+        assert!(!line.contains('\n'), "one line: {line}");
+        assert_eq!(&serde_json::from_str::<T>(&line).unwrap(), value, "{line}");
+    }
+
+    fn backend() -> SocketAddrV4 {
+        "10.0.0.2:11211".parse().unwrap()
+    }
+
     #[test]
     fn requests_round_trip() {
         for r in [
             Request::Status,
-            Request::Set {
+            Request::Set(SettingsChange {
                 policy: Some(Policy::Absolute),
                 threshold: Some(12),
-            },
-            Request::Set {
-                policy: None,
+                max_pending: Some(5),
+                max_pending_client: Some(2),
+                on_overload: Some(OnOverload::Reject),
+            }),
+            Request::Set(SettingsChange {
                 threshold: Some(3),
-            },
+                ..Default::default()
+            }),
             Request::Drain {
-                backend: "10.0.0.2:11211".parse().unwrap(),
+                backend: backend(),
                 drained: true,
             },
             Request::Drain {
-                backend: "10.0.0.2:11211".parse().unwrap(),
+                backend: backend(),
                 drained: false,
             },
         ] {
-            assert_eq!(Request::decode(&r.encode()).unwrap(), r);
+            round_trip(&r);
         }
     }
 
     #[test]
+    fn the_wire_form_is_the_documented_one() {
+        let set = Request::Set(SettingsChange {
+            max_pending: Some(5),
+            on_overload: Some(OnOverload::Drop),
+            ..Default::default()
+        });
+        assert_eq!(
+            serde_json::to_string(&set).unwrap(),
+            r#"{"request":"set","max_pending":5,"on_overload":"drop"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Request::Status).unwrap(),
+            r#"{"request":"status"}"#
+        );
+        let drain: Request = serde_json::from_str(
+            r#"{"request":"drain","backend":"10.0.0.2:11211","drained":true}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            drain,
+            Request::Drain {
+                backend: backend(),
+                drained: true
+            }
+        );
+    }
+
+    #[test]
+    fn replies_round_trip() {
+        let settings = Settings::new("eth0", vec![vec![backend()]]);
+        let status = Status {
+            iface: "eth0".into(),
+            settings: SettingsInForce::from(&settings),
+            in_flight: 3,
+            drained: vec![backend()],
+            passed: vec![PassedCount {
+                direction: "ingress".into(),
+                reason: "fragment".into(),
+                count: 4,
+            }],
+            backends: vec![BackendTotals {
+                backend: backend(),
+                group: 1,
+                position: 0,
+                pending: 1,
+                issued: 10,
+                completed: 9,
+                requests: 10,
+                responses: 9,
+                redirected_away: 2,
+                redirected_to: 0,
+                expired: 0,
+                untracked: 0,
+                no_reply: 0,
+                id_collisions: 0,
+                unmatched_responses: 0,
+                late_responses: 0,
+                overload_passed: 0,
+                overload_dropped: 0,
+                overload_rejected: 0,
+                p50_ns: Some(112_000),
+                p99_ns: None,
+            }],
+        };
+        round_trip(&Reply::Status(Box::new(status.clone())));
+        round_trip(&Reply::Done {
+            message: "10.0.0.2:11211 drained".into(),
+        });
+        round_trip(&Reply::Error {
+            message: "nope".into(),
+        });
+        let json: serde_json::Value = serde_json::to_value(&status).unwrap();
+        assert_eq!(json["settings"]["on_overload"], "pass");
+        assert_eq!(json["settings"]["mark"], 0x0100_0000);
+        assert_eq!(json["backends"][0]["backend"], "10.0.0.2:11211");
+        assert!(json["backends"][0]["p99_ns"].is_null());
+        let text = status.render();
+        assert!(
+            text.contains(
+                "policy threshold threshold 4 max-pending 0 max-pending-client 0 on-overload pass"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("mark 0x01000000"), "{text}");
+        assert!(text.contains("drained: 10.0.0.2:11211"), "{text}");
+        assert!(
+            text.contains("passed untouched: ingress fragment 4"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn bad_requests_are_rejected() {
-        assert!(Request::decode("set").is_err());
-        assert!(Request::decode("set threshold=x").is_err());
-        assert!(Request::decode("set policy=fastest").is_err());
-        assert!(Request::decode("set colour=blue").is_err());
-        assert!(Request::decode("drain").is_err());
-        assert!(Request::decode("drain 10.0.0.1").is_err());
-        assert!(Request::decode("reboot").is_err());
+        for bad in [
+            r#"{"request":"set","threshold":"x"}"#,
+            r#"{"request":"set","policy":"fastest"}"#,
+            r#"{"request":"set","on_overload":"throttle"}"#,
+            r#"{"request":"set","colour":"blue"}"#,
+            r#"{"request":"drain"}"#,
+            r#"{"request":"drain","backend":"10.0.0.1","drained":true}"#,
+            r#"{"request":"reboot"}"#,
+            "status",
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad}");
+        }
+        let e = serde_json::from_str::<Request>(r#"{"request":"set","policy":"fastest"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown policy 'fastest'"), "{e}");
+    }
+
+    #[test]
+    fn a_change_is_checked_like_the_run_flags() {
+        let settings = Settings::new("eth0", vec![vec![backend()]]);
+        let change = SettingsChange {
+            max_pending: Some(5),
+            on_overload: Some(OnOverload::Drop),
+            ..Default::default()
+        };
+        let changed = change.applied_to(&settings).unwrap();
+        assert_eq!(
+            (changed.max_pending, changed.on_overload),
+            (5, OnOverload::Drop)
+        );
+        assert_eq!(changed.threshold, settings.threshold);
+        let zero = SettingsChange {
+            threshold: Some(0),
+            ..Default::default()
+        };
+        assert!(zero.applied_to(&settings).is_err());
+        let custom = Settings {
+            descriptor: selector_common::Descriptor::custom(4, 4, 0, b"").unwrap(),
+            ..settings
+        };
+        let reject = SettingsChange {
+            on_overload: Some(OnOverload::Reject),
+            ..Default::default()
+        };
+        assert!(reject.applied_to(&custom).is_err());
+        assert!(SettingsChange::default().is_empty());
     }
 }

@@ -1,4 +1,4 @@
-use clap::Parser as _;
+use clap::{CommandFactory as _, Parser as _};
 use selector_user::cli::{Cli, Command};
 
 fn main() {
@@ -13,7 +13,7 @@ fn main() {
                 .next()
                 .unwrap_or("error: invalid arguments");
             let line: Vec<&str> = head.split_whitespace().collect();
-            eprintln!("{} (see 'selector run --help')", line.join(" "));
+            eprintln!("{} (see '{} --help')", line.join(" "), help_command());
             std::process::exit(2);
         }
         Err(e) => e.exit(),
@@ -36,5 +36,17 @@ fn main() {
         // One line: the error and its causes.
         eprintln!("error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+/// `selector SUBCOMMAND` when the arguments name one, else `selector`: where
+/// the help for a mistyped flag is.
+fn help_command() -> String {
+    let subcommand = std::env::args()
+        .nth(1)
+        .filter(|name| Cli::command().find_subcommand(name).is_some());
+    match subcommand {
+        Some(name) => format!("selector {name}"),
+        None => "selector".into(),
     }
 }

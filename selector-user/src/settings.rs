@@ -4,7 +4,17 @@
 use std::{collections::HashMap, fmt, net::SocketAddrV4, time::Duration};
 
 use anyhow::{Result, bail};
-use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, OnOverload, Policy, backend_id};
+use selector_common::{
+    DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
+    backend_id,
+};
+pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
+
+use crate::interface;
+
+/// Defaults shared by the command line and [`Settings::new`].
+pub const DEFAULT_THRESHOLD: u32 = 4;
+pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IngressMode {
@@ -12,6 +22,38 @@ pub enum IngressMode {
     Xdp,
     /// TC ingress, for devices where XDP does not fit.
     Tc,
+}
+
+impl IngressMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Xdp => "xdp",
+            Self::Tc => "tc",
+        }
+    }
+}
+
+/// The request protocol, as far as the descriptor tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    Memcached,
+    Dns,
+    Custom,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Memcached => "memcached",
+            Self::Dns => "dns",
+            Self::Custom => "custom",
+        }
+    }
+
+    /// Whether the kernel can build this protocol's error reply (`reject`).
+    pub fn has_error_reply(self) -> bool {
+        self != Self::Custom
+    }
 }
 
 /// What the agent runs with.
@@ -27,16 +69,16 @@ pub struct Settings {
     pub timeout: Duration,
     pub inflight_max: u32,
     pub ingress: IngressMode,
-    /// Pending requests per backend at which it counts as full (0: no bound).
+    /// Pending requests per backend beyond which it is not chosen (0: no bound).
     pub max_pending: u32,
-    /// Pending requests per client socket at which it is full (0: no bound).
+    /// Pending requests per client socket beyond which its reads are
+    /// overloaded (0: no bound).
     pub max_pending_client: u32,
-    /// What a read gets when everything it may go to is full.
     pub on_overload: OnOverload,
-    /// The skb mark bit of the selector's own re-sent packets.
+    /// The skb mark bit carried by the selector's own re-sent requests.
     pub mark: u32,
-    /// How long a redirected read's late reply is still rewritten after its
-    /// request completed or expired.
+    /// How long after a request completed or expired a late reply to a
+    /// redirected read is still rewritten.
     pub grace: Duration,
 }
 
@@ -56,6 +98,37 @@ impl fmt::Display for BackendPlan {
 }
 
 impl Settings {
+    /// Settings with every default of `selector run`; change fields with
+    /// struct-update syntax (`Settings { threshold: 1, ..Settings::new(..) }`).
+    pub fn new(iface: impl Into<String>, groups: Vec<Vec<SocketAddrV4>>) -> Self {
+        let timeout = Duration::from_millis(DEFAULT_TIMEOUT_MS);
+        Self {
+            iface: iface.into(),
+            groups,
+            policy: Policy::Threshold,
+            threshold: DEFAULT_THRESHOLD,
+            descriptor: Descriptor::memcached(),
+            timeout,
+            inflight_max: DEFAULT_INFLIGHT_MAX,
+            ingress: IngressMode::Xdp,
+            max_pending: 0,
+            max_pending_client: 0,
+            on_overload: OnOverload::Pass,
+            mark: MARK_REDIRECTED,
+            grace: timeout,
+        }
+    }
+
+    /// The protocol whose error reply the kernel can build, from the
+    /// descriptor's reject kind.
+    pub fn protocol(&self) -> Protocol {
+        match self.descriptor.reject_kind {
+            selector_common::descriptor::REJECT_MEMCACHED => Protocol::Memcached,
+            selector_common::descriptor::REJECT_DNS => Protocol::Dns,
+            _ => Protocol::Custom,
+        }
+    }
+
     /// Checks everything and numbers the backends (group order, member order).
     pub fn plan(&self) -> Result<Vec<BackendPlan>> {
         if self.iface.is_empty() {
@@ -70,18 +143,51 @@ impl Settings {
                 self.groups.len()
             );
         }
-        if self.threshold == 0 && self.policy != Policy::Observe {
-            bail!("--threshold must be at least 1");
-        }
+        self.check_tunables()?;
         if let Err(e) = self.descriptor.validate() {
             bail!("bad protocol descriptor: {e}");
         }
-        if self.timeout.is_zero() {
-            bail!("--timeout must be greater than 0");
-        }
+        check_millis("--timeout", self.timeout)?;
+        check_millis("--grace", self.grace)?;
         if self.inflight_max == 0 {
             bail!("--inflight-max must be at least 1");
         }
+        if self.mark.count_ones() != 1 {
+            bail!(
+                "--mark must have exactly one bit set, got {:#010x}",
+                self.mark
+            );
+        }
+        self.number_backends()
+    }
+
+    /// Checks what `selector set` can change at run time.
+    pub fn check_tunables(&self) -> Result<()> {
+        if self.threshold == 0 && self.policy != Policy::Observe {
+            bail!("--threshold must be at least 1");
+        }
+        if self.on_overload == OnOverload::Reject && !self.protocol().has_error_reply() {
+            bail!(
+                "--on-overload reject needs --proto memcached or dns (a custom protocol has no error reply)"
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks the host side: the interface exists in this network namespace
+    /// and has an IPv4 address (the selector steers IPv4 only, and a redirect
+    /// leaves from the interface's own address).
+    pub fn check_interface(&self) -> Result<()> {
+        match interface::ipv4_addresses(&self.iface)? {
+            None => bail!("interface '{}' not found", self.iface),
+            Some(addrs) if addrs.is_empty() => {
+                bail!("interface '{}' has no IPv4 address", self.iface)
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    fn number_backends(&self) -> Result<Vec<BackendPlan>> {
         let mut seen: HashMap<SocketAddrV4, usize> = HashMap::new();
         let mut plan = Vec::new();
         for (g, members) in self.groups.iter().enumerate() {
@@ -126,6 +232,20 @@ impl Settings {
     }
 }
 
+/// A duration flag given in milliseconds: 1..=MAX_TIMEOUT_MS.
+fn check_millis(flag: &str, value: Duration) -> Result<()> {
+    if value < Duration::from_millis(1) {
+        bail!("{flag} must be at least 1 ms");
+    }
+    if value > Duration::from_millis(MAX_TIMEOUT_MS) {
+        bail!(
+            "{flag} must be at most {MAX_TIMEOUT_MS} ms (one hour), got {}",
+            value.as_millis()
+        );
+    }
+    Ok(())
+}
+
 /// Parses `A:P,B:P,...`.
 pub fn parse_group(s: &str) -> Result<Vec<SocketAddrV4>, String> {
     s.split(',')
@@ -137,30 +257,43 @@ pub fn parse_group(s: &str) -> Result<Vec<SocketAddrV4>, String> {
         .collect()
 }
 
+/// Parses a number given in decimal or as `0x` hex (mark bits read better in hex).
+pub fn parse_u32(s: &str) -> Result<u32, String> {
+    let parsed = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u32::from_str_radix(hex, 16),
+        None => s.parse(),
+    };
+    parsed.map_err(|_| format!("'{s}' is not a 32-bit number (decimal or 0x hex)"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn settings(groups: &[&str]) -> Settings {
         Settings {
-            iface: "eth0".into(),
-            groups: groups.iter().map(|g| parse_group(g).unwrap()).collect(),
-            policy: Policy::Threshold,
             threshold: 1,
-            descriptor: Descriptor::memcached(),
-            timeout: Duration::from_millis(500),
-            inflight_max: 1024,
-            ingress: IngressMode::Xdp,
-            max_pending: 0,
-            max_pending_client: 0,
-            on_overload: selector_common::OnOverload::Pass,
-            mark: selector_common::MARK_REDIRECTED,
-            grace: std::time::Duration::from_secs(1),
+            ..Settings::new(
+                "eth0",
+                groups.iter().map(|g| parse_group(g).unwrap()).collect(),
+            )
         }
     }
 
     fn err(s: &Settings) -> String {
         s.plan().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_match_the_command_line() {
+        let s = settings(&["10.0.0.1:1"]);
+        assert_eq!(s.timeout, Duration::from_millis(DEFAULT_TIMEOUT_MS));
+        assert_eq!(s.grace, s.timeout);
+        assert_eq!(s.mark, MARK_REDIRECTED);
+        assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
+        assert_eq!(s.on_overload, OnOverload::Pass);
+        assert_eq!(s.protocol(), Protocol::Memcached);
+        assert!(s.plan().is_ok());
     }
 
     #[test]
@@ -201,14 +334,113 @@ mod tests {
         assert!(err(&s).contains("--threshold"));
         s.policy = Policy::Observe;
         assert!(s.plan().is_ok());
-        let mut s = settings(&["10.0.0.1:1"]);
-        s.timeout = Duration::ZERO;
-        assert!(err(&s).contains("--timeout"));
         assert!(err(&settings(&["10.0.0.1:0"])).contains("port 0"));
         assert!(err(&settings(&["0.0.0.0:1"])).contains("unicast"));
         let mut s = settings(&["10.0.0.1:1"]);
         s.descriptor.id_len = 0;
         assert!(err(&s).contains("descriptor"));
+    }
+
+    #[test]
+    fn timeout_and_grace_are_bounded_milliseconds() {
+        let base = settings(&["10.0.0.1:1"]);
+        let max = Duration::from_millis(MAX_TIMEOUT_MS);
+        for (timeout, grace, flag) in [
+            (Duration::ZERO, base.grace, "--timeout"),
+            (max + Duration::from_millis(1), base.grace, "--timeout"),
+            (Duration::from_micros(999), base.grace, "--timeout"),
+            (base.timeout, Duration::ZERO, "--grace"),
+            (base.timeout, max + Duration::from_millis(1), "--grace"),
+        ] {
+            let s = Settings {
+                timeout,
+                grace,
+                ..base.clone()
+            };
+            let e = err(&s);
+            assert!(e.starts_with(flag), "{timeout:?} {grace:?}: {e}");
+        }
+        let s = Settings {
+            timeout: max,
+            grace: max,
+            ..base.clone()
+        };
+        assert!(s.plan().is_ok());
+        // The bound keeps the kernel's nanosecond arithmetic far from wrapping.
+        assert!(u64::try_from(max.as_nanos()).unwrap() < u64::MAX / 2);
+    }
+
+    #[test]
+    fn mark_must_be_one_bit() {
+        let base = settings(&["10.0.0.1:1"]);
+        for bad in [0, 3, 0x0180_0000, u32::MAX] {
+            let s = Settings {
+                mark: bad,
+                ..base.clone()
+            };
+            assert!(err(&s).contains("exactly one bit"), "{bad:#x}");
+        }
+        for good in [1, 0x8000_0000, MARK_REDIRECTED] {
+            let s = Settings {
+                mark: good,
+                ..base.clone()
+            };
+            assert!(s.plan().is_ok(), "{good:#x}");
+        }
+    }
+
+    #[test]
+    fn reject_needs_a_protocol_with_an_error_reply() {
+        let base = Settings {
+            on_overload: OnOverload::Reject,
+            ..settings(&["10.0.0.1:1"])
+        };
+        assert!(base.plan().is_ok());
+        let dns = Settings {
+            descriptor: Descriptor::dns(),
+            ..base.clone()
+        };
+        assert!(dns.plan().is_ok());
+        let custom = Settings {
+            descriptor: Descriptor::custom(4, 4, 0, b"GET").unwrap(),
+            ..base.clone()
+        };
+        assert_eq!(custom.protocol(), Protocol::Custom);
+        assert!(err(&custom).contains("--on-overload reject needs --proto memcached or dns"));
+        for other in [OnOverload::Pass, OnOverload::Drop] {
+            let s = Settings {
+                on_overload: other,
+                ..custom.clone()
+            };
+            assert!(s.plan().is_ok());
+        }
+    }
+
+    #[test]
+    fn overload_names_round_trip() {
+        for o in [OnOverload::Pass, OnOverload::Drop, OnOverload::Reject] {
+            assert_eq!(OnOverload::from_name(o.name()), Some(o));
+        }
+        assert_eq!(OnOverload::from_name("throttle"), None);
+    }
+
+    #[test]
+    fn interface_checks_name_the_problem() {
+        let s = Settings::new("nosuch0", vec![]);
+        assert_eq!(
+            s.check_interface().unwrap_err().to_string(),
+            "interface 'nosuch0' not found"
+        );
+    }
+
+    #[test]
+    fn numbers_parse_in_decimal_and_hex() {
+        assert_eq!(parse_u32("16777216"), Ok(0x0100_0000));
+        assert_eq!(parse_u32("0x01000000"), Ok(0x0100_0000));
+        assert_eq!(parse_u32("0X10"), Ok(16));
+        assert!(parse_u32("0x1_0000_0000").is_err());
+        assert!(parse_u32("4294967296").is_err());
+        assert!(parse_u32("bit24").unwrap_err().contains("'bit24'"));
     }
 
     #[test]

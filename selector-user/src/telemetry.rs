@@ -1,9 +1,11 @@
-//! Reading the maps into snapshots and printing the per-backend table.
+//! Reading the maps into snapshots, per-backend totals, and printing the
+//! live table and the summary.
 
-use std::{fmt::Write as _, time::Instant};
+use std::{fmt::Write as _, net::SocketAddrV4, time::Instant};
 
 use anyhow::Result;
-use selector_common::{BackendStats, latency};
+use selector_common::{BackendStats, latency, split_backend_id};
+use serde::{Deserialize, Serialize};
 
 use crate::{Selector, settings::BackendPlan};
 
@@ -12,10 +14,14 @@ use crate::{Selector, settings::BackendPlan};
 pub struct Snapshot {
     pub at: Instant,
     pub pending: Vec<u64>,
+    /// (issued, completed, expired) per backend.
+    pub accounting: Vec<(u64, u64, u64)>,
     pub stats: Vec<BackendStats>,
     pub expired: Vec<u64>,
     pub latency: Vec<Vec<u64>>,
     pub inflight: usize,
+    /// Packets passed untouched: (direction, reason, count).
+    pub passed: Vec<(String, String, u64)>,
 }
 
 impl Selector {
@@ -23,12 +29,109 @@ impl Selector {
         Ok(Snapshot {
             at: Instant::now(),
             pending: self.pending()?,
+            accounting: self.accounting()?,
             stats: self.stats()?,
             expired: self.expired(),
             latency: self.latency()?,
             inflight: self.inflight()?.len(),
+            passed: self
+                .passed()?
+                .into_iter()
+                .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
+                .collect(),
         })
     }
+}
+
+/// One backend's counters since start (also an element of `selector status
+/// --json`; see [`crate::control::Status`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendTotals {
+    pub backend: SocketAddrV4,
+    /// Group number, from 1 in `--group` order.
+    pub group: u32,
+    /// Position in the group; 0 is the primary.
+    pub position: u32,
+    pub pending: u64,
+    /// Requests sent to this backend (after steering) and tracked.
+    pub issued: u64,
+    /// Tracked requests this backend answered.
+    pub completed: u64,
+    pub requests: u64,
+    pub responses: u64,
+    pub redirected_away: u64,
+    pub redirected_to: u64,
+    /// Requests expired unanswered (timeouts).
+    pub expired: u64,
+    pub untracked: u64,
+    /// Requests that expect no reply (memcached `noreply`), not tracked.
+    pub no_reply: u64,
+    pub id_collisions: u64,
+    pub unmatched_responses: u64,
+    /// Replies after their request completed or expired, within the grace
+    /// period: rewritten, not counted again.
+    pub late_responses: u64,
+    /// Reads with every eligible member at the pending cap, by response.
+    pub overload_passed: u64,
+    pub overload_dropped: u64,
+    pub overload_rejected: u64,
+    /// Latency quantiles since start: upper edge of the histogram bucket.
+    pub p50_ns: Option<u64>,
+    pub p99_ns: Option<u64>,
+}
+
+/// Packets of one kind passed untouched.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PassedCount {
+    /// `egress` or `ingress`.
+    pub direction: String,
+    pub reason: String,
+    pub count: u64,
+}
+
+/// Per-backend totals of a snapshot, in `backends` order.
+pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
+    backends
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let s = &now.stats[i];
+            BackendTotals {
+                backend: b.addr,
+                group: b.group + 1,
+                position: split_backend_id(b.index).1 as u32,
+                pending: now.pending[i],
+                issued: now.accounting[i].0,
+                completed: now.accounting[i].1,
+                requests: s.requests,
+                responses: s.responses,
+                redirected_away: s.redirected_away,
+                redirected_to: s.redirected_to,
+                expired: now.expired[i],
+                untracked: s.untracked,
+                no_reply: s.no_reply,
+                id_collisions: s.id_collisions,
+                unmatched_responses: s.unmatched_responses,
+                late_responses: s.late_responses,
+                overload_passed: s.overload_passed,
+                overload_dropped: s.overload_dropped,
+                overload_rejected: s.overload_rejected,
+                p50_ns: latency::quantile_ns(&now.latency[i], 0.5),
+                p99_ns: latency::quantile_ns(&now.latency[i], 0.99),
+            }
+        })
+        .collect()
+}
+
+pub fn passed_counts(passed: &[(String, String, u64)]) -> Vec<PassedCount> {
+    passed
+        .iter()
+        .map(|(direction, reason, count)| PassedCount {
+            direction: direction.clone(),
+            reason: reason.clone(),
+            count: *count,
+        })
+        .collect()
 }
 
 fn format_ns(ns: Option<u64>) -> String {
@@ -48,7 +151,7 @@ fn delta(now: &[u64], before: &[u64]) -> Vec<u64> {
 }
 
 /// The live table: rates and latency quantiles over the interval since
-/// `before`, pending as of now.
+/// `before`, pending as of now; then the footer.
 pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot) -> String {
     let secs = now.at.duration_since(before.at).as_secs_f64().max(1e-3);
     let mut out = String::new();
@@ -75,44 +178,66 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
             format_ns(latency::quantile_ns(&hist, 0.99)),
         );
     }
-    let untracked: u64 = now.stats.iter().map(|s| s.untracked).sum();
-    let total = |f: fn(&BackendStats) -> u64| now.stats.iter().map(f).sum::<u64>();
-    let _ = writeln!(
-        out,
-        "in flight {}  untracked {}  no reply expected {}  id collisions {}  unmatched replies {}",
+    out += &render_footer(
         now.inflight,
-        untracked,
-        total(|s| s.no_reply),
-        total(|s| s.id_collisions),
-        total(|s| s.unmatched_responses),
+        &totals(backends, now),
+        &passed_counts(&now.passed),
     );
     out
 }
 
-/// Totals since start, printed on exit.
-pub fn render_summary(backends: &[BackendPlan], now: &Snapshot) -> String {
+/// Totals since start, one row per backend (printed on exit and by `selector status`).
+pub fn render_summary(totals: &[BackendTotals]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
         "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
         "backend", "requests", "responses", "away", "to", "timeouts", "p50", "p99", "pending"
     );
-    for (i, b) in backends.iter().enumerate() {
-        let s = &now.stats[i];
+    for t in totals {
         let _ = writeln!(
             out,
             "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
-            b.addr.to_string(),
-            s.requests,
-            s.responses,
-            s.redirected_away,
-            s.redirected_to,
-            now.expired[i],
-            format_ns(latency::quantile_ns(&now.latency[i], 0.5)),
-            format_ns(latency::quantile_ns(&now.latency[i], 0.99)),
-            now.pending[i],
+            t.backend.to_string(),
+            t.requests,
+            t.responses,
+            t.redirected_away,
+            t.redirected_to,
+            t.expired,
+            format_ns(t.p50_ns),
+            format_ns(t.p99_ns),
+            t.pending,
         );
     }
+    out
+}
+
+/// The counters that belong to no single row: entries in flight, requests
+/// passed without tracking, and packets passed untouched by reason.
+pub fn render_footer(in_flight: usize, totals: &[BackendTotals], passed: &[PassedCount]) -> String {
+    let total = |f: fn(&BackendTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    let mut out = format!(
+        "in flight {}  untracked {}  no reply expected {}  id collisions {}  unmatched replies {}  late replies {}\n\
+         overloaded: passed {}  dropped {}  rejected {}\n",
+        in_flight,
+        total(|t| t.untracked),
+        total(|t| t.no_reply),
+        total(|t| t.id_collisions),
+        total(|t| t.unmatched_responses),
+        total(|t| t.late_responses),
+        total(|t| t.overload_passed),
+        total(|t| t.overload_dropped),
+        total(|t| t.overload_rejected),
+    );
+    out += "passed untouched:";
+    if passed.is_empty() {
+        out += " none";
+    }
+    for (i, p) in passed.iter().enumerate() {
+        let separator = if i == 0 { " " } else { ", " };
+        let _ = write!(out, "{separator}{} {} {}", p.direction, p.reason, p.count);
+    }
+    out.push('\n');
     out
 }
 
@@ -129,6 +254,7 @@ mod tests {
         Snapshot {
             at,
             pending: vec![7],
+            accounting: vec![(9, 0, 2)],
             stats: vec![BackendStats {
                 requests,
                 redirected_away: away,
@@ -137,6 +263,7 @@ mod tests {
             expired: vec![2],
             latency: vec![hist],
             inflight: 7,
+            passed: vec![("egress".into(), "not_a_backend".into(), 3)],
         }
     }
 
@@ -166,6 +293,56 @@ mod tests {
         assert_eq!(cols[7], "112us"); // upper edge of 100 µs bucket [96, 112)
         assert!(cols[8].ends_with("ms"), "{row}");
         assert!(table.contains("in flight 7"));
+        assert!(
+            table.contains("passed untouched: egress not_a_backend 3"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn summary_rows_are_the_totals_since_start() {
+        let backends = [
+            BackendPlan {
+                index: 0,
+                addr: "10.0.0.1:11211".parse().unwrap(),
+                group: 0,
+            },
+            BackendPlan {
+                index: 9,
+                addr: "10.0.0.2:11211".parse().unwrap(),
+                group: 1,
+            },
+        ];
+        let mut now = snap(Instant::now(), 50, 5, &[100]);
+        now.pending.push(0);
+        now.stats.push(BackendStats {
+            redirected_to: 5,
+            ..Default::default()
+        });
+        now.expired.push(0);
+        now.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
+        let totals = totals(&backends, &now);
+        assert_eq!((totals[1].group, totals[1].position), (2, 1));
+        assert_eq!(totals[0].p50_ns, Some(112_000));
+        assert_eq!(totals[1].p50_ns, None);
+        let summary = render_summary(&totals);
+        let cols: Vec<&str> = summary.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(
+            cols,
+            [
+                "10.0.0.1:11211",
+                "50",
+                "0",
+                "5",
+                "0",
+                "2",
+                "112us",
+                "112us",
+                "7"
+            ]
+        );
+        let footer = render_footer(0, &totals, &[]);
+        assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
     }
 
     #[test]

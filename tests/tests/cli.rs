@@ -1,5 +1,6 @@
 //! The `selector` binary: bad input gives one error line, a non-zero exit
-//! and nothing attached; SIGTERM detaches cleanly.
+//! and nothing attached; run-time control; SIGTERM stops steering, waits for
+//! the redirected reads and detaches cleanly.
 
 use std::{
     process::Stdio,
@@ -7,25 +8,32 @@ use std::{
 };
 
 use aya::programs::{SchedClassifier, TcAttachType};
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
 use selector_testbed::{
     Testbed,
     agent::{self, Agent, TotalsRow, selector_binary},
     topology::CLIENT_IFACE,
 };
-use selector_user::{IngressMode, Selector, Settings};
+use selector_user::{Selector, Settings};
 
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
 fn tcx_programs(tb: &Testbed, attach: TcAttachType) -> usize {
+    tcx_programs_on(tb, CLIENT_IFACE, attach)
+}
+
+fn tcx_programs_on(tb: &Testbed, iface: &'static str, attach: TcAttachType) -> usize {
     tb.client
-        .run(move || SchedClassifier::query_tcx(CLIENT_IFACE, attach).map(|(_, p)| p.len()))
+        .run(move || SchedClassifier::query_tcx(iface, attach).map(|(_, p)| p.len()))
         .unwrap()
         .unwrap()
 }
 
 fn has_xdp(tb: &Testbed) -> bool {
-    let out = tb.client.ip(&["-d", "link", "show", CLIENT_IFACE]).unwrap();
+    has_xdp_on(tb, CLIENT_IFACE)
+}
+
+fn has_xdp_on(tb: &Testbed, iface: &str) -> bool {
+    let out = tb.client.ip(&["-d", "link", "show", iface]).unwrap();
     String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
 }
 
@@ -106,6 +114,96 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
             ],
             "fastest",
         ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--mark",
+                "0x3",
+            ],
+            "--mark must have exactly one bit set",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--mark",
+                "bit24",
+            ],
+            "0x hex",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--timeout",
+                "0",
+            ],
+            "--timeout must be at least 1 ms",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--timeout",
+                "3600001",
+            ],
+            "--timeout must be at most 3600000 ms",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--grace",
+                "3600001",
+            ],
+            "--grace must be at most",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--proto",
+                "custom",
+                "--req-id-offset",
+                "0",
+                "--req-id-len",
+                "4",
+                "--on-overload",
+                "reject",
+            ],
+            "--on-overload reject needs --proto memcached or dns",
+        ),
+        (
+            vec![
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--on-overload",
+                "throttle",
+            ],
+            "throttle",
+        ),
     ];
     for (args, expect) in cases {
         let (code, stderr) = run_ctl(&tb, &args);
@@ -126,23 +224,37 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
 }
 
 #[test]
+fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
+    let tb = Testbed::new("selv", 0).unwrap();
+    // A veth pair that is up, with an IPv6 address only.
+    tb.client
+        .ip(&[
+            "link", "add", "v4less0", "type", "veth", "peer", "name", "v4less1",
+        ])
+        .unwrap();
+    tb.client
+        .ip(&["addr", "add", "fd00:77::1/64", "dev", "v4less0", "nodad"])
+        .unwrap();
+    for dev in ["v4less0", "v4less1"] {
+        tb.client.ip(&["link", "set", dev, "up"]).unwrap();
+    }
+    let (code, stderr) = run_ctl(&tb, &["run", "--iface", "v4less0", "--group", GROUP]);
+    assert_eq!(code, 1, "{stderr}");
+    assert_eq!(
+        stderr.trim_end(),
+        "error: interface 'v4less0' has no IPv4 address"
+    );
+    assert_eq!(tcx_programs_on(&tb, "v4less0", TcAttachType::Egress), 0);
+    assert!(!has_xdp_on(&tb, "v4less0"));
+}
+
+#[test]
 fn failed_attach_detaches_what_it_attached() {
     let tb = Testbed::new("self", 3).unwrap();
     // Another selector holds the interface's XDP hook.
     let settings = Settings {
-        iface: CLIENT_IFACE.into(),
-        groups: vec![tb.replica_endpoints()],
-        policy: Policy::Threshold,
         threshold: 1,
-        descriptor: Descriptor::memcached(),
-        timeout: Duration::from_secs(1),
-        inflight_max: DEFAULT_INFLIGHT_MAX,
-        ingress: IngressMode::Xdp,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
-        mark: selector_common::MARK_REDIRECTED,
-        grace: std::time::Duration::from_secs(1),
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     };
     let first = tb
         .client
@@ -184,12 +296,206 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
-    assert!(
-        rest.iter().any(|l| l.contains("detaching from eth0")),
-        "{rest:?}"
-    );
+    let position = |text: &str| {
+        rest.iter()
+            .position(|l| l.contains(text))
+            .unwrap_or_else(|| panic!("no '{text}' in {rest:#?}"))
+    };
+    let stopping = position("selector: stopping: 0 redirected reads in flight");
+    let detaching = position("detaching from eth0; totals:");
+    assert!(stopping < detaching, "{rest:#?}");
+    // The totals: a header and one row per backend.
+    assert!(rest[detaching + 1].starts_with("backend"), "{rest:#?}");
+    for backend in GROUP.split(',') {
+        assert!(
+            rest[detaching..].iter().any(|l| l.starts_with(backend)),
+            "{rest:#?}"
+        );
+    }
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+#[test]
+fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
+    let mut tb = Testbed::new("selg", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let (mut agent, lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    let spec = selector_testbed::LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(800),
+        keys: 100,
+        drain: Duration::from_millis(1500),
+    };
+    let load = tb
+        .client
+        .spawn(move || selector_testbed::run_load(&spec))
+        .unwrap();
+    // The first replica stalls, then the primary: reads leave the primary,
+    // and the first one redirected goes to the stalled replica and waits
+    // there. The agent is told to stop while it waits; if it detached at
+    // once, the replica's late reply would not be rewritten and the
+    // client's connected socket would drop it.
+    std::thread::sleep(Duration::from_millis(250));
+    tb.replicas[1].stop();
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(100));
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    // Not much longer: the stalled primary's socket buffer holds only a
+    // few hundred reads, and those sent to it meanwhile must not overflow it.
+    std::thread::sleep(Duration::from_millis(50));
+    tb.replicas[0].resume();
+    tb.replicas[1].resume();
+    let report = load.join().unwrap().unwrap();
+    assert!(agent.wait().unwrap().success());
+    let out: Vec<String> = lines.map(Result::unwrap).collect();
+    let stopping = out
+        .iter()
+        .position(|l| l.starts_with("selector: stopping:"))
+        .unwrap_or_else(|| panic!("no stopping line in {out:#?}"));
+    let detaching = out
+        .iter()
+        .position(|l| l.contains("detaching from eth0; totals:"))
+        .unwrap_or_else(|| panic!("no totals in {out:#?}"));
+    assert!(stopping < detaching, "{out:#?}");
+    // The stop came while reads were being steered away from the primary.
+    let primary = out[detaching..]
+        .iter()
+        .find(|l| l.starts_with("10.77.0.10:11211"))
+        .unwrap_or_else(|| panic!("no totals row for the primary in {out:#?}"));
+    let away: u64 = primary.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert!(away > 0, "{out:#?}");
+    assert!(report.sent > 1000, "{}", report.sent);
+    assert_eq!(report.lost(), 0, "{out:#?}");
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    tb.replicas.clear();
+}
+
+#[test]
+fn a_second_signal_cuts_the_wait_short() {
+    let mut tb = Testbed::new("sel2", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let (mut agent, mut lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    let spec = selector_testbed::LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(400),
+        keys: 100,
+        drain: Duration::from_millis(100),
+    };
+    let load = tb
+        .client
+        .spawn(move || selector_testbed::run_load(&spec))
+        .unwrap();
+    // Every replica stalls: redirected reads stay in flight, and the agent
+    // would wait for them (up to timeout + grace) after the first signal.
+    std::thread::sleep(Duration::from_millis(100));
+    for replica in &tb.replicas {
+        replica.stop();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let stopping = lines.next().unwrap().unwrap();
+    assert!(stopping.starts_with("selector: stopping: "), "{stopping}");
+    assert_ne!(
+        stopping, "selector: stopping: 0 redirected reads in flight",
+        "the stall must leave redirected reads in flight"
+    );
+    unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
+    assert!(agent.wait().unwrap().success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let second = rest
+        .iter()
+        .position(|l| l.starts_with("selector: second signal: detaching with "))
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    let detaching = rest
+        .iter()
+        .position(|l| l.contains("detaching from eth0; totals:"))
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    assert!(second < detaching, "{rest:#?}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert!(!has_xdp(&tb));
+    for replica in &tb.replicas {
+        replica.resume();
+    }
+    let _ = load.join().unwrap();
+    tb.replicas.clear();
+}
+
+#[test]
+fn set_changes_show_in_the_json_status() {
+    let tb = Testbed::new("selj", 3).unwrap();
+    let (mut agent, _lines) = spawn_agent(&tb, &["--quiet", "--mark", "0x10", "--grace", "300"]);
+    let (code, out) = run_ctl(
+        &tb,
+        &[
+            "set",
+            "--iface",
+            CLIENT_IFACE,
+            "--max-pending",
+            "5",
+            "--on-overload",
+            "drop",
+        ],
+    );
+    assert_eq!(
+        (code, out.trim()),
+        (
+            0,
+            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop"
+        )
+    );
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out.trim_end().lines().count(),
+        1,
+        "one JSON document: {out}"
+    );
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let settings = &status["settings"];
+    assert_eq!(settings["max_pending"], 5, "{status}");
+    assert_eq!(settings["on_overload"], "drop", "{status}");
+    assert_eq!(settings["max_pending_client"], 0, "{status}");
+    assert_eq!(settings["policy"], "threshold", "{status}");
+    assert_eq!(settings["mark"], 0x10, "{status}");
+    assert_eq!(settings["timeout_ms"], 1000, "{status}");
+    assert_eq!(settings["grace_ms"], 300, "{status}");
+    assert_eq!(settings["proto"], "memcached", "{status}");
+    assert_eq!(status["iface"], CLIENT_IFACE);
+    assert!(status["passed"].is_array(), "{status}");
+    let backends = status["backends"].as_array().unwrap();
+    let names: Vec<&str> = backends
+        .iter()
+        .map(|b| b["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(names.join(","), GROUP);
+    assert_eq!(backends[2]["position"], 2);
+    assert_eq!(backends[0]["pending"], 0);
+
+    // The human form says the same.
+    let (_, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert!(out.contains("max-pending 5"), "{out}");
+    assert!(out.contains("on-overload drop"), "{out}");
+    assert!(out.contains("mark 0x00000010"), "{out}");
+    assert!(out.contains("passed untouched:"), "{out}");
+
+    // A bad change is refused and changes nothing.
+    let (code, err) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE]);
+    assert_ne!(code, 0);
+    assert!(err.contains("set needs at least one of"), "{err}");
+    let (code, err) = run_ctl(
+        &tb,
+        &["set", "--iface", CLIENT_IFACE, "--on-overload", "throttle"],
+    );
+    assert_eq!(code, 2, "{err}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and
@@ -259,7 +565,13 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         &tb,
         &["set", "--iface", CLIENT_IFACE, "--policy", "threshold"],
     );
-    assert_eq!((code, out.trim()), (0, "policy threshold threshold 2"));
+    assert_eq!(
+        (code, out.trim()),
+        (
+            0,
+            "policy threshold threshold 2 max-pending 0 max-pending-client 0 on-overload pass"
+        )
+    );
     stalled_load(&tb);
     let away = status_row(&tb, primary).away;
     assert!(away > 0, "threshold policy set at run time must redirect");

@@ -73,14 +73,12 @@ fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
 /// Group 0's raw counters, by member position.
 struct Counters {
     issued: Vec<u64>,
-    completed: Vec<u64>,
 }
 
 fn counters(sel: &Selector) -> Counters {
     let raw = sel.accounting().unwrap();
     Counters {
         issued: raw.iter().map(|a| a.0).collect(),
-        completed: raw.iter().map(|a| a.1).collect(),
     }
 }
 

@@ -1016,12 +1016,11 @@ fn delta(before: u64, after: u64) -> i128 {
     i128::from(after) - i128::from(before)
 }
 
-/// Counter changes a frame the oracle rejected for `reason` must not cause.
+/// Counter changes a frame the oracle rejected must not cause.
 fn forbidden_changes(
     before: &FrameCounters,
     after: &FrameCounters,
     direction: Direction,
-    reason: NotOwned,
 ) -> Vec<String> {
     let mut changes = Vec::new();
     for (backend, (b, a)) in before.stats.iter().zip(&after.stats).enumerate() {
@@ -1298,7 +1297,7 @@ fn run_unowned_batch(
             }
         }
         let after = FrameCounters::read(sel);
-        let changes = forbidden_changes(&before, &after, case.program.direction(), reason);
+        let changes = forbidden_changes(&before, &after, case.program.direction());
         if !changes.is_empty() {
             problems.push(format!("counters: {}", changes.join(", ")));
             kinds.push("counted");

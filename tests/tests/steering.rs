@@ -6,7 +6,7 @@
 
 use std::{thread, time::Duration};
 
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
+use selector_common::Policy;
 use selector_testbed::{
     LoadSpec, Testbed, agent::SweptSelector, preload, run_load, topology::CLIENT_IFACE,
 };
@@ -30,19 +30,11 @@ fn testbed_with_ports(prefix: &str, port_step: u16) -> Testbed {
 
 fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duration) -> Settings {
     Settings {
-        iface: CLIENT_IFACE.into(),
-        groups: vec![tb.replica_endpoints()],
         policy,
         threshold: 2,
-        descriptor: Descriptor::memcached(),
         timeout,
-        inflight_max: DEFAULT_INFLIGHT_MAX,
         ingress,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
-        mark: selector_common::MARK_REDIRECTED,
-        grace: std::time::Duration::from_secs(1),
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     }
 }
 

@@ -25,8 +25,8 @@ use aya::programs::{
     Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
 };
 use etherparse::PacketBuilder;
-use selector_common::{Descriptor, Endpoint, InflightKey, Policy, programs};
-use selector_user::{IngressMode, Selector, Settings, sys};
+use selector_common::{Endpoint, InflightKey, programs};
+use selector_user::{Selector, Settings, sys};
 
 use crate::{memcached::frame, netns::Namespace};
 
@@ -353,20 +353,10 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         .map(|i| SocketAddrV4::new(replica(i).into(), PORT))
         .collect();
     let settings = Settings {
-        iface: "lo".into(),
-        groups: vec![replicas],
-        policy: Policy::Threshold,
         threshold: 1,
-        descriptor: Descriptor::memcached(),
-        timeout: Duration::from_secs(1),
         // Room for the large fill and the measured requests.
         inflight_max: o.inflight_large + 70_000,
-        ingress: IngressMode::Xdp,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
-        mark: selector_common::MARK_REDIRECTED,
-        grace: std::time::Duration::from_secs(1),
+        ..Settings::new("lo", vec![replicas])
     };
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();

@@ -17,7 +17,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy, programs};
+use selector_common::{Policy, programs};
 use selector_user::{IngressMode, Selector, Settings, neighbours};
 
 use super::{
@@ -341,19 +341,11 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
         Some((policy, threshold)) => Some(Attached::start(
             tb,
             Settings {
-                iface: CLIENT_IFACE.into(),
-                groups: vec![replicas.clone()],
                 policy,
                 threshold,
-                descriptor: Descriptor::memcached(),
                 timeout: opts.drain,
-                inflight_max: DEFAULT_INFLIGHT_MAX,
                 ingress: opts.ingress,
-                max_pending: 0,
-                max_pending_client: 0,
-                on_overload: selector_common::OnOverload::Pass,
-                mark: selector_common::MARK_REDIRECTED,
-                grace: std::time::Duration::from_secs(1),
+                ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
             },
         )?),
         None => None,

@@ -1,0 +1,168 @@
+//! The agent's side of the control socket: accepting connections, reading
+//! one request each, and applying it to the running selector.
+
+use std::time::Duration;
+
+use anyhow::{Result, anyhow};
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
+    net::{UnixListener, UnixStream},
+    sync::{mpsc, oneshot},
+};
+
+use crate::{
+    Selector,
+    control::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
+    telemetry,
+};
+
+/// How long a client has to send its request.
+const REQUEST_WAIT: Duration = Duration::from_secs(1);
+
+/// A request on its way to the main loop, with where to send the reply.
+pub struct ControlCall {
+    request: Request,
+    reply: oneshot::Sender<Reply>,
+}
+
+/// The listening control socket. Connections are read in tasks of their
+/// own, so a slow or idle client never holds up the sweep; their requests
+/// come back to the main loop, the only owner of the selector.
+pub struct ControlServer {
+    listener: UnixListener,
+    calls_tx: mpsc::Sender<ControlCall>,
+    calls_rx: mpsc::Receiver<ControlCall>,
+}
+
+impl ControlServer {
+    /// Claims the interface's socket name. Bound before attaching, this is
+    /// also what refuses a second agent on the same interface.
+    pub fn bind(iface: &str) -> Result<Self> {
+        let listener = std::os::unix::net::UnixListener::bind_addr(&control::address(iface)?)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::AddrInUse => {
+                    anyhow!("a selector is already running on {iface} in this network namespace")
+                }
+                _ => e.into(),
+            })?;
+        listener.set_nonblocking(true)?;
+        let (calls_tx, calls_rx) = mpsc::channel(8);
+        Ok(Self {
+            listener: UnixListener::from_std(listener)?,
+            calls_tx,
+            calls_rx,
+        })
+    }
+
+    /// The next request for the main loop (cancel-safe: use it in `select!`).
+    pub async fn next_call(&mut self) -> ControlCall {
+        loop {
+            tokio::select! {
+                accepted = self.listener.accept() => {
+                    if let Ok((stream, _)) = accepted {
+                        tokio::spawn(read_request(stream, self.calls_tx.clone()));
+                    }
+                }
+                Some(call) = self.calls_rx.recv() => return call,
+            }
+        }
+    }
+}
+
+impl ControlCall {
+    /// Applies the request and sends the reply. While the agent is stopping,
+    /// only `status` is served: a change could start steering again.
+    pub fn answer(self, selector: &mut Selector, stopping: bool) {
+        let result = match &self.request {
+            Request::Status => status(selector).map(|s| Reply::Status(Box::new(s))),
+            _ if stopping => Err(anyhow!("the agent is stopping; it takes no changes")),
+            Request::Set(change) => set(selector, change),
+            Request::Drain { backend, drained } => drain(selector, *backend, *drained),
+        };
+        let reply = result.unwrap_or_else(|e| Reply::Error {
+            message: format!("{e:#}"),
+        });
+        if let Reply::Done { message } = &reply {
+            println!("selector: control: {message}");
+        }
+        let _ = self.reply.send(reply);
+    }
+}
+
+fn status(selector: &Selector) -> Result<Status> {
+    let now = selector.snapshot()?;
+    Ok(Status {
+        iface: selector.settings.iface.clone(),
+        settings: SettingsInForce::from(&selector.settings),
+        in_flight: now.inflight,
+        drained: selector.drained()?,
+        passed: telemetry::passed_counts(&now.passed),
+        backends: telemetry::totals(&selector.backends, &now),
+    })
+}
+
+fn set(selector: &mut Selector, change: &SettingsChange) -> Result<Reply> {
+    let wanted = change.applied_to(&selector.settings)?;
+    let previous = std::mem::replace(&mut selector.settings, wanted);
+    if let Err(e) = selector.write_config() {
+        // Nothing changed in the kernel: keep what is in force.
+        selector.settings = previous;
+        return Err(e);
+    }
+    Ok(Reply::Done {
+        message: SettingsInForce::from(&selector.settings).tunables(),
+    })
+}
+
+fn drain(selector: &mut Selector, backend: std::net::SocketAddrV4, drained: bool) -> Result<Reply> {
+    let id = selector
+        .backend_index(backend)
+        .ok_or_else(|| anyhow!("{backend} is not a configured backend"))?;
+    selector.set_drained(id, drained)?;
+    Ok(Reply::Done {
+        message: format!("{backend} {}", if drained { "drained" } else { "active" }),
+    })
+}
+
+/// Reads one request line from a connection, passes it to the main loop and
+/// writes the reply line. Only root or the agent's own user may control it.
+async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
+    // SAFETY: geteuid has no preconditions.
+    let own_uid = unsafe { libc::geteuid() };
+    let allowed = stream
+        .peer_cred()
+        .is_ok_and(|c| c.uid() == 0 || c.uid() == own_uid);
+    let (read, mut write) = stream.into_split();
+    let mut line = String::new();
+    let mut reader = BufReader::new(read.take(MAX_REQUEST_BYTES));
+    let received = tokio::time::timeout(REQUEST_WAIT, reader.read_line(&mut line)).await;
+    let reply = if !allowed {
+        error("permission denied: only root or the agent's user may control it")
+    } else if !matches!(received, Ok(Ok(n)) if n > 0) {
+        error("no request received")
+    } else {
+        match serde_json::from_str(line.trim_end()) {
+            Ok(request) => {
+                let (reply, answered) = oneshot::channel();
+                match calls.send(ControlCall { request, reply }).await {
+                    Ok(()) => answered
+                        .await
+                        .unwrap_or_else(|_| error("the agent is stopping")),
+                    Err(_) => error("the agent is stopping"),
+                }
+            }
+            Err(e) => error(&format!("bad request: {e}")),
+        }
+    };
+    if let Ok(mut text) = serde_json::to_string(&reply) {
+        text.push('\n');
+        let _ = write.write_all(text.as_bytes()).await;
+    }
+    let _ = write.shutdown().await;
+}
+
+fn error(message: &str) -> Reply {
+    Reply::Error {
+        message: message.into(),
+    }
+}

@@ -1,0 +1,185 @@
+//! The `selector` command line: its clap types, and the control commands
+//! (`status`, `set`, `drain`, `undrain`) that talk to a running agent.
+//! `run` is in [`run`] (the loop) and [`run_args`] (its flags).
+
+mod control_server;
+mod run;
+mod run_args;
+
+use std::net::SocketAddrV4;
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use selector_common::Policy;
+
+pub use run::run;
+pub use run_args::RunArgs;
+
+use crate::{
+    control::{self, Reply, Request, SettingsChange},
+    settings::OnOverload,
+};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "selector",
+    version,
+    about = "Kernel-space replica selector: steers reads away from a stalled replica",
+    long_about = "Kernel-space replica selector.\n\n\
+        eBPF programs on the client's interface count the requests pending at each \
+        backend. A read whose primary has THRESHOLD more pending requests than the \
+        least-loaded replica of its group is sent to that replica instead (the \
+        BookKeeper rule), and its response is rewritten to come from the primary, \
+        so the application needs no change."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Attach to an interface and steer until interrupted (or --duration).
+    Run(RunArgs),
+    /// Change the run-time settings of the agent running on an interface.
+    Set(SetArgs),
+    /// Stop choosing a backend (its pending requests still complete).
+    Drain(BackendArgs),
+    /// Let a drained backend be chosen again.
+    Undrain(BackendArgs),
+    /// Print the running agent's settings, totals and pending counts.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
+    /// Print the status as one JSON document (schema: see the README).
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
+    #[arg(long, value_enum)]
+    pub policy: Option<PolicyArg>,
+    /// Pending requests: the margin (threshold) or limit (absolute).
+    #[arg(long)]
+    pub threshold: Option<u32>,
+    /// Pending requests per backend at which it is not chosen (0: no bound).
+    #[arg(long, value_name = "N")]
+    pub max_pending: Option<u32>,
+    /// What a read gets when every eligible member is at its cap.
+    #[arg(long, value_enum)]
+    pub on_overload: Option<OnOverloadArg>,
+    /// Pending requests per client socket (0: no bound).
+    #[arg(long, value_name = "N")]
+    pub max_pending_client: Option<u32>,
+}
+
+#[derive(Debug, Args)]
+pub struct BackendArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
+    /// The backend, as given to --group.
+    pub backend: SocketAddrV4,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PolicyArg {
+    /// Redirect when pending[primary] >= pending[least loaded] + threshold.
+    Threshold,
+    /// Redirect when pending[primary] >= threshold, to the least loaded.
+    Absolute,
+    /// Count and report, never redirect.
+    Observe,
+}
+
+impl From<PolicyArg> for Policy {
+    fn from(p: PolicyArg) -> Self {
+        match p {
+            PolicyArg::Threshold => Policy::Threshold,
+            PolicyArg::Absolute => Policy::Absolute,
+            PolicyArg::Observe => Policy::Observe,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum OnOverloadArg {
+    /// Send it to its primary anyway, and count it.
+    Pass,
+    /// Drop it, and count it.
+    Drop,
+    /// Answer at once with the protocol's error (memcached and dns only).
+    Reject,
+}
+
+impl From<OnOverloadArg> for OnOverload {
+    fn from(o: OnOverloadArg) -> Self {
+        match o {
+            OnOverloadArg::Pass => OnOverload::Pass,
+            OnOverloadArg::Drop => OnOverload::Drop,
+            OnOverloadArg::Reject => OnOverload::Reject,
+        }
+    }
+}
+
+impl SetArgs {
+    fn change(&self) -> SettingsChange {
+        SettingsChange {
+            policy: self.policy.map(Policy::from),
+            threshold: self.threshold,
+            max_pending: self.max_pending,
+            max_pending_client: self.max_pending_client,
+            on_overload: self.on_overload.map(OnOverload::from),
+        }
+    }
+}
+
+/// Runs a control command against the agent on its interface and prints
+/// the reply.
+pub fn control(command: Command) -> Result<()> {
+    let (iface, request, json) = match command {
+        Command::Run(_) => bail!("not a control command"),
+        Command::Status(a) => (a.iface, Request::Status, a.json),
+        Command::Set(a) => {
+            let change = a.change();
+            if change.is_empty() {
+                bail!(
+                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client"
+                );
+            }
+            (a.iface, Request::Set(change), false)
+        }
+        Command::Drain(a) => (
+            a.iface,
+            Request::Drain {
+                backend: a.backend,
+                drained: true,
+            },
+            false,
+        ),
+        Command::Undrain(a) => (
+            a.iface,
+            Request::Drain {
+                backend: a.backend,
+                drained: false,
+            },
+            false,
+        ),
+    };
+    match control::send(&iface, &request)? {
+        Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
+        Reply::Status(status) => print!("{}", status.render()),
+        Reply::Done { message } => println!("{message}"),
+        Reply::Error { message } => bail!("{message}"),
+    }
+    Ok(())
+}

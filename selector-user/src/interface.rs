@@ -1,0 +1,52 @@
+//! What the host says about a network interface, read with getifaddrs(3).
+
+use std::{ffi::CStr, io, net::Ipv4Addr};
+
+/// The IPv4 addresses of `iface` in this network namespace; `None` if there
+/// is no such interface. getifaddrs lists every interface (an AF_PACKET
+/// entry each) plus one entry per address.
+pub fn ipv4_addresses(iface: &str) -> io::Result<Option<Vec<Ipv4Addr>>> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` on success; it is freed below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut found = false;
+    let mut addrs = Vec::new();
+    let mut entry = list;
+    while !entry.is_null() {
+        // SAFETY: a non-null entry of the list getifaddrs returned.
+        let ifa = unsafe { &*entry };
+        entry = ifa.ifa_next;
+        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
+        if ifa.ifa_name.is_null()
+            || unsafe { CStr::from_ptr(ifa.ifa_name) }.to_bytes() != iface.as_bytes()
+        {
+            continue;
+        }
+        found = true;
+        // SAFETY: ifa_addr, when set, points at a sockaddr whose family
+        // says its layout; AF_INET means sockaddr_in.
+        if let Some(addr) = unsafe { ifa.ifa_addr.as_ref() }
+            && i32::from(addr.sa_family) == libc::AF_INET
+        {
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            addrs.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        }
+    }
+    // SAFETY: the list from getifaddrs, freed once, not used after.
+    unsafe { libc::freeifaddrs(list) };
+    Ok(found.then_some(addrs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_exists_and_a_made_up_name_does_not() {
+        // `lo` exists in every namespace (its address only once it is up).
+        assert!(ipv4_addresses("lo").unwrap().is_some());
+        assert_eq!(ipv4_addresses("nosuch-if0").unwrap(), None);
+    }
+}
