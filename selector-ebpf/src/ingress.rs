@@ -111,7 +111,7 @@ fn complete<C: Packet>(
 #[inline(always)]
 fn remember_fragments(dgram: &Datagram, primary_addr: [u8; 4]) {
     let key = fragment_key(&dgram.ip);
-    let _ = FRAGMENTS.insert(&key, &primary_addr, 0);
+    let _ = FRAGMENTS.insert(key, primary_addr, 0);
 }
 
 #[inline(always)]
@@ -126,7 +126,7 @@ fn fragment_key(ip: &Ipv4) -> FragmentKey {
 
 #[inline(always)]
 fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ipv4) -> Result<(), ()> {
-    let Some(primary_addr) = (unsafe { FRAGMENTS.get(&fragment_key(ip)) }).copied() else {
+    let Some(primary_addr) = (unsafe { FRAGMENTS.get(fragment_key(ip)) }).copied() else {
         return pass(PassReason::Fragment);
     };
     ctx.rewrite_fragment_source(ip.layout, primary_addr)

@@ -27,7 +27,7 @@ impl<T> SharedArray<T> {
     /// Maps the array behind `fd`, which has `len` elements.
     pub fn map(fd: BorrowedFd<'_>, len: usize) -> io::Result<Self> {
         assert!(
-            size_of::<T>() % 8 == 0,
+            size_of::<T>().is_multiple_of(8),
             "array elements are 8-byte multiples"
         );
         // SAFETY: sysconf has no preconditions.

@@ -84,10 +84,8 @@ impl Selector {
                         report.lost_race += 1;
                     }
                 }
-                PHASE_LINGER if age_over(linger_ns) => {
-                    if cas(&self.slots, i, state, FREE) {
-                        report.freed += 1;
-                    }
+                PHASE_LINGER if age_over(linger_ns) && cas(&self.slots, i, state, FREE) => {
+                    report.freed += 1;
                 }
                 _ => {}
             }
