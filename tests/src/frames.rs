@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp};
-use etherparse::PacketBuilder;
-use selector_common::{Descriptor, Policy, programs};
+use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
+use selector_common::{BackendStats, Descriptor, Direction, PassReason, Policy, programs};
 use selector_user::{IngressMode, Selector, Settings};
 
 pub const TC_ACT_SHOT: u32 = 2;
@@ -138,4 +138,134 @@ pub fn fits_skb_test_run(frame: &[u8]) -> bool {
         _ => 0,
     };
     frame.len() >= ETH_LEN + network_header
+}
+
+/// A request from the client socket to the primary, replica 0.
+pub fn request(payload: &[u8]) -> Vec<u8> {
+    udp((CLIENT, CLIENT_PORT), replica(0), payload)
+}
+
+/// DNS server i: replica i's address, port 53.
+pub fn dns_server(i: usize) -> ([u8; 4], u16) {
+    (replica(i).0, 53)
+}
+
+/// `struct __sk_buff` is 192 bytes; `mark` is at offset 8.
+const SKB_CTX_LEN: usize = 192;
+const SKB_MARK: std::ops::Range<usize> = 8..12;
+
+/// Runs the TC program `name` with an skb mark: (verdict, output, mark after).
+pub fn run_tc_marked(
+    sel: &mut Selector,
+    name: &str,
+    input: &[u8],
+    mark: u32,
+) -> (u32, Vec<u8>, u32) {
+    let prog: &mut SchedClassifier = sel
+        .ebpf_mut()
+        .program_mut(name)
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_MARK].copy_from_slice(&mark.to_ne_bytes());
+    let mut ctx_out = [0u8; SKB_CTX_LEN];
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            ctx_out: Some(&mut ctx_out),
+            ..Default::default()
+        })
+        .unwrap();
+    out.truncate(r.data_size_out as usize);
+    let mark_out = u32::from_ne_bytes(ctx_out[SKB_MARK].try_into().unwrap());
+    (r.return_value, out, mark_out)
+}
+
+/// Runs the egress program with an skb mark: (verdict, output, mark after).
+pub fn egress_marked(sel: &mut Selector, input: &[u8], mark: u32) -> (u32, Vec<u8>, u32) {
+    run_tc_marked(sel, programs::EGRESS, input, mark)
+}
+
+/// Sets group 0's member `position`'s issued count to `issued`.
+pub fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
+    let now = counters(sel).issued[position];
+    sel.add_to_issued(position as u32, issued as i64 - now as i64);
+}
+
+/// Group 0's raw counters, by member position.
+pub struct Counters {
+    pub issued: Vec<u64>,
+}
+
+pub fn counters(sel: &Selector) -> Counters {
+    let raw = sel.accounting().unwrap();
+    Counters {
+        issued: raw.iter().map(|a| a.0).collect(),
+    }
+}
+
+/// How many packets passed untouched in `direction` for `reason`.
+pub fn passed(sel: &Selector, direction: Direction, reason: PassReason) -> u64 {
+    sel.passed()
+        .unwrap()
+        .into_iter()
+        .find(|(d, r, _)| (*d, *r) == (direction, reason))
+        .map(|(_, _, n)| n)
+        .unwrap()
+}
+
+pub fn stats(sel: &Selector) -> Vec<BackendStats> {
+    sel.stats().unwrap()
+}
+
+/// Byte offsets in an Ethernet + 20-byte IPv4 + UDP frame.
+pub const IP_CHECK: std::ops::Range<usize> = 24..26;
+pub const IP_SRC: std::ops::Range<usize> = 26..30;
+pub const IP_DST: std::ops::Range<usize> = 30..34;
+pub const UDP_SRC: std::ops::Range<usize> = 34..36;
+pub const UDP_DST: std::ops::Range<usize> = 36..38;
+pub const UDP_CHECK: std::ops::Range<usize> = 40..42;
+
+/// Asserts `out` equals `input` except in `changed` ranges.
+pub fn assert_only_changed(input: &[u8], out: &[u8], changed: &[std::ops::Range<usize>]) {
+    assert_eq!(input.len(), out.len(), "length changed");
+    for (i, (a, b)) in input.iter().zip(out).enumerate() {
+        if !changed.iter().any(|r| r.contains(&i)) {
+            assert_eq!(a, b, "byte {i} changed but should not have");
+        }
+    }
+}
+
+/// The parsed frame, its IPv4 header checksum checked with etherparse's
+/// own arithmetic.
+pub fn verified_ipv4(frame: &[u8]) -> (PacketHeaders<'_>, etherparse::Ipv4Header) {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(NetHeaders::Ipv4(ip, _)) = h.net.clone() else {
+        panic!("not IPv4")
+    };
+    assert_eq!(
+        ip.header_checksum,
+        ip.calc_header_checksum(),
+        "IPv4 checksum"
+    );
+    (h, ip)
+}
+
+/// Checks both checksums of `frame` with etherparse's own arithmetic and
+/// returns (src, dst) as parsed.
+pub fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
+    let (h, ip) = verified_ipv4(frame);
+    let Some(TransportHeader::Udp(u)) = h.transport else {
+        panic!("not UDP")
+    };
+    let expected = u.calc_checksum_ipv4(&ip, h.payload.slice()).unwrap();
+    assert_eq!(u.checksum, expected, "UDP checksum");
+    (
+        (ip.source, u.source_port),
+        (ip.destination, u.destination_port),
+    )
 }

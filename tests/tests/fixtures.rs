@@ -4,18 +4,17 @@
 
 use std::time::Duration;
 
-use aya::{
-    maps::PerCpuArray,
-    programs::{SchedClassifier, TestRun, TestRunOptions},
-};
-use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
+use aya::maps::PerCpuArray;
+use etherparse::PacketBuilder;
 use selector_common::{
     BackendStats, Descriptor, Direction, InflightKey, MARK_REDIRECTED, PassReason, Policy, latency,
     names, programs,
 };
 use selector_testbed::frames::{
-    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE,
-    XDP_PASS, egress, fits_skb_test_run, replica, run_tc, run_xdp, settings_for, udp,
+    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE,
+    TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE, XDP_PASS, assert_only_changed, counters,
+    dns_server, egress, egress_marked, fits_skb_test_run, passed, replica, request, run_tc,
+    run_xdp, set_issued, settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -27,72 +26,8 @@ fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> 
     Selector::load(&settings_for(descriptor, member)).expect("load")
 }
 
-fn request(payload: &[u8]) -> Vec<u8> {
-    udp((CLIENT, CLIENT_PORT), replica(0), payload)
-}
-
 fn response_from(i: usize) -> Vec<u8> {
     udp(replica(i), (CLIENT, CLIENT_PORT), VALUE)
-}
-
-/// `struct __sk_buff` is 192 bytes; `mark` is at offset 8.
-const SKB_CTX_LEN: usize = 192;
-const SKB_MARK: std::ops::Range<usize> = 8..12;
-
-/// Runs the egress program with an skb mark: (verdict, output, mark after).
-fn egress_marked(sel: &mut Selector, input: &[u8], mark: u32) -> (u32, Vec<u8>, u32) {
-    let prog: &mut SchedClassifier = sel
-        .ebpf_mut()
-        .program_mut(programs::EGRESS)
-        .unwrap()
-        .try_into()
-        .unwrap();
-    let mut ctx = [0u8; SKB_CTX_LEN];
-    ctx[SKB_MARK].copy_from_slice(&mark.to_ne_bytes());
-    let mut ctx_out = [0u8; SKB_CTX_LEN];
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            ctx_in: Some(&ctx),
-            ctx_out: Some(&mut ctx_out),
-            ..Default::default()
-        })
-        .unwrap();
-    out.truncate(r.data_size_out as usize);
-    let mark_out = u32::from_ne_bytes(ctx_out[SKB_MARK].try_into().unwrap());
-    (r.return_value, out, mark_out)
-}
-
-fn set_issued(sel: &mut Selector, position: usize, issued: u64) {
-    let now = counters(sel).issued[position];
-    sel.add_to_issued(position as u32, issued as i64 - now as i64);
-}
-
-/// Group 0's raw counters, by member position.
-struct Counters {
-    issued: Vec<u64>,
-}
-
-fn counters(sel: &Selector) -> Counters {
-    let raw = sel.accounting().unwrap();
-    Counters {
-        issued: raw.iter().map(|a| a.0).collect(),
-    }
-}
-
-fn passed(sel: &Selector, direction: Direction, reason: PassReason) -> u64 {
-    sel.passed()
-        .unwrap()
-        .into_iter()
-        .find(|(d, r, _)| (*d, *r) == (direction, reason))
-        .map(|(_, _, n)| n)
-        .unwrap()
-}
-
-fn stats(sel: &Selector) -> Vec<BackendStats> {
-    sel.stats().unwrap()
 }
 
 fn key(id: u64) -> InflightKey {
@@ -108,54 +43,6 @@ fn insert_inflight_aged(sel: &mut Selector, id: u64, primary: u32, chosen: u32, 
 
 fn insert_inflight(sel: &mut Selector, id: u64, primary: u32, chosen: u32) {
     insert_inflight_aged(sel, id, primary, chosen, Duration::from_millis(1));
-}
-
-/// Byte offsets in an Ethernet + 20-byte IPv4 + UDP frame.
-const IP_CHECK: std::ops::Range<usize> = 24..26;
-const IP_SRC: std::ops::Range<usize> = 26..30;
-const IP_DST: std::ops::Range<usize> = 30..34;
-const UDP_SRC: std::ops::Range<usize> = 34..36;
-const UDP_DST: std::ops::Range<usize> = 36..38;
-const UDP_CHECK: std::ops::Range<usize> = 40..42;
-
-/// Asserts `out` equals `input` except in `changed` ranges.
-fn assert_only_changed(input: &[u8], out: &[u8], changed: &[std::ops::Range<usize>]) {
-    assert_eq!(input.len(), out.len(), "length changed");
-    for (i, (a, b)) in input.iter().zip(out).enumerate() {
-        if !changed.iter().any(|r| r.contains(&i)) {
-            assert_eq!(a, b, "byte {i} changed but should not have");
-        }
-    }
-}
-
-/// The parsed frame, its IPv4 header checksum checked with etherparse's
-/// own arithmetic.
-fn verified_ipv4(frame: &[u8]) -> (PacketHeaders<'_>, etherparse::Ipv4Header) {
-    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
-    let Some(NetHeaders::Ipv4(ip, _)) = h.net.clone() else {
-        panic!("not IPv4")
-    };
-    assert_eq!(
-        ip.header_checksum,
-        ip.calc_header_checksum(),
-        "IPv4 checksum"
-    );
-    (h, ip)
-}
-
-/// Checks both checksums of `frame` with etherparse's own arithmetic and
-/// returns (src, dst) as parsed.
-fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
-    let (h, ip) = verified_ipv4(frame);
-    let Some(TransportHeader::Udp(u)) = h.transport else {
-        panic!("not UDP")
-    };
-    let expected = u.calc_checksum_ipv4(&ip, h.payload.slice()).unwrap();
-    assert_eq!(u.checksum, expected, "UDP checksum");
-    (
-        (ip.source, u.source_port),
-        (ip.destination, u.destination_port),
-    )
 }
 
 #[test]
@@ -547,10 +434,6 @@ fn sweep_expires_only_old_entries_and_settles_pending() {
         .map(|s| s.unmatched_responses)
         .sum();
     assert_eq!(unmatched, 1);
-}
-
-fn dns_server(i: usize) -> ([u8; 4], u16) {
-    (replica(i).0, 53)
 }
 
 #[test]
