@@ -67,7 +67,7 @@ fn swap_addresses(ctx: &TcContext, dgram: &Datagram) -> Result<(), ()> {
     store(ctx, 0, &m)?;
     store(ctx, l.ip_src(), &a)?;
     store(ctx, l.udp(), &p)?;
-    store(ctx, l.udp_check(), &[0, 0])
+    store(ctx, l.udp_check(), &[0u8; 2])
 }
 
 /// The frame header and `SERVER_ERROR overloaded`, resizing the packet.

@@ -71,7 +71,15 @@ impl Selector {
     pub fn attach(settings: &Settings) -> Result<Self> {
         interface_index(&settings.iface)?;
         let mut selector = Self::load(settings)?;
+        // No redirect before the reply path is attached: its replies would
+        // reach the application unrewritten. Egress still goes first, so
+        // its link holds the lower descriptor and a killed agent loses it
+        // first (the kernel closes descriptors in ascending order).
+        selector.steering_off = true;
+        selector.write_config()?;
         selector.attach_programs()?;
+        selector.steering_off = false;
+        selector.write_config()?;
         Ok(selector)
     }
 
