@@ -320,8 +320,10 @@ mod tests {
             ..Default::default()
         });
         now.expired.push(0);
+        now.accounting.push((5, 5, 0));
         now.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
         let totals = totals(&backends, &now);
+        assert_eq!((totals[1].issued, totals[1].completed), (5, 5));
         assert_eq!((totals[1].group, totals[1].position), (2, 1));
         assert_eq!(totals[0].p50_ns, Some(112_000));
         assert_eq!(totals[1].p50_ns, None);
