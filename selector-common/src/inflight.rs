@@ -82,21 +82,11 @@ pub struct InflightSlot {
     /// Bit `min(seq, 63)` set for each reply datagram seen (multi-datagram
     /// replies complete when every datagram has arrived).
     pub datagrams_seen: u64,
-    /// Expected reply datagrams, once the first one told us (0: unknown).
-    pub datagrams_total: u16,
-    pub _pad: [u16; 3],
+    pub _pad: u64,
 }
 
 impl InflightSlot {
-    /// Whether this slot's identity fields are `key`'s.
-    #[inline(always)]
-    pub fn holds(&self, key: &InflightKey) -> bool {
-        self.request_id == key.request_id
-            && self.client_port == key.client_port
-            && u32::from(self.group) == key.group
-            && self.client_addr == key.client_addr
-    }
-
+    /// The key this slot's identity fields make.
     pub fn key(&self) -> InflightKey {
         InflightKey {
             client_addr: self.client_addr,
@@ -142,14 +132,29 @@ pub fn client_hash(addr: &[u8; 16], port: u16) -> u64 {
 /// The `CLIENT_PENDING` slot of a client socket.
 #[inline(always)]
 pub fn client_slot(addr: &[u8; 16], port: u16) -> u32 {
-    (client_hash(addr, port) as u32) & (crate::maps::CLIENT_SLOTS - 1)
+    client_slot_of(client_hash(addr, port))
 }
 
-/// The home slot hash of a key.
 #[inline(always)]
-pub fn key_hash(key: &InflightKey) -> u64 {
+const fn client_slot_of(client_hash: u64) -> u32 {
+    (client_hash as u32) & (crate::maps::CLIENT_SLOTS - 1)
+}
+
+/// Where a key lives: its home slot hash, and its client socket's
+/// `CLIENT_PENDING` slot. One client hash serves both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyHashes {
+    pub home: u64,
+    pub client_slot: u32,
+}
+
+#[inline(always)]
+pub fn key_hashes(key: &InflightKey) -> KeyHashes {
     let c = client_hash(&key.client_addr, key.client_port);
-    mix(c ^ mix(key.request_id ^ (u64::from(key.group) << 48)))
+    KeyHashes {
+        home: mix(c ^ mix(key.request_id ^ (u64::from(key.group) << 48))),
+        client_slot: client_slot_of(c),
+    }
 }
 
 /// Slot count for a table that must hold `inflight_max` requests: a power of
@@ -221,13 +226,12 @@ mod tests {
             group: 0,
             ..Default::default()
         };
-        assert!(slot.holds(&k));
         assert_eq!(slot.key(), k);
-        assert!(!slot.holds(&key(0x1235, 40000)));
-        assert!(!slot.holds(&key(0x1234, 40001)));
+        assert_ne!(slot.key(), key(0x1235, 40000));
+        assert_ne!(slot.key(), key(0x1234, 40001));
         let mut other_group = k;
         other_group.group = 1;
-        assert!(!slot.holds(&other_group));
+        assert_ne!(slot.key(), other_group);
     }
 
     #[test]
@@ -252,7 +256,7 @@ mod tests {
         let mask = 8191u32;
         let mut load = [0u8; 8192];
         for id in 0..4096u64 {
-            load[probe(key_hash(&key(id, 40000)), 0, mask) as usize] += 1;
+            load[probe(key_hashes(&key(id, 40000)).home, 0, mask) as usize] += 1;
         }
         assert!(
             load.iter().all(|&n| n <= 6),
@@ -262,6 +266,11 @@ mod tests {
         assert_ne!(
             client_hash(&key(1, 1).client_addr, 1),
             client_hash(&key(1, 2).client_addr, 2)
+        );
+        let k = key(7, 40000);
+        assert_eq!(
+            key_hashes(&k).client_slot,
+            client_slot(&k.client_addr, k.client_port)
         );
     }
 }

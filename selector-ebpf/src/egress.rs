@@ -4,8 +4,8 @@
 use aya_ebpf::programs::TcContext;
 use aya_log_ebpf::debug;
 use selector_common::{
-    Config, Direction, Endpoint, InflightKey, OnOverload, Policy, backend_id,
-    inflight::{PHASE_LIVE, client_slot, key_hash},
+    Config, Direction, Endpoint, InflightKey, OnOverload, PassReason, Policy, backend_id,
+    inflight::{PHASE_LIVE, key_hashes},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
 };
@@ -37,17 +37,19 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     };
     let dst = Endpoint::ipv4(dgram.ip.dst, dgram.dst_port);
     let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
-        return pass(selector_common::PassReason::NotBackend);
+        return pass(PassReason::NotBackend);
     };
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {
-        return pass(selector_common::PassReason::NoRequestId);
+        return pass(PassReason::NoRequestId);
     };
     let is_read = config.descriptor.is_read(byte);
     let (group, primary_pos) = split_backend_id(primary);
     let key = InflightKey::ipv4(dgram.ip.src, dgram.src_port, group, request_id);
-    let hash = key_hash(&key);
-    if let Some(first) = inflight::find(&key, hash, config.inflight_mask, PHASE_LIVE, |_| true) {
+    let hashes = key_hashes(&key);
+    if let Some(first) = inflight::find(&key, hashes.home, config.inflight_mask, PHASE_LIVE, |_| {
+        true
+    }) {
         return in_flight_already(ctx, config, &dgram, &first, primary);
     }
     accounting::count(primary, |s| &mut s.requests);
@@ -56,15 +58,15 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         accounting::count(primary, |s| &mut s.no_reply);
         return Ok(TC_CONTINUE);
     }
-    let load = accounting::group_load(group).ok_or(())?;
-    let client = client_slot(&key.client_addr, key.client_port);
-    let may_move = is_read && config.steering_off == 0;
     let mut chosen_pos = primary_pos;
-    if may_move {
-        chosen_pos = choose_position(config, primary_pos, &load);
-    }
+    // Only reads are steered or bounded: a write goes where it was sent.
     if is_read {
-        match admit(config, chosen_pos, may_move, &load, client) {
+        let load = accounting::group_load(group).ok_or(())?;
+        let may_move = config.steering_off == 0;
+        if may_move {
+            chosen_pos = choose_position(config, primary_pos, &load);
+        }
+        match admit(config, chosen_pos, may_move, &load, hashes.client_slot) {
             Admission::Send(pos) => chosen_pos = pos,
             Admission::Overloaded => {
                 match OnOverload::from_u32(config.on_overload).unwrap_or(OnOverload::Pass) {
@@ -82,7 +84,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         }
     }
     let chosen = backend_id(group, chosen_pos);
-    let Some(slot) = inflight::reserve(hash, config.inflight_mask) else {
+    let Some(slot) = inflight::reserve(hashes.home, config.inflight_mask) else {
         // No free slot: never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
         debug!(
@@ -94,7 +96,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     // Counted before it is published, so a completion can never precede
     // its issue.
     accounting::add_issued(chosen);
-    accounting::client_add(client, true);
+    accounting::client_add(hashes.client_slot, true);
     slot.publish(&NewRequest {
         key,
         primary,
@@ -109,7 +111,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
 }
 
 #[inline(always)]
-fn pass(reason: selector_common::PassReason) -> Result<i32, ()> {
+fn pass(reason: PassReason) -> Result<i32, ()> {
     count_pass(Direction::Egress, reason);
     Ok(TC_CONTINUE)
 }

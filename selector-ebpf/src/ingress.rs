@@ -4,7 +4,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use selector_common::{
     Direction, Endpoint, InflightKey, PassReason,
-    inflight::{PHASE_LINGER, PHASE_LIVE, client_slot, key_hash, phase},
+    inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
     split_backend_id,
 };
 
@@ -41,15 +41,23 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     // The reply is addressed to the client that asked.
     let key = InflightKey::ipv4(dgram.ip.dst, dgram.dst_port, group, request_id);
     // Only the backend the request went to can complete it.
-    let hash = key_hash(&key);
+    let hashes = key_hashes(&key);
     let went_here = |s: &Seen| s.chosen == backend;
-    let seen = if let Some(live) =
-        inflight::find(&key, hash, config.inflight_mask, PHASE_LIVE, went_here)
-    {
-        complete(ctx, config, &dgram, &key, &live, backend)
-    } else if let Some(linger) =
-        inflight::find(&key, hash, config.inflight_mask, PHASE_LINGER, went_here)
-    {
+    let seen = if let Some(live) = inflight::find(
+        &key,
+        hashes.home,
+        config.inflight_mask,
+        PHASE_LIVE,
+        went_here,
+    ) {
+        complete(ctx, config, &dgram, hashes.client_slot, &live, backend)
+    } else if let Some(linger) = inflight::find(
+        &key,
+        hashes.home,
+        config.inflight_mask,
+        PHASE_LINGER,
+        went_here,
+    ) {
         // Completed or expired, within the grace period: rewrite only.
         accounting::count(backend, |s| &mut s.late_responses);
         linger
@@ -82,7 +90,7 @@ fn complete<C: Packet>(
     ctx: &C,
     config: &selector_common::Config,
     dgram: &Datagram,
-    key: &InflightKey,
+    client_slot: u32,
     live: &Seen,
     backend: u32,
 ) -> Seen {
@@ -95,7 +103,7 @@ fn complete<C: Packet>(
     }
     if inflight::cas(live.index, live.state, inflight::claimed_state(live)) {
         accounting::add_completed(backend);
-        accounting::client_add(client_slot(&key.client_addr, key.client_port), false);
+        accounting::client_add(client_slot, false);
         accounting::count(backend, |s| &mut s.responses);
         let now = unsafe { bpf_ktime_get_ns() };
         accounting::record_latency(backend, now.saturating_sub(live.sent_ns));

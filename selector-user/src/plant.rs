@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hash, probe, sequence,
+        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes, probe, sequence,
         state,
     },
     split_backend_id,
@@ -35,7 +35,7 @@ impl Selector {
         self.planted += 1;
         let seq = sequence(self.planted, AGENT_CPU);
         let mask = self.slots.len() as u32 - 1;
-        let hash = key_hash(key);
+        let hash = key_hashes(key).home;
         for i in 0..PROBE_WINDOW {
             let index = probe(hash, i, mask) as usize;
             let p = self.slots.ptr(index);

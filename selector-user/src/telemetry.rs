@@ -13,25 +13,34 @@ use crate::{Selector, settings::BackendPlan};
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub at: Instant,
-    pub pending: Vec<u64>,
     /// (issued, completed, expired) per backend.
     pub accounting: Vec<(u64, u64, u64)>,
     pub stats: Vec<BackendStats>,
-    pub expired: Vec<u64>,
     pub latency: Vec<Vec<u64>>,
     pub inflight: usize,
     /// Packets passed untouched: (direction, reason, count).
     pub passed: Vec<(String, String, u64)>,
 }
 
+impl Snapshot {
+    /// Pending requests of backend `i`: `issued - completed - expired`.
+    pub fn pending(&self, i: usize) -> u64 {
+        let (issued, completed, expired) = self.accounting[i];
+        selector_common::pending_of(issued, completed, expired)
+    }
+
+    /// Requests of backend `i` that expired unanswered.
+    pub fn expired(&self, i: usize) -> u64 {
+        self.accounting[i].2
+    }
+}
+
 impl Selector {
     pub fn snapshot(&self) -> Result<Snapshot> {
         Ok(Snapshot {
             at: Instant::now(),
-            pending: self.pending()?,
             accounting: self.accounting()?,
             stats: self.stats()?,
-            expired: self.expired(),
             latency: self.latency()?,
             inflight: self.inflight()?.len(),
             passed: self
@@ -100,14 +109,14 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
                 backend: b.addr,
                 group: b.group + 1,
                 position: split_backend_id(b.index).1 as u32,
-                pending: now.pending[i],
+                pending: now.pending(i),
                 issued: now.accounting[i].0,
                 completed: now.accounting[i].1,
                 requests: s.requests,
                 responses: s.responses,
                 redirected_away: s.redirected_away,
                 redirected_to: s.redirected_to,
-                expired: now.expired[i],
+                expired: now.expired(i),
                 untracked: s.untracked,
                 no_reply: s.no_reply,
                 id_collisions: s.id_collisions,
@@ -169,11 +178,11 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
             "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9}",
             b.addr.to_string(),
             b.group + 1,
-            now.pending[i],
+            now.pending(i),
             rate(s.requests, p.requests),
             rate(s.redirected_away, p.redirected_away),
             rate(s.redirected_to, p.redirected_to),
-            now.expired[i],
+            now.expired(i),
             format_ns(latency::quantile_ns(&hist, 0.5)),
             format_ns(latency::quantile_ns(&hist, 0.99)),
         );
@@ -253,14 +262,12 @@ mod tests {
         }
         Snapshot {
             at,
-            pending: vec![7],
             accounting: vec![(9, 0, 2)],
             stats: vec![BackendStats {
                 requests,
                 redirected_away: away,
                 ..Default::default()
             }],
-            expired: vec![2],
             latency: vec![hist],
             inflight: 7,
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
@@ -314,12 +321,10 @@ mod tests {
             },
         ];
         let mut now = snap(Instant::now(), 50, 5, &[100]);
-        now.pending.push(0);
         now.stats.push(BackendStats {
             redirected_to: 5,
             ..Default::default()
         });
-        now.expired.push(0);
         now.accounting.push((5, 5, 0));
         now.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
         let totals = totals(&backends, &now);

@@ -95,12 +95,7 @@ pub fn try_run_tc(
     name: &str,
     input: &[u8],
 ) -> Result<(u32, Vec<u8>), ProgramError> {
-    let prog: &mut SchedClassifier = sel
-        .ebpf_mut()
-        .program_mut(name)
-        .unwrap()
-        .try_into()
-        .unwrap();
+    let prog = classifier(sel, name);
     try_run_once(prog, input)
 }
 
@@ -161,12 +156,7 @@ pub fn run_tc_marked(
     input: &[u8],
     mark: u32,
 ) -> (u32, Vec<u8>, u32) {
-    let prog: &mut SchedClassifier = sel
-        .ebpf_mut()
-        .program_mut(name)
-        .unwrap()
-        .try_into()
-        .unwrap();
+    let prog = classifier(sel, name);
     let mut ctx = [0u8; SKB_CTX_LEN];
     ctx[SKB_MARK].copy_from_slice(&mark.to_ne_bytes());
     let mut ctx_out = [0u8; SKB_CTX_LEN];
@@ -268,4 +258,13 @@ pub fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
         (ip.source, u.source_port),
         (ip.destination, u.destination_port),
     )
+}
+
+/// The loaded TC program `name`.
+fn classifier<'a>(sel: &'a mut Selector, name: &str) -> &'a mut SchedClassifier {
+    sel.ebpf_mut()
+        .program_mut(name)
+        .unwrap()
+        .try_into()
+        .unwrap()
 }

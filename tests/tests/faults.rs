@@ -12,7 +12,6 @@
 
 use std::{net::SocketAddrV4, thread, time::Duration};
 
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, Policy};
 use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, Testbed,
     agent::{self, Settled, SweptSelector, TotalsRow},
@@ -20,7 +19,7 @@ use selector_testbed::{
     preload, run_load_on,
     topology::CLIENT_IFACE,
 };
-use selector_user::{IngressMode, Settings};
+use selector_user::Settings;
 
 const KEYS: usize = 200;
 /// Request timeout: short, so lost requests expire within the test.
@@ -34,19 +33,9 @@ const STALL: Duration = Duration::from_millis(50);
 /// The one place the library tests build their settings.
 fn settings(tb: &Testbed) -> Settings {
     Settings {
-        iface: CLIENT_IFACE.into(),
-        groups: vec![tb.replica_endpoints()],
-        policy: Policy::Threshold,
         threshold: 2,
-        descriptor: Descriptor::memcached(),
         timeout: TIMEOUT,
-        inflight_max: DEFAULT_INFLIGHT_MAX,
-        ingress: IngressMode::Xdp,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
-        mark: selector_common::MARK_REDIRECTED,
-        grace: Duration::from_secs(1),
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     }
 }
 
