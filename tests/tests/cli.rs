@@ -351,14 +351,8 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     let report = load.join().unwrap().unwrap();
     assert!(agent.wait().unwrap().success());
     let out: Vec<String> = lines.map(Result::unwrap).collect();
-    let stopping = out
-        .iter()
-        .position(|l| l.starts_with("selector: stopping:"))
-        .unwrap_or_else(|| panic!("no stopping line in {out:#?}"));
-    let detaching = out
-        .iter()
-        .position(|l| l.contains("detaching from eth0; totals:"))
-        .unwrap_or_else(|| panic!("no totals in {out:#?}"));
+    let stopping = line_index(&out, |l| l.starts_with("selector: stopping:"));
+    let detaching = line_index(&out, |l| l.contains("detaching from eth0; totals:"));
     assert!(stopping < detaching, "{out:#?}");
     // The stop came while reads were being steered away from the primary.
     let primary = out[detaching..]
@@ -408,14 +402,10 @@ fn a_second_signal_cuts_the_wait_short() {
     unsafe { libc::kill(agent.id() as i32, libc::SIGINT) };
     assert!(agent.wait().unwrap().success());
     let rest: Vec<String> = lines.map(Result::unwrap).collect();
-    let second = rest
-        .iter()
-        .position(|l| l.starts_with("selector: second signal: detaching with "))
-        .unwrap_or_else(|| panic!("{rest:#?}"));
-    let detaching = rest
-        .iter()
-        .position(|l| l.contains("detaching from eth0; totals:"))
-        .unwrap_or_else(|| panic!("{rest:#?}"));
+    let second = line_index(&rest, |l| {
+        l.starts_with("selector: second signal: detaching with ")
+    });
+    let detaching = line_index(&rest, |l| l.contains("detaching from eth0; totals:"));
     assert!(second < detaching, "{rest:#?}");
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
@@ -656,4 +646,13 @@ fn duration_ends_the_run_with_totals_and_nothing_attached() {
     assert!(out.contains("detaching from eth0; totals:"), "{out}");
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert!(!has_xdp(&tb));
+}
+
+/// Index of the first of `lines` that `wanted` accepts; fails the test,
+/// showing every line, if none does.
+fn line_index(lines: &[String], wanted: impl Fn(&str) -> bool) -> usize {
+    lines
+        .iter()
+        .position(|l| wanted(l))
+        .unwrap_or_else(|| panic!("no such line in {lines:#?}"))
 }
