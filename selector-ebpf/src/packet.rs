@@ -52,12 +52,16 @@ impl Packet for XdpContext {
 /// The one bounds-checked packet accessor.
 #[inline(always)]
 pub fn ptr_at<T>(pkt: &impl Packet, offset: usize) -> Result<*mut T, ()> {
-    let start = pkt.data();
-    let end = pkt.data_end();
-    if start + offset + size_of::<T>() > end {
+    // The verifier learns a range only from comparing a pointer that
+    // carries the access size as its constant part. Left alone, the
+    // compiler may fold `at + 1 > end` into `at >= end`, which proves
+    // nothing at a variable offset; opaque values keep the form.
+    let at = core::hint::black_box(pkt.data() + offset);
+    let last = core::hint::black_box(at + size_of::<T>());
+    if last > pkt.data_end() {
         return Err(());
     }
-    Ok((start + offset) as *mut T)
+    Ok(at as *mut T)
 }
 
 /// Copies `N` bytes at `offset`.
@@ -148,16 +152,8 @@ impl Datagram {
             return None;
         }
         let i = i % MAX_DESCRIPTOR_SPAN as usize;
-        // The verifier learns a range only from a comparison of a pointer
-        // that carries the access size as its constant part. Left alone,
-        // the compiler turns `at + 1 > end` into `at >= end`, which proves
-        // nothing at a variable offset; opaque values keep the form.
-        let at = core::hint::black_box(pkt.data() + self.ip.layout.payload() + i);
-        let last = core::hint::black_box(at + 1);
-        if last > pkt.data_end() {
-            return None;
-        }
-        Some(unsafe { *(at as *const u8) })
+        let p: *const u8 = ptr_at(pkt, self.ip.layout.payload() + i).ok()?;
+        Some(unsafe { *p })
     }
 }
 
