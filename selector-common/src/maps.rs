@@ -170,6 +170,7 @@ impl InflightKey {
 /// Per-backend counters, one copy per CPU.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "user", derive(serde::Serialize, serde::Deserialize))]
 pub struct BackendStats {
     /// Requests the application addressed to this backend (as primary).
     pub requests: u64,

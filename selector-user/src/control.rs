@@ -307,6 +307,7 @@ mod by_name {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use selector_common::BackendStats;
 
     fn round_trip<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
         value: &T,
@@ -396,19 +397,13 @@ mod tests {
                 pending: 1,
                 issued: 10,
                 completed: 9,
-                requests: 10,
-                responses: 9,
-                redirected_away: 2,
-                redirected_to: 0,
                 expired: 0,
-                untracked: 0,
-                no_reply: 0,
-                id_collisions: 0,
-                unmatched_responses: 0,
-                late_responses: 0,
-                overload_passed: 0,
-                overload_dropped: 0,
-                overload_rejected: 0,
+                stats: BackendStats {
+                    requests: 10,
+                    responses: 9,
+                    redirected_away: 2,
+                    ..Default::default()
+                },
                 p50_ns: Some(112_000),
                 p99_ns: None,
             }],

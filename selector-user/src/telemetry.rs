@@ -66,24 +66,11 @@ pub struct BackendTotals {
     pub issued: u64,
     /// Tracked requests this backend answered.
     pub completed: u64,
-    pub requests: u64,
-    pub responses: u64,
-    pub redirected_away: u64,
-    pub redirected_to: u64,
     /// Requests expired unanswered (timeouts).
     pub expired: u64,
-    pub untracked: u64,
-    /// Requests that expect no reply (memcached `noreply`), not tracked.
-    pub no_reply: u64,
-    pub id_collisions: u64,
-    pub unmatched_responses: u64,
-    /// Replies after their request completed or expired, within the grace
-    /// period: rewritten, not counted again.
-    pub late_responses: u64,
-    /// Reads with every eligible member at the pending cap, by response.
-    pub overload_passed: u64,
-    pub overload_dropped: u64,
-    pub overload_rejected: u64,
+    /// The kernel's per-backend counters, as fields of this object.
+    #[serde(flatten)]
+    pub stats: BackendStats,
     /// Latency quantiles since start: upper edge of the histogram bucket.
     pub p50_ns: Option<u64>,
     pub p99_ns: Option<u64>,
@@ -103,31 +90,17 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
     backends
         .iter()
         .enumerate()
-        .map(|(i, b)| {
-            let s = &now.stats[i];
-            BackendTotals {
-                backend: b.addr,
-                group: b.group + 1,
-                position: split_backend_id(b.index).1 as u32,
-                pending: now.pending(i),
-                issued: now.accounting[i].0,
-                completed: now.accounting[i].1,
-                requests: s.requests,
-                responses: s.responses,
-                redirected_away: s.redirected_away,
-                redirected_to: s.redirected_to,
-                expired: now.expired(i),
-                untracked: s.untracked,
-                no_reply: s.no_reply,
-                id_collisions: s.id_collisions,
-                unmatched_responses: s.unmatched_responses,
-                late_responses: s.late_responses,
-                overload_passed: s.overload_passed,
-                overload_dropped: s.overload_dropped,
-                overload_rejected: s.overload_rejected,
-                p50_ns: latency::quantile_ns(&now.latency[i], 0.5),
-                p99_ns: latency::quantile_ns(&now.latency[i], 0.99),
-            }
+        .map(|(i, b)| BackendTotals {
+            backend: b.addr,
+            group: b.group + 1,
+            position: split_backend_id(b.index).1 as u32,
+            pending: now.pending(i),
+            issued: now.accounting[i].0,
+            completed: now.accounting[i].1,
+            expired: now.expired(i),
+            stats: now.stats[i],
+            p50_ns: latency::quantile_ns(&now.latency[i], 0.5),
+            p99_ns: latency::quantile_ns(&now.latency[i], 0.99),
         })
         .collect()
 }
@@ -208,10 +181,10 @@ pub fn render_summary(totals: &[BackendTotals]) -> String {
             out,
             "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
             t.backend.to_string(),
-            t.requests,
-            t.responses,
-            t.redirected_away,
-            t.redirected_to,
+            t.stats.requests,
+            t.stats.responses,
+            t.stats.redirected_away,
+            t.stats.redirected_to,
             t.expired,
             format_ns(t.p50_ns),
             format_ns(t.p99_ns),
@@ -224,19 +197,22 @@ pub fn render_summary(totals: &[BackendTotals]) -> String {
 /// The counters that belong to no single row: entries in flight, requests
 /// passed without tracking, and packets passed untouched by reason.
 pub fn render_footer(in_flight: usize, totals: &[BackendTotals], passed: &[PassedCount]) -> String {
-    let total = |f: fn(&BackendTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    let mut all = BackendStats::default();
+    for t in totals {
+        all.add(&t.stats);
+    }
     let mut out = format!(
         "in flight {}  untracked {}  no reply expected {}  id collisions {}  unmatched replies {}  late replies {}\n\
          overloaded: passed {}  dropped {}  rejected {}\n",
         in_flight,
-        total(|t| t.untracked),
-        total(|t| t.no_reply),
-        total(|t| t.id_collisions),
-        total(|t| t.unmatched_responses),
-        total(|t| t.late_responses),
-        total(|t| t.overload_passed),
-        total(|t| t.overload_dropped),
-        total(|t| t.overload_rejected),
+        all.untracked,
+        all.no_reply,
+        all.id_collisions,
+        all.unmatched_responses,
+        all.late_responses,
+        all.overload_passed,
+        all.overload_dropped,
+        all.overload_rejected,
     );
     out += "passed untouched:";
     if passed.is_empty() {
