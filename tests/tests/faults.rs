@@ -376,3 +376,54 @@ fn agent_restarted_mid_load() {
     assert!(second.wait().unwrap().success(), "second agent's exit");
     assert_none_broken("agent-restart", &broken);
 }
+
+/// SIGKILL fails open: the kernel detaches both programs and reads go to
+/// their primary again. The only replies the application can miss are
+/// those to reads redirected just before the kill that come back after the
+/// reply path is gone, from the replica's address (README Limits). Every
+/// read is answered; the figure reports how many came from a wrong source.
+#[test]
+fn agent_killed_mid_load_fails_open() {
+    let tb = testbed("fk");
+    let group: Vec<String> = tb
+        .replica_endpoints()
+        .iter()
+        .map(SocketAddrV4::to_string)
+        .collect();
+    let group = group.join(",");
+    let args = [
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        &group,
+        "--threshold",
+        "1",
+        "--quiet",
+    ];
+    let (mut agent, _output) = agent::spawn_agent(&tb.client, &args);
+    let load = start_load(&tb);
+    thread::sleep(LOAD / 3);
+    // Kill it in the middle of a stall, while reads are being redirected.
+    tb.replicas[0].stop();
+    thread::sleep(STALL / 2);
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
+    let _ = agent.wait();
+    thread::sleep(STALL / 2);
+    tb.replicas[0].resume();
+    let report = finish_load(load);
+    println!(
+        "fault agent-kill: {} reads sent, {} answered from the primary's address, {} from a replica's (the kill window), {} unanswered",
+        report.sent,
+        report.received,
+        report.wrong_source,
+        report.lost() - report.wrong_source.min(report.lost()),
+    );
+    assert_eq!(
+        report.lost(),
+        report.wrong_source,
+        "every read is answered: only the kill window's replies come from a replica"
+    );
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+}
