@@ -38,7 +38,7 @@ use selector_user::{Selector, sweep::SweepReport, sys};
 /// Client sockets, and request ids per socket: `PORTS * IDS` keys, each
 /// reissued as soon as it is gone.
 const PORTS: usize = 8;
-const IDS: usize = 8;
+const IDS: usize = 4;
 const KEYS: usize = PORTS * IDS;
 const FIRST_PORT: u16 = 40_000;
 const FIRST_ID: u16 = 0x0100;
@@ -46,7 +46,12 @@ const FIRST_ID: u16 = 0x0100;
 const TIMEOUT: Duration = Duration::from_millis(1);
 const GRACE: Duration = Duration::from_millis(1);
 const TIMEOUT_NS: u64 = 1_000_000;
+/// The run lasts `RUN`, longer (up to `RUN_MAX`) until `RACES_WANTED` races
+/// between the reply path and the sweep were seen: on a busy machine the
+/// threads share few moments on two cores at once.
 const RUN: Duration = Duration::from_millis(2500);
+const RUN_MAX: Duration = Duration::from_secs(10);
+const RACES_WANTED: u64 = 5;
 
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
 
@@ -175,12 +180,19 @@ struct RequestTally {
     went_to: [u64; REPLICAS],
 }
 
-/// Sends requests: a key is sent again right after its reply, or around the
-/// timeout (a reuse racing the sweep), or early (a retransmit of a live
-/// request).
-fn requester(prog: OwnedFd, shared: &Shared, seed: u64) -> RequestTally {
+/// Sends requests, and answers half of them itself right away (from the
+/// replica each went to). A key is sent again right after its reply, or
+/// around the timeout (a reuse racing the sweep), or early (a retransmit of
+/// a live request).
+fn requester(
+    prog: OwnedFd,
+    ingress: OwnedFd,
+    shared: &Shared,
+    seed: u64,
+) -> (RequestTally, ReplyTally) {
     let mut rng = Rng(seed);
     let mut tally = RequestTally::default();
+    let mut answers = ReplyTally::default();
     let mut due = vec![0u64; KEYS];
     let mut last = vec![0u64; KEYS];
     let frames: Vec<Vec<u8>> = (0..KEYS).map(request).collect();
@@ -219,6 +231,13 @@ fn requester(prog: OwnedFd, shared: &Shared, seed: u64) -> RequestTally {
             tally.sent += 1;
             tally.went_to[to] += 1;
             last[key] = t;
+            if rng.below(2) == 0 {
+                // Answered a moment after it was sent: races a sweep that
+                // finds every request due, then the id is reused at once.
+                send_reply(ingress.as_fd(), key, to, &mut answers);
+                due[key] = t + rng.below(20_000);
+                continue;
+            }
             due[key] = if rng.below(4) == 0 {
                 t + rng.between(300_000, 900_000)
             } else {
@@ -229,7 +248,7 @@ fn requester(prog: OwnedFd, shared: &Shared, seed: u64) -> RequestTally {
             std::thread::yield_now();
         }
     }
-    tally
+    (tally, answers)
 }
 
 #[derive(Debug, Default)]
@@ -259,8 +278,8 @@ fn send_reply(prog: BorrowedFd<'_>, key: usize, from: usize, tally: &mut ReplyTa
     tally.rewritten[from] += 1;
 }
 
-/// Answers each send once: half early, half within 30 µs of the timeout
-/// (racing the sweep); from the replica it went to, sometimes twice, and
+/// Answers each send once: a third at once, a third early, a third within
+/// 30 µs of the timeout (racing the sweep); from the replica it went to, sometimes twice, and
 /// sometimes from another replica as well.
 fn replier(prog: OwnedFd, shared: &Shared, seed: u64) -> ReplyTally {
     let mut rng = Rng(seed);
@@ -276,10 +295,10 @@ fn replier(prog: OwnedFd, shared: &Shared, seed: u64) -> ReplyTally {
             }
             if sent != seen[key] {
                 seen[key] = sent;
-                due[key] = if rng.below(2) == 0 {
-                    sent + rng.between(100_000, 900_000)
-                } else {
-                    sent + rng.between(TIMEOUT_NS - 30_000, TIMEOUT_NS + 30_000)
+                due[key] = match rng.below(3) {
+                    0 => sent,
+                    1 => sent + rng.between(50_000, 900_000),
+                    _ => sent + rng.between(TIMEOUT_NS - 30_000, TIMEOUT_NS + 30_000),
                 };
             }
             if sys::monotonic_ns() < due[key] {
@@ -343,18 +362,38 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
     let started = Instant::now();
     let mut swept = SweepReport::default();
     let mut sweeps = 0u64;
+    let answering = program_fd(&sel, programs::INGRESS_XDP);
     let (requests, replies) = std::thread::scope(|s| {
-        let a = s.spawn(|| requester(egress, &shared, 0x9e37_79b9_7f4a_7c15));
+        let a = s.spawn(|| requester(egress, answering, &shared, 0x9e37_79b9_7f4a_7c15));
         let b = s.spawn(|| replier(ingress, &shared, 0xd1b5_4a32_d192_ed03));
-        while started.elapsed() < RUN && !a.is_finished() && !b.is_finished() {
-            add(&mut swept, sel.sweep(sys::monotonic_ns()).unwrap());
+        while started.elapsed() < RUN_MAX && !a.is_finished() && !b.is_finished() {
+            // One millisecond in two the sweep runs a timeout ahead, as a
+            // late agent would: every live request is due at once, so
+            // replies sent right after their request race it for the slot.
+            let now = sys::monotonic_ns();
+            let ahead = if (now / TIMEOUT_NS) % 2 == 0 {
+                TIMEOUT_NS
+            } else {
+                0
+            };
+            add(&mut swept, sel.sweep(now + ahead).unwrap());
             sweeps += 1;
             if sweeps % 256 == 0 {
                 assert_no_overcount(&sel);
+                if started.elapsed() >= RUN
+                    && swept.lost_race + stats(&sel)[0].late_responses >= RACES_WANTED
+                {
+                    break;
+                }
             }
         }
         shared.stop.store(true, Ordering::Relaxed);
-        (a.join().unwrap(), b.join().unwrap())
+        let ((requests, answers), mut replies) = (a.join().unwrap(), b.join().unwrap());
+        for i in 0..REPLICAS {
+            replies.sent[i] += answers.sent[i];
+            replies.rewritten[i] += answers.rewritten[i];
+        }
+        (requests, replies)
     });
     let ran = started.elapsed();
 
