@@ -371,14 +371,14 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
             // late agent would: every live request is due at once, so
             // replies sent right after their request race it for the slot.
             let now = sys::monotonic_ns();
-            let ahead = if (now / TIMEOUT_NS) % 2 == 0 {
+            let ahead = if (now / TIMEOUT_NS).is_multiple_of(2) {
                 TIMEOUT_NS
             } else {
                 0
             };
             add(&mut swept, sel.sweep(now + ahead).unwrap());
             sweeps += 1;
-            if sweeps % 256 == 0 {
+            if sweeps.is_multiple_of(256) {
                 assert_no_overcount(&sel);
                 if started.elapsed() >= RUN
                     && swept.lost_race + stats(&sel)[0].late_responses >= RACES_WANTED
