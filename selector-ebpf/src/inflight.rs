@@ -8,7 +8,7 @@
 //! on.
 
 use core::{
-    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xchg},
+    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd, atomic_xchg},
     ptr::{read_volatile, write_volatile},
 };
 
@@ -106,15 +106,14 @@ pub fn cas(index: u32, from: u64, to: u64) -> bool {
     won
 }
 
-/// A unique instance number for a new request.
+/// A unique instance number for a new request. The per-CPU counter is
+/// bumped atomically: on a preemptible kernel two programs can interleave
+/// on one CPU, and they must still get different numbers.
 #[inline(always)]
 fn next_sequence() -> Option<u64> {
     let c = SEQUENCE.get_ptr_mut(0)?;
-    let n = unsafe {
-        *c += 1;
-        *c
-    };
-    Some(sequence(n, unsafe { bpf_get_smp_processor_id() }))
+    let before = unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(c, 1) };
+    Some(sequence(before + 1, unsafe { bpf_get_smp_processor_id() }))
 }
 
 /// A slot owned by this inserter (state `WRITING`), not yet published.
