@@ -169,8 +169,16 @@ impl Nsd {
 
     /// SIGSTOP to every NSD process: the replica stalls; queries queue in
     /// its socket and are answered after `resume`.
+    /// Returns once every thread of them has stopped.
     pub fn stop(&self) {
         self.signal_all(libc::SIGSTOP);
+        for pid in self.pids() {
+            assert!(
+                crate::netns::wait_stopped(pid),
+                "nsd process {pid} did not stop: {:?}",
+                crate::netns::thread_states(pid)
+            );
+        }
     }
 
     pub fn resume(&self) {

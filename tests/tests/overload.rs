@@ -24,6 +24,7 @@ use selector_testbed::{
     agent::{Settled, SweptSelector},
     dns::{self, DNS_PORT, Nsd, ZONE},
     memcached::{frame, key_for, parse_get_response, value_for},
+    netns::{thread_states, wait_stopped},
     preload,
     topology::{CLIENT_IFACE, replica_addr},
 };
@@ -114,6 +115,14 @@ fn reject_answers_memcached_gets_over_the_cap_while_every_replica_is_stopped() {
 
     for r in &tb.replicas {
         r.stop();
+    }
+    for r in &tb.replicas {
+        assert!(
+            wait_stopped(r.pid()),
+            "memcached {} did not stop: {:?}",
+            r.addr,
+            thread_states(r.pid())
+        );
     }
     let mut buf = [0u8; 2048];
     // Under the cap: the gets go out and, while stopped, nothing answers.
