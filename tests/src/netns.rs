@@ -5,6 +5,7 @@ use std::{
     os::fd::AsRawFd as _,
     process::{Command, Output},
     sync::atomic::{AtomicU32, Ordering},
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -140,5 +141,32 @@ impl Drop for Namespace {
         let _ = Command::new("ip")
             .args(["netns", "del", &self.name])
             .output();
+    }
+}
+
+/// The state letter of every thread of `pid` (`T`: stopped).
+pub fn thread_states(pid: i32) -> Vec<char> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+        .filter_map(|stat| stat.rsplit_once(") ")?.1.chars().next())
+        .collect()
+}
+
+/// Waits up to a second until every thread of `pid` has stopped: SIGSTOP
+/// takes effect when each thread next runs, which a loaded machine delays.
+pub fn wait_stopped(pid: i32) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let states = thread_states(pid);
+        if !states.is_empty() && states.iter().all(|s| *s == 'T') {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
     }
 }

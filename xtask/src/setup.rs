@@ -27,6 +27,9 @@ const PACKAGES: &[&str] = &[
     "nftables",
     "nginx",
     "libnginx-mod-stream",
+    // DNS replicas and a real DNS client for the overload and fragment tests.
+    "nsd",
+    "bind9-dnsutils",
     // The benchmark's plots draw text with a TrueType font.
     "fonts-dejavu-core",
 ];
@@ -95,6 +98,7 @@ fn debian_packages() -> Result<()> {
     // The packages' services are not wanted running on the host.
     let _ = Command::new("pkill").args(["-x", "memcached"]).status();
     let _ = Command::new("pkill").args(["-x", "nginx"]).status();
+    let _ = Command::new("pkill").args(["-x", "nsd"]).status();
     Ok(())
 }
 
