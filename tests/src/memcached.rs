@@ -55,9 +55,12 @@ impl Replica {
         self.child.id() as i32
     }
 
-    /// SIGSTOP: the replica stalls, as in a GC pause.
+    /// SIGSTOP: the replica stalls, as in a GC pause. Returns once every
+    /// thread is stopped: a busy machine can let a signalled process run
+    /// (and answer) for a moment after kill(2) returns.
     pub fn stop(&self) {
         unsafe { libc::kill(self.pid(), libc::SIGSTOP) };
+        crate::netns::wait_stopped(self.pid());
     }
 
     /// SIGKILL: the replica crashes; what it had queued is lost.
