@@ -217,6 +217,26 @@ fn memcached_noreply_is_not_tracked_but_a_plain_delete_is() {
     assert_eq!(inflight[0].request_id, 0x1237);
 }
 
+#[test]
+fn a_custom_descriptor_names_the_requests_that_expect_no_reply() {
+    // A 4-byte id at 0, reads start with "R" at 4, "N" at 5 means no reply.
+    let descriptor = Descriptor::custom(0, 4, 4, b"R")
+        .unwrap()
+        .with_no_reply_prefix(5, b"N")
+        .unwrap();
+    let mut sel = Selector::load(&settings_for(descriptor, replica)).unwrap();
+    let input = request(b"\0\0\0\x01WN payload");
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    let s = stats(&sel);
+    assert_eq!((s[0].requests, s[0].no_reply), (1, 1));
+    assert!(sel.inflight().unwrap().is_empty());
+    // A write without the marker is tracked.
+    let input = request(b"\0\0\0\x02WY payload");
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    assert_eq!(stats(&sel)[0].no_reply, 1);
+    assert_eq!(counters(&sel).issued, [1, 0, 0]);
+}
+
 /// Reply datagram `seq` of 3 for request 0x1234.
 fn reply_part(seq: u16) -> Vec<u8> {
     let mut p = vec![0x12, 0x34];

@@ -94,6 +94,13 @@ pub struct RunArgs {
     /// Custom protocol: offset of the read prefix in the UDP payload.
     #[arg(long, default_value_t = 0)]
     pub read_prefix_offset: u16,
+    /// Custom protocol: requests holding these bytes (1-8) at
+    /// --no-reply-offset expect no reply; they are passed, never tracked.
+    #[arg(long)]
+    pub no_reply_marker: Option<String>,
+    /// Custom protocol: offset of the no-reply marker in the UDP payload.
+    #[arg(long, default_value_t = 0)]
+    pub no_reply_offset: u16,
     /// Milliseconds after which an unanswered request is expired (1 to 3600000).
     #[arg(long, value_name = "MS", default_value_t = DEFAULT_TIMEOUT_MS)]
     pub timeout: u64,
@@ -159,11 +166,13 @@ impl RunArgs {
         let custom_flags = self.req_id_offset.is_some()
             || self.req_id_len.is_some()
             || self.read_prefix.is_some()
-            || self.read_prefix_offset != 0;
+            || self.read_prefix_offset != 0
+            || self.no_reply_marker.is_some()
+            || self.no_reply_offset != 0;
         Ok(match self.proto {
             ProtoArg::Memcached | ProtoArg::Dns if custom_flags => {
                 bail!(
-                    "--req-id-offset, --req-id-len and --read-prefix[-offset] need --proto custom"
+                    "--req-id-offset, --req-id-len, --read-prefix[-offset] and --no-reply-* need --proto custom"
                 )
             }
             ProtoArg::Memcached => Descriptor::memcached(),
@@ -173,8 +182,18 @@ impl RunArgs {
                     bail!("--proto custom needs --req-id-offset and --req-id-len");
                 };
                 let prefix = self.read_prefix.as_deref().unwrap_or("");
-                Descriptor::custom(offset, len, self.read_prefix_offset, prefix.as_bytes())
-                    .map_err(|e| anyhow::anyhow!("bad protocol descriptor: {e}"))?
+                let descriptor =
+                    Descriptor::custom(offset, len, self.read_prefix_offset, prefix.as_bytes());
+                let descriptor = match &self.no_reply_marker {
+                    Some(marker) => descriptor.and_then(|d| {
+                        d.with_no_reply_prefix(self.no_reply_offset, marker.as_bytes())
+                    }),
+                    None if self.no_reply_offset != 0 => {
+                        bail!("--no-reply-offset needs --no-reply-marker")
+                    }
+                    None => descriptor,
+                };
+                descriptor.map_err(|e| anyhow::anyhow!("bad protocol descriptor: {e}"))?
             }
         })
     }
@@ -245,6 +264,23 @@ mod tests {
         assert_eq!((s.descriptor.id_offset, s.descriptor.id_len), (4, 4));
         assert_eq!(&s.descriptor.prefix[..3], b"GET");
         assert!(parse_err(&["--req-id-len", "4"]).contains("--proto custom"));
+    }
+
+    #[test]
+    fn custom_descriptor_can_name_requests_that_expect_no_reply() {
+        let custom = ["--proto", "custom", "--req-id-offset", "0", "--req-id-len", "4"];
+        let mut args = custom.to_vec();
+        args.extend(["--no-reply-marker", "N!", "--no-reply-offset", "4"]);
+        let d = parse(&args).unwrap().descriptor;
+        assert!(d.expects_no_reply(|i| b"\0\0\0\x01N!".get(i).copied()));
+        assert!(!d.expects_no_reply(|i| b"\0\0\0\x01R?".get(i).copied()));
+        let mut too_long = custom.to_vec();
+        too_long.extend(["--no-reply-marker", "123456789"]);
+        assert!(parse_err(&too_long).contains("no-reply marker"));
+        let mut offset_only = custom.to_vec();
+        offset_only.extend(["--no-reply-offset", "4"]);
+        assert!(parse_err(&offset_only).contains("--no-reply-marker"));
+        assert!(parse_err(&["--no-reply-marker", "x"]).contains("--proto custom"));
     }
 
     #[test]
