@@ -268,7 +268,14 @@ mod tests {
 
     #[test]
     fn custom_descriptor_can_name_requests_that_expect_no_reply() {
-        let custom = ["--proto", "custom", "--req-id-offset", "0", "--req-id-len", "4"];
+        let custom = [
+            "--proto",
+            "custom",
+            "--req-id-offset",
+            "0",
+            "--req-id-len",
+            "4",
+        ];
         let mut args = custom.to_vec();
         args.extend(["--no-reply-marker", "N!", "--no-reply-offset", "4"]);
         let d = parse(&args).unwrap().descriptor;
