@@ -1,7 +1,7 @@
 //! The benchmark's machinery (`cargo xtask bench --quick`) on a tiny load,
-//! so the benchmark cannot rot: every row, the per-packet cost, the report
-//! and the plots are produced, and nothing is left behind. It asserts that
-//! everything appears, never timings.
+//! so the benchmark cannot rot: every row (the overload scenario's too),
+//! the per-packet cost, the report and the plots are produced, and nothing
+//! is left behind. It asserts that everything appears, never timings.
 
 use std::process::{Command, Stdio};
 
@@ -24,6 +24,8 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         .args(["--keys", "100", "--drain-ms", "300"])
         .args(["--packet-repeat", "1000", "--packet-fresh", "200"])
         .args(["--inflight-small", "100", "--inflight-large", "5000"])
+        .args(["--overload-duration", "1", "--overload-stop-ms", "200"])
+        .args(["--overload-rate", "400"])
         .arg("--out")
         .arg(&out)
         .stdout(Stdio::piped())
@@ -58,6 +60,21 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         );
     }
     assert!(md.contains("## Targets"), "{md}");
+    let overload = read("overload.csv");
+    for row in Row::overload(32) {
+        assert!(
+            overload
+                .lines()
+                .any(|l| l.starts_with(&format!("{},", row.id()))),
+            "row {} missing from overload.csv:\n{overload}",
+            row.id()
+        );
+        assert!(
+            md.contains(&format!("| {} |", row.label())),
+            "row {} missing",
+            row.label()
+        );
+    }
     let costs = read("packet_cost.csv");
     assert_eq!(costs.lines().count(), 1 + 7, "{costs}");
     let font = selector_testbed::bench::plots::FONT_FILES

@@ -69,6 +69,11 @@ pub struct ClientSpec {
     /// A read unanswered this long is lost (recorded at this latency).
     pub request_timeout_ms: u64,
     pub keys: usize,
+    /// Reads intended to be sent in this CLOCK_MONOTONIC window (start,
+    /// end) also have their replies' latency recorded apart (the overload
+    /// scenario's stop window).
+    #[serde(default)]
+    pub window_ns: Option<(u64, u64)>,
 }
 
 /// Counts of what happened to the reads.
@@ -78,7 +83,11 @@ pub struct Counts {
     pub received: u64,
     /// Reads never answered within the request timeout.
     pub lost: u64,
-    /// Replies whose data was not a marked value of the key asked for.
+    /// Replies that were `SERVER_ERROR` (the selector's overload reject),
+    /// counted in `received` too.
+    pub rejected: u64,
+    /// Replies whose data was not a marked value of the key asked for
+    /// (nor a `SERVER_ERROR`).
     pub wrong: u64,
     /// Replies to reads already answered or given up (a speculative
     /// retry's loser, or a reply after the timeout).
@@ -96,6 +105,7 @@ impl Counts {
         self.sent += o.sent;
         self.received += o.received;
         self.lost += o.lost;
+        self.rejected += o.rejected;
         self.wrong += o.wrong;
         self.late += o.late;
         self.retries += o.retries;
@@ -110,6 +120,12 @@ pub struct ClientReport {
     pub counts: Counts,
     /// HDR histogram of latency in microseconds, V2 format, hex.
     pub histogram: String,
+    /// The same, of the `SERVER_ERROR` replies only.
+    #[serde(default)]
+    pub rejected_histogram: String,
+    /// The same, of the replies to reads intended in `ClientSpec::window_ns`.
+    #[serde(default)]
+    pub window_histogram: String,
     /// Per replica, reads it answered, by intended send time in 1 ms bins.
     pub served: Vec<Vec<u32>>,
 }
@@ -271,6 +287,8 @@ pub fn run(spec: &ClientSpec) -> Result<ClientReport> {
     let mut speculative: VecDeque<(u64, u16, u32)> = VecDeque::new();
     let mut expiry: VecDeque<(u64, u16, u32)> = VecDeque::new();
     let mut hist = histogram();
+    let mut rejected_hist = histogram();
+    let mut window_hist = histogram();
     let mut served = vec![vec![0u32; bins]; spec.replicas];
     let mut report = ClientReport::default();
     let mut outstanding = 0u64;
@@ -404,7 +422,19 @@ pub fn run(spec: &ClientSpec) -> Result<ClientReport> {
                 outstanding -= 1;
                 router.pending[slot.last] = router.pending[slot.last].saturating_sub(1);
                 report.counts.received += 1;
-                hist.saturating_record(((now - slot.intended_ns) / 1000).max(1));
+                let us = ((now - slot.intended_ns) / 1000).max(1);
+                hist.saturating_record(us);
+                if spec
+                    .window_ns
+                    .is_some_and(|(from, to)| (from..to).contains(&slot.intended_ns))
+                {
+                    window_hist.saturating_record(us);
+                }
+                if is_server_error(&buf[8..n]) {
+                    report.counts.rejected += 1;
+                    rejected_hist.saturating_record(us);
+                    continue;
+                }
                 let replica = parse_get_response(&buf[8..n]).and_then(|d| replica_of(d, slot.key));
                 match replica {
                     Some(r) if r < served.len() => {
@@ -420,8 +450,15 @@ pub fn run(spec: &ClientSpec) -> Result<ClientReport> {
         give_up(slot, &mut router, &mut hist, &mut report, timeout_ns);
     }
     report.histogram = encode_histogram(&hist)?;
+    report.rejected_histogram = encode_histogram(&rejected_hist)?;
+    report.window_histogram = encode_histogram(&window_hist)?;
     report.served = served;
     Ok(report)
+}
+
+/// A memcached error reply (what the selector's `reject` answers with).
+pub fn is_server_error(body: &[u8]) -> bool {
+    body.starts_with(b"SERVER_ERROR")
 }
 
 /// A read that will not be answered in time: lost, recorded at the timeout.
@@ -479,6 +516,13 @@ mod tests {
         assert_eq!(replica_of(v.as_bytes(), 42), Some(2));
         assert_eq!(replica_of(v.as_bytes(), 43), None);
         assert_eq!(replica_of(b"value-000042", 42), None);
+    }
+
+    #[test]
+    fn server_errors_are_told_from_values() {
+        assert!(is_server_error(b"SERVER_ERROR overloaded\r\n"));
+        assert!(!is_server_error(b"VALUE k 0 3\r\nabc\r\nEND\r\n"));
+        assert!(!is_server_error(b"END\r\n"));
     }
 
     #[test]

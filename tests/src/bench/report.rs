@@ -7,7 +7,7 @@ use anyhow::{Context as _, Result};
 use hdrhistogram::Histogram;
 
 use super::{
-    client::{ClientReport, Counts, histogram},
+    client::{ClientReport, Counts, decode_histogram, histogram},
     packet_cost::{CostRow, Method},
     plots,
     rows::Row,
@@ -21,6 +21,10 @@ pub struct KernelCounts {
     pub redirected: u64,
     pub untracked: u64,
     pub expired: u64,
+    /// Reads over the overload cap, by what was done with them.
+    pub overload_passed: u64,
+    pub overload_dropped: u64,
+    pub overload_rejected: u64,
     /// Runs and kernel-measured run time of the programs on the live
     /// traffic (BPF run-time statistics; zero where they were off).
     pub egress_runs: u64,
@@ -35,6 +39,9 @@ impl KernelCounts {
         self.redirected += o.redirected;
         self.untracked += o.untracked;
         self.expired += o.expired;
+        self.overload_passed += o.overload_passed;
+        self.overload_dropped += o.overload_dropped;
+        self.overload_rejected += o.overload_rejected;
         self.egress_runs += o.egress_runs;
         self.egress_ns += o.egress_ns;
         self.ingress_runs += o.ingress_runs;
@@ -59,12 +66,19 @@ pub struct RowResult {
     pub duration: Duration,
     /// Latency from the intended send time, microseconds.
     pub hist: Histogram<u64>,
+    /// Latency of the `SERVER_ERROR` replies only.
+    pub rejected_hist: Histogram<u64>,
+    /// Latency of the replies to reads intended in the overload stop window.
+    pub window_hist: Histogram<u64>,
     pub counts: Counts,
     /// Per replica: reads it answered, by intended send time, 1 ms bins.
     pub served: Vec<Vec<u64>>,
     /// Stalls of the primary, seconds from the start of the load.
     pub stalls: Vec<(f64, f64)>,
     pub kernel: Option<KernelCounts>,
+    /// Overload rows: datagrams the replicas' hosts dropped because the
+    /// memcached socket's receive buffer was full (UDP RcvbufErrors).
+    pub replica_buffer_drops: Option<u64>,
 }
 
 impl RowResult {
@@ -73,16 +87,28 @@ impl RowResult {
             row,
             duration,
             hist: histogram(),
+            rejected_hist: histogram(),
+            window_hist: histogram(),
             counts: Counts::default(),
             served: Vec::new(),
             stalls: Vec::new(),
             kernel: None,
+            replica_buffer_drops: None,
         }
     }
 
     /// Merges one client process's report.
     pub fn add(&mut self, r: &ClientReport, hist: &Histogram<u64>) -> Result<()> {
         self.hist.add(hist).context("merging histograms")?;
+        for (mine, theirs) in [
+            (&mut self.rejected_hist, &r.rejected_histogram),
+            (&mut self.window_hist, &r.window_histogram),
+        ] {
+            if !theirs.is_empty() {
+                mine.add(decode_histogram(theirs)?)
+                    .context("merging histograms")?;
+            }
+        }
         self.counts.add(&r.counts);
         if self.served.len() < r.served.len() {
             self.served.resize(r.served.len(), Vec::new());
@@ -104,6 +130,12 @@ impl RowResult {
         let offset_ms = self.duration.as_millis() as usize;
         let offset = self.duration.as_secs_f64();
         self.hist.add(&seg.hist).context("merging histograms")?;
+        self.rejected_hist
+            .add(&seg.rejected_hist)
+            .context("merging histograms")?;
+        self.window_hist
+            .add(&seg.window_hist)
+            .context("merging histograms")?;
         self.counts.add(&seg.counts);
         if self.served.len() < seg.served.len() {
             self.served.resize(seg.served.len(), Vec::new());
@@ -178,7 +210,36 @@ impl RowResult {
         [0.5, 0.9, 0.99, 0.999, 1.0].map(|q| format_us(self.us(q)))
     }
 
+    /// Replies that carried a value (not a `SERVER_ERROR`, not wrong).
+    pub fn values(&self) -> u64 {
+        self.counts.received - self.counts.rejected - self.counts.wrong
+    }
+
+    /// p50, p99 and max of a histogram, formatted ("-" when empty).
+    pub fn summary(h: &Histogram<u64>) -> [String; 3] {
+        [0.5, 0.99, 1.0].map(|q| {
+            if h.is_empty() {
+                "-".into()
+            } else {
+                format_us(h.value_at_quantile(q))
+            }
+        })
+    }
+
     pub fn one_line(&self) -> String {
+        if let Row::Overload { .. } = self.row {
+            let [r50, r99, rmax] = Self::summary(&self.rejected_hist);
+            let [w50, w99, wmax] = Self::summary(&self.window_hist);
+            return format!(
+                "{:<32} sent {} values {} SERVER_ERROR {} lost {}; rejected p50 {r50} p99 {r99} max {rmax}; \
+                 stop window p50 {w50} p99 {w99} max {wmax}",
+                self.row.label(),
+                self.counts.sent,
+                self.values(),
+                self.counts.rejected,
+                self.counts.lost
+            );
+        }
         let [p50, _, p99, p999, max] = self.latencies();
         format!(
             "{:<32} {:>7.0}/s p50 {p50:>8} p99 {p99:>8} p99.9 {p999:>8} max {max:>8} redirected {:>5.1}% lost {}",
@@ -238,6 +299,9 @@ pub struct Report {
     pub parameters: String,
     pub machine: Machine,
     pub rows: Vec<RowResult>,
+    /// The overload scenario's rows, and what it was.
+    pub overload: Vec<RowResult>,
+    pub overload_parameters: String,
     pub costs: Vec<CostRow>,
 }
 
@@ -246,7 +310,12 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 impl Report {
-    pub fn new(opts: &Options, rows: Vec<RowResult>, costs: Vec<CostRow>) -> Self {
+    pub fn new(
+        opts: &Options,
+        rows: Vec<RowResult>,
+        overload: Vec<RowResult>,
+        costs: Vec<CostRow>,
+    ) -> Self {
         let parameters = format!(
             "{}{} rows of {:.0} s each (in {} interleaved rounds); {} reads/s from {} client processes on connected UDP sockets; \
              the primary stopped (SIGSTOP) for {} ms every {} ms; slow list: speculative timeout {} ms, \
@@ -267,11 +336,25 @@ impl Report {
             opts.keys,
             opts.drain.as_millis(),
         );
+        let overload_parameters = format!(
+            "{}{} reads/s from {} client processes for {:.1} s per row, every replica stopped \
+             (SIGSTOP) for {} ms in the middle; the selector at its defaults (threshold policy) \
+             with `max_pending` as in the row; request timeout and drain {} ms after the last send; \
+             rows run once each, one after the other (after the stall rows, if any)",
+            if opts.quick { "quick mode: " } else { "" },
+            opts.overload_rate,
+            opts.clients,
+            opts.overload_duration.as_secs_f64(),
+            opts.overload_stop.as_millis(),
+            opts.overload_drain().as_millis(),
+        );
         Self {
             command: opts.command.clone(),
             parameters,
             machine: Machine::this(),
             rows,
+            overload,
+            overload_parameters,
             costs,
         }
     }
@@ -395,6 +478,16 @@ impl Report {
             "Machine: {} cores ({}), kernel {}\n",
             m.cores, m.cpu, m.kernel
         );
+        if !self.rows.is_empty() {
+            self.stall_markdown(&mut md);
+        }
+        self.overload_markdown(&mut md);
+        self.cost_markdown(&mut md);
+        self.notes_markdown(&mut md);
+        md
+    }
+
+    fn stall_markdown(&self, md: &mut String) {
         let _ = writeln!(md, "Scenario: {}.\n", self.parameters);
         let _ = writeln!(md, "## Read latency with the primary stalling\n");
         let _ = writeln!(
@@ -473,9 +566,42 @@ impl Report {
                 t.measured
             );
         }
-        self.cost_markdown(&mut md);
-        self.notes_markdown(&mut md);
-        md
+    }
+
+    fn overload_markdown(&self, md: &mut String) {
+        if self.overload.is_empty() {
+            return;
+        }
+        let _ = writeln!(md, "\n## Overload: every replica stopped\n");
+        let _ = writeln!(md, "Scenario: {}.\n", self.overload_parameters);
+        let _ = writeln!(
+            md,
+            "*value*: answered with the key's value; *SERVER_ERROR*: answered by the selector's \
+             reject; *lost*: no reply by the end of the drain. Latency from the intended send \
+             time: of the SERVER_ERROR replies, and of every reply to a read intended during \
+             the stop.\n"
+        );
+        let _ = writeln!(
+            md,
+            "| on overload | sent | value | SERVER_ERROR | lost | rejected p50 | rejected p99 | rejected max | stop window p50 | stop window p99 | stop window max |"
+        );
+        let _ = writeln!(
+            md,
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        );
+        for r in &self.overload {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} |",
+                r.row.label(),
+                r.counts.sent,
+                r.values(),
+                r.counts.rejected,
+                r.counts.lost,
+                RowResult::summary(&r.rejected_hist).join(" | "),
+                RowResult::summary(&r.window_hist).join(" | "),
+            );
+        }
     }
 
     fn cost_markdown(&self, md: &mut String) {
@@ -518,7 +644,7 @@ impl Report {
 
     fn notes_markdown(&self, md: &mut String) {
         let _ = writeln!(md, "\n## Checks\n");
-        for r in &self.rows {
+        for r in self.rows.iter().chain(&self.overload) {
             let kernel = r.kernel.map_or(String::new(), |k| {
                 let live = k.live_ns().map_or(String::new(), |(e, i)| {
                     format!(
@@ -527,8 +653,16 @@ impl Report {
                         k.egress_runs, k.ingress_runs
                     )
                 });
+                let overload = if k.overload_passed + k.overload_dropped + k.overload_rejected > 0 {
+                    format!(
+                        ", over the cap {} passed / {} dropped / {} rejected",
+                        k.overload_passed, k.overload_dropped, k.overload_rejected
+                    )
+                } else {
+                    String::new()
+                };
                 format!(
-                    "; selector counted {} requests, redirected {} ({:.1}%), untracked {}, expired {}{live}",
+                    "; selector counted {} requests, redirected {} ({:.1}%), untracked {}, expired {}{overload}{live}",
                     k.requests,
                     k.redirected,
                     100.0 * k.redirected as f64 / k.requests.max(1) as f64,
@@ -536,13 +670,17 @@ impl Report {
                     k.expired
                 )
             });
+            let buffers = r.replica_buffer_drops.map_or(String::new(), |d| {
+                format!(", requests dropped at the replicas' full receive buffers {d}")
+            });
             let _ = writeln!(
                 md,
-                "- {}: sent {}, answered {}, lost {}, wrong values {}, late replies {}, retries {}, \
-                 sends over 1 ms late {} (at most {}), {} stalls{}",
+                "- {}: sent {}, answered {} ({} SERVER_ERROR), lost {}, wrong values {}, late replies {}, retries {}, \
+                 sends over 1 ms late {} (at most {}), {} stalls{buffers}{}",
                 r.row.label(),
                 r.counts.sent,
                 r.counts.received,
+                r.counts.rejected,
                 r.counts.lost,
                 r.counts.wrong,
                 r.counts.late,
@@ -610,6 +748,56 @@ impl Report {
         out
     }
 
+    /// The overload rows; latencies in microseconds (empty: no reply).
+    pub fn overload_csv(&self) -> String {
+        let mut out = String::from(
+            "id,label,max_pending,sent,values,rejected,lost,wrong,late,\
+             rejected_p50_us,rejected_p99_us,rejected_max_us,\
+             window_p50_us,window_p99_us,window_max_us,window_replies,\
+             stop_start_s,stop_end_s,kernel_overload_passed,kernel_overload_dropped,kernel_overload_rejected,\
+             replica_buffer_drops\n",
+        );
+        for r in &self.overload {
+            let q = |h: &Histogram<u64>, q: f64| {
+                if h.is_empty() {
+                    String::new()
+                } else {
+                    h.value_at_quantile(q).to_string()
+                }
+            };
+            let cap = match r.row {
+                Row::Overload { cap, .. } => cap,
+                _ => 0,
+            };
+            let (from, to) = r.stalls.first().copied().unwrap_or_default();
+            let k = r.kernel.unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "{},{},{cap},{},{},{},{},{},{},{},{},{},{},{},{},{},{from:.3},{to:.3},{},{},{},{}",
+                r.row.id(),
+                r.row.label().replace(',', ";"),
+                r.counts.sent,
+                r.values(),
+                r.counts.rejected,
+                r.counts.lost,
+                r.counts.wrong,
+                r.counts.late,
+                q(&r.rejected_hist, 0.5),
+                q(&r.rejected_hist, 0.99),
+                q(&r.rejected_hist, 1.0),
+                q(&r.window_hist, 0.5),
+                q(&r.window_hist, 0.99),
+                q(&r.window_hist, 1.0),
+                r.window_hist.len(),
+                k.overload_passed,
+                k.overload_dropped,
+                k.overload_rejected,
+                r.replica_buffer_drops.unwrap_or_default()
+            );
+        }
+        out
+    }
+
     pub fn cost_csv(&self) -> String {
         let mut out = String::from(
             "program,case,method,target,small_ns,large_ns,empty_small_ns,empty_large_ns,over_empty,large_over_small\n",
@@ -633,16 +821,21 @@ impl Report {
         out
     }
 
-    /// Writes results.md, results.csv, packet_cost.csv and the plots.
+    /// Writes results.md, results.csv, overload.csv, packet_cost.csv and
+    /// the plots.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let write = |name: &str, text: &str| {
             std::fs::write(dir.join(name), text).with_context(|| format!("writing {name}"))
         };
         write("results.md", &self.markdown())?;
         write("results.csv", &self.csv())?;
+        write("overload.csv", &self.overload_csv())?;
         write("packet_cost.csv", &self.cost_csv())?;
         // The numbers stand without the pictures: a missing font only
         // costs the plots.
+        if self.rows.is_empty() {
+            return Ok(());
+        }
         if let Err(e) = plots::draw(dir, self) {
             eprintln!("bench: plots skipped: {e:#}");
         }

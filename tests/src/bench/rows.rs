@@ -1,6 +1,6 @@
 //! The rows of the benchmark: every policy compared, in the order they run.
 
-use selector_common::Policy;
+use selector_common::{OnOverload, Policy};
 
 use super::client::ClientPolicy;
 
@@ -23,6 +23,9 @@ pub enum Row {
     Threshold(u32),
     /// The selector, absolute policy.
     Absolute(u32),
+    /// The overload scenario (every replica stopped at once): the selector
+    /// at its defaults with `max_pending` (0: no bound) and `on_overload`.
+    Overload { on: OnOverload, cap: u32 },
 }
 
 impl Row {
@@ -36,6 +39,35 @@ impl Row {
         rows
     }
 
+    /// The overload scenario's rows, in run order: no cap (reads pass, as
+    /// by default), then the cap with `drop` and with `reject`.
+    pub fn overload(cap: u32) -> Vec<Row> {
+        vec![
+            Row::Overload {
+                on: OnOverload::Pass,
+                cap: 0,
+            },
+            Row::Overload {
+                on: OnOverload::Drop,
+                cap,
+            },
+            Row::Overload {
+                on: OnOverload::Reject,
+                cap,
+            },
+        ]
+    }
+
+    /// Whether `--only` names this row: its id, or the id's part before
+    /// the first `_` (`overload`, `reorder`, `selector`, ...).
+    pub fn selected_by(&self, only: &[String]) -> bool {
+        let id = self.id();
+        only.is_empty()
+            || only
+                .iter()
+                .any(|o| *o == id || id.split('_').next() == Some(o.as_str()))
+    }
+
     /// A short machine-readable name (CSV, file names).
     pub fn id(&self) -> String {
         match self {
@@ -47,6 +79,7 @@ impl Row {
             Row::Observe => "selector_observe".into(),
             Row::Threshold(t) => format!("selector_t{t}"),
             Row::Absolute(t) => format!("selector_abs{t}"),
+            Row::Overload { on, .. } => format!("overload_{}", on.name()),
         }
     }
 
@@ -61,6 +94,8 @@ impl Row {
             Row::Observe => "selector observe".into(),
             Row::Threshold(t) => format!("selector threshold {t}"),
             Row::Absolute(t) => format!("selector absolute {t}"),
+            Row::Overload { on, cap: 0 } => format!("overload {}, no cap", on.name()),
+            Row::Overload { on, cap } => format!("overload {}, max_pending {cap}", on.name()),
         }
     }
 
@@ -116,5 +151,18 @@ mod tests {
         assert_eq!(rows[0], Row::NoStall);
         assert!(!Row::NoStall.stalls() && Row::PrimaryOnly.stalls());
         assert_eq!(Row::Observe.selector(), Some((Policy::Observe, 1)));
+    }
+
+    #[test]
+    fn overload_rows_are_selected_by_id_or_prefix() {
+        let rows = Row::overload(32);
+        let ids: Vec<String> = rows.iter().map(Row::id).collect();
+        assert_eq!(ids, ["overload_pass", "overload_drop", "overload_reject"]);
+        let only = |s: &str| vec![s.to_string()];
+        assert!(rows.iter().all(|r| r.selected_by(&only("overload"))));
+        assert!(rows[2].selected_by(&only("overload_reject")));
+        assert!(!rows[1].selected_by(&only("overload_reject")));
+        assert!(!Row::PrimaryOnly.selected_by(&only("overload")));
+        assert!(Row::PrimaryOnly.selected_by(&[]));
     }
 }

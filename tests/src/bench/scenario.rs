@@ -21,7 +21,9 @@ use selector_common::{Policy, programs};
 use selector_user::{IngressMode, Selector, Settings, neighbours};
 
 use super::{
-    client::{ClientReport, ClientSpec, decode_histogram, marked_value, monotonic_ns},
+    client::{
+        ClientPolicy, ClientReport, ClientSpec, decode_histogram, marked_value, monotonic_ns,
+    },
     nginx::Nginx,
     packet_cost::{self, CostOptions},
     report::{KernelCounts, Report, RowResult},
@@ -62,8 +64,16 @@ pub struct Options {
     pub cost: CostOptions,
     /// Where the selector's response program attaches in its rows.
     pub ingress: IngressMode,
-    /// Run only the rows with these ids (all when empty).
+    /// Run only the rows with these ids, or ids starting with one of
+    /// these and `_` (all when empty).
     pub only: Vec<String>,
+    /// The overload scenario: reads per second, length of each row, how
+    /// long every replica is stopped (in the middle), and the
+    /// `max_pending` of its drop and reject rows.
+    pub overload_rate: u32,
+    pub overload_duration: Duration,
+    pub overload_stop: Duration,
+    pub overload_max_pending: u32,
     /// Skip the per-packet cost.
     pub skip_cost: bool,
     /// The command line, for the report.
@@ -74,6 +84,13 @@ impl Options {
     /// Length of one segment of a row.
     pub fn segment(&self) -> Duration {
         self.duration / self.rounds.max(1)
+    }
+
+    /// The overload rows' drain after the last send, also their request
+    /// timeout and the selector's: the stop plus the usual drain, so a read
+    /// that waits out the whole stop is late, not lost.
+    pub fn overload_drain(&self) -> Duration {
+        self.overload_stop + self.drain
     }
 }
 
@@ -109,20 +126,35 @@ pub fn run(opts: &Options) -> Result<Report> {
         .with_context(|| format!("creating {}", opts.out.display()))?;
     let rows: Vec<Row> = Row::all(&opts.thresholds, opts.absolute_threshold)
         .into_iter()
-        .filter(|r| opts.only.is_empty() || opts.only.contains(&r.id()))
+        .filter(|r| r.selected_by(&opts.only))
+        .collect();
+    let overload_rows: Vec<Row> = Row::overload(opts.overload_max_pending)
+        .into_iter()
+        .filter(|r| r.selected_by(&opts.only))
         .collect();
     let segment = opts.segment();
-    eprintln!(
-        "bench: {} rows of {} x {:.1} s at {} reads/s from {} client processes; primary stalls {} ms every {} ms",
-        rows.len(),
-        opts.rounds,
-        segment.as_secs_f64(),
-        opts.rate,
-        opts.clients,
-        opts.stall.as_millis(),
-        opts.stall_every.as_millis()
-    );
-    let (results, costs) = {
+    if !rows.is_empty() {
+        eprintln!(
+            "bench: {} rows of {} x {:.1} s at {} reads/s from {} client processes; primary stalls {} ms every {} ms",
+            rows.len(),
+            opts.rounds,
+            segment.as_secs_f64(),
+            opts.rate,
+            opts.clients,
+            opts.stall.as_millis(),
+            opts.stall_every.as_millis()
+        );
+    }
+    if !overload_rows.is_empty() {
+        eprintln!(
+            "bench: {} overload rows of {:.1} s at {} reads/s; every replica stopped for {} ms in the middle",
+            overload_rows.len(),
+            opts.overload_duration.as_secs_f64(),
+            opts.overload_rate,
+            opts.overload_stop.as_millis()
+        );
+    }
+    let (results, overload, costs) = {
         let mut tb = Testbed::new("bench", 3)?;
         tb.start_memcached()?;
         preload_marked(&tb.client, &tb.replica_endpoints(), opts.keys)?;
@@ -139,6 +171,16 @@ pub fn run(opts: &Options) -> Result<Report> {
                 result.append(r)?;
             }
         }
+        // The overload rows stop every replica for a long while: one block
+        // after the stall rows, each row once.
+        let mut overload = Vec::new();
+        for row in &overload_rows {
+            check_interrupted()?;
+            let r =
+                run_overload_row(&tb, opts, row).with_context(|| format!("row {}", row.label()))?;
+            eprintln!("bench: {}", r.one_line());
+            overload.push(r);
+        }
         check_interrupted()?;
         let costs = if opts.skip_cost {
             Vec::new()
@@ -146,9 +188,9 @@ pub fn run(opts: &Options) -> Result<Report> {
             eprintln!("bench: per-packet cost (BPF_PROG_TEST_RUN)");
             packet_cost::measure(&tb.client, &opts.cost)?
         };
-        (results, costs)
+        (results, overload, costs)
     };
-    let report = Report::new(opts, results, costs);
+    let report = Report::new(opts, results, overload, costs);
     report.write(&opts.out)?;
     Ok(report)
 }
@@ -226,6 +268,9 @@ impl Attached {
             redirected: stats.iter().map(|b| b.redirected_away).sum(),
             untracked: stats.iter().map(|b| b.untracked).sum(),
             expired: s.expired().iter().sum(),
+            overload_passed: stats.iter().map(|b| b.overload_passed).sum(),
+            overload_dropped: stats.iter().map(|b| b.overload_dropped).sum(),
+            overload_rejected: stats.iter().map(|b| b.overload_rejected).sum(),
             egress_runs,
             egress_ns,
             ingress_runs,
@@ -325,6 +370,26 @@ fn drive_stalls(
     stalls
 }
 
+/// Stops every replica at `at` for `stop`, then resumes them all; returns
+/// the stop as (start, end) seconds from `start_ns`.
+fn stop_all(replicas: &[Replica], start_ns: u64, at: u64, stop: Duration) -> Option<(f64, f64)> {
+    sleep_until(at);
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        return None;
+    }
+    for r in replicas {
+        r.stop();
+    }
+    let stopped = monotonic_ns();
+    sleep_until(stopped + stop.as_nanos() as u64);
+    for r in replicas {
+        r.resume();
+    }
+    let resumed = monotonic_ns();
+    let secs = |t: u64| (t.saturating_sub(start_ns)) as f64 / 1e9;
+    Some((secs(stopped), secs(resumed)))
+}
+
 fn sleep_until(t: u64) {
     let now = monotonic_ns();
     if t > now {
@@ -384,6 +449,7 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
             drain_ms: opts.drain.as_millis() as u64,
             request_timeout_ms: opts.drain.as_millis() as u64,
             keys: opts.keys,
+            window_ns: None,
         })
         .collect();
     let mut clients = Clients::spawn(&tb.client, &opts.client_exe, &specs)?;
@@ -420,4 +486,73 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
         result.add(r, &decode_histogram(&r.histogram)?)?;
     }
     Ok(result)
+}
+
+/// One row of the overload scenario: the selector attached with the row's
+/// cap and overload action, reads to the primary at `overload_rate`, and
+/// every replica stopped for `overload_stop` in the middle of the load.
+fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult> {
+    let Row::Overload { on, cap } = *row else {
+        bail!("not an overload row");
+    };
+    let replicas = tb.replica_endpoints();
+    let drain = opts.overload_drain();
+    let attached = Attached::start(
+        tb,
+        Settings {
+            timeout: drain,
+            grace: drain,
+            ingress: opts.ingress,
+            max_pending: cap,
+            on_overload: on,
+            ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
+        },
+    )?;
+    let duration = opts.overload_duration;
+    let start_ns = monotonic_ns() + 500_000_000;
+    let stop_ns = opts.overload_stop.as_nanos() as u64;
+    let stop_at = start_ns + (duration.as_nanos() as u64).saturating_sub(stop_ns) / 2;
+    let specs: Vec<ClientSpec> = (0..opts.clients)
+        .map(|index| ClientSpec {
+            index,
+            clients: opts.clients,
+            policy: ClientPolicy::Primary,
+            targets: vec![replicas[0]],
+            replicas: replicas.len(),
+            rate: f64::from(opts.overload_rate),
+            start_ns,
+            duration_ms: duration.as_millis() as u64,
+            drain_ms: drain.as_millis() as u64,
+            request_timeout_ms: drain.as_millis() as u64,
+            keys: opts.keys,
+            window_ns: Some((stop_at, stop_at + stop_ns)),
+        })
+        .collect();
+    let buffer_drops_before = replica_buffer_drops(tb)?;
+    let mut clients = Clients::spawn(&tb.client, &opts.client_exe, &specs)?;
+    let (reports, stop) = thread::scope(|s| {
+        let driver = s.spawn(|| stop_all(&tb.replicas, start_ns, stop_at, opts.overload_stop));
+        let reports = clients.collect();
+        (reports, driver.join().ok().flatten())
+    });
+    let reports = reports?;
+    let counts = attached.counts()?;
+    attached.finish()?;
+    let mut result = RowResult::new(row.clone(), duration);
+    result.stalls = stop.into_iter().collect();
+    result.kernel = Some(counts);
+    result.replica_buffer_drops = Some(replica_buffer_drops(tb)? - buffer_drops_before);
+    for r in &reports {
+        result.add(r, &decode_histogram(&r.histogram)?)?;
+    }
+    Ok(result)
+}
+
+/// UDP datagrams dropped so far on the replicas' hosts because a socket's
+/// receive buffer was full.
+fn replica_buffer_drops(tb: &Testbed) -> Result<u64> {
+    tb.replica_ns
+        .iter()
+        .map(|ns| ns.snmp("Udp", "RcvbufErrors"))
+        .sum()
 }

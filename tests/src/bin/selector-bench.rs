@@ -1,7 +1,9 @@
-//! `cargo xtask bench`: the replica-stall benchmark (every policy, one run)
-//! and the per-packet cost of the kernel programs. `--quick` runs a reduced
+//! `cargo xtask bench`: the replica-stall benchmark (every policy, one run),
+//! the overload scenario (every replica stopped: no cap, drop, reject) and
+//! the per-packet cost of the kernel programs. `--quick` runs a reduced
 //! version in under two minutes. Results go to `--out` (default
-//! `target/bench/`): results.md, results.csv, packet_cost.csv and PNG plots.
+//! `target/bench/`): results.md, results.csv, overload.csv, packet_cost.csv
+//! and PNG plots.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -72,9 +74,23 @@ struct Args {
     /// The selector's response hook: xdp (the agent's default) or tc.
     #[arg(long, default_value = "xdp", value_parser = ["xdp", "tc"])]
     ingress: String,
-    /// Run only these rows (ids as in results.csv, comma-separated).
+    /// Run only these rows (ids as in results.csv and overload.csv, or the
+    /// part of an id before `_`, e.g. `overload`; comma-separated).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Overload scenario: reads per second, all client processes together.
+    #[arg(long, default_value_t = 2000)]
+    overload_rate: u32,
+    /// Overload scenario: seconds of load per row [default: 4, quick: 2].
+    #[arg(long)]
+    overload_duration: Option<f64>,
+    /// Overload scenario: how long every replica is stopped, in the middle,
+    /// in milliseconds [default: 1000, quick: 500].
+    #[arg(long)]
+    overload_stop_ms: Option<u64>,
+    /// Overload scenario: max_pending of the drop and reject rows.
+    #[arg(long, default_value_t = 32)]
+    overload_max_pending: u32,
     /// Skip the per-packet cost measurement.
     #[arg(long)]
     skip_packet_cost: bool,
@@ -140,6 +156,14 @@ fn main() -> Result<()> {
             IngressMode::Xdp
         },
         only: args.only.clone(),
+        overload_rate: args.overload_rate.max(1),
+        overload_duration: Duration::from_secs_f64(
+            args.overload_duration.unwrap_or(pick(args.quick, 2.0, 4.0)),
+        ),
+        overload_stop: Duration::from_millis(
+            args.overload_stop_ms.unwrap_or(pick(args.quick, 500, 1000)),
+        ),
+        overload_max_pending: args.overload_max_pending.max(1),
         skip_cost: args.skip_packet_cost,
         // What `cargo xtask bench ARGS` runs this binary with.
         command: std::iter::once("cargo xtask bench".to_string())
