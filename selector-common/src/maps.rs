@@ -22,6 +22,8 @@ pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
 
 /// Default size of the in-flight table (entries, not bytes).
 pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
+/// Largest `--inflight-max`: 16 Mi slots of 64 bytes, 1 GiB.
+pub const MAX_INFLIGHT_MAX: u32 = 4_194_304;
 
 /// The id of the member at `position` of `group`.
 pub const fn backend_id(group: u32, position: usize) -> u32 {

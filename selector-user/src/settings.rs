@@ -149,8 +149,11 @@ impl Settings {
         }
         check_millis("--timeout", self.timeout)?;
         check_millis("--grace", self.grace)?;
-        if self.inflight_max == 0 {
-            bail!("--inflight-max must be at least 1");
+        if self.inflight_max == 0 || self.inflight_max > selector_common::MAX_INFLIGHT_MAX {
+            bail!(
+                "--inflight-max must be 1 to {} (the table takes 256 bytes per request)",
+                selector_common::MAX_INFLIGHT_MAX
+            );
         }
         if self.mark.count_ones() != 1 {
             bail!(

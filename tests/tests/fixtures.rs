@@ -127,29 +127,29 @@ fn full_in_flight_table_passes_requests_untracked_and_untouched() {
     };
     let mut sel = Selector::load(&settings).unwrap();
     set_issued(&mut sel, 0, 5);
-    // Sized for one request, the table has two slots (headroom for the
-    // probe windows): two reads fill it.
+    // Sized for one request, the table has four slots (headroom for the
+    // probe windows): four reads fill it.
     let read = |id: u8| {
         let mut get = GET.to_vec();
         get[1] = id;
         request(&get)
     };
-    for id in [1, 2] {
+    for id in [1, 2, 3, 4] {
         let (verdict, _) = egress(&mut sel, &read(id));
         assert_eq!(verdict, TC_ACT_REDIRECT);
     }
-    // A third read finds no free slot: it goes where the application sent
+    // A fifth read finds no free slot: it goes where the application sent
     // it, untouched and uncounted.
-    let input = read(3);
+    let input = read(5);
     assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
     let s = stats(&sel);
     assert_eq!(
         (s[0].requests, s[0].untracked, s[0].redirected_away),
-        (3, 1, 2)
+        (5, 1, 4)
     );
-    assert_eq!(sel.inflight().unwrap().len(), 2);
+    assert_eq!(sel.inflight().unwrap().len(), 4);
     let issued: u64 = counters(&sel).issued.iter().sum();
-    assert_eq!(issued, 5 + 2);
+    assert_eq!(issued, 5 + 4);
 }
 
 #[test]
@@ -463,8 +463,8 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
 #[test]
 fn sweep_walks_a_large_table_to_the_end() {
     let settings = Settings {
-        // Sized for 4x the entries: a probe window never fills.
-        inflight_max: 20_000,
+        // A table a quarter full: a probe window practically never fills.
+        inflight_max: 8192,
         ..settings_for(Descriptor::memcached(), replica)
     };
     let mut sel = Selector::load(&settings).unwrap();
