@@ -333,6 +333,11 @@ mod tests {
         assert!(err(&s).contains("--iface"));
         assert!(err(&settings(&[])).contains("--group"));
         let mut s = settings(&["10.0.0.1:1"]);
+        s.inflight_max = selector_common::MAX_INFLIGHT_MAX + 1;
+        assert!(err(&s).contains("--inflight-max"));
+        s.inflight_max = 0;
+        assert!(err(&s).contains("--inflight-max"));
+        let mut s = settings(&["10.0.0.1:1"]);
         s.threshold = 0;
         assert!(err(&s).contains("--threshold"));
         s.policy = Policy::Observe;
