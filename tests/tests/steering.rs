@@ -192,3 +192,109 @@ fn lost_requests_expire_and_pending_returns_to_exactly_zero() {
     );
     assert!(sel.inflight().unwrap().is_empty());
 }
+
+/// The memcached `get` reply the paged replica sends for every request.
+const PAGED_VALUE: &[u8] = b"VALUE k 0 5\r\nhello\r\nEND\r\n";
+
+/// A replica whose every reply is a paged skb: with UDP_SEGMENT the kernel
+/// puts the whole payload in page fragments (only the headers are linear),
+/// so the memcached frame header the reply path reads is not in the linear
+/// part. UDP_SEGMENT needs checksum offload (the send fails with EIO
+/// without it), and paged data needs scatter-gather on the device, so both
+/// are turned on for this replica's interface; a successful send therefore
+/// means a paged datagram. Returns how many replies it sent.
+fn serve_paged_replies(
+    ns: &selector_testbed::netns::Namespace,
+    addr: std::net::SocketAddrV4,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> thread::JoinHandle<std::io::Result<u64>> {
+    use std::{os::fd::AsRawFd as _, sync::atomic::Ordering};
+    ns.exec("ethtool", &["-K", CLIENT_IFACE, "tx", "on", "sg", "on"])
+        .expect("offloads on");
+    let socket = ns
+        .run(move || std::net::UdpSocket::bind(addr))
+        .unwrap()
+        .expect("bind");
+    let gso_size: libc::c_int = 1400;
+    // SAFETY: a valid socket and an int option.
+    let rc = unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_UDP,
+            libc::UDP_SEGMENT,
+            (&gso_size as *const libc::c_int).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "UDP_SEGMENT: {}", std::io::Error::last_os_error());
+    socket
+        .set_read_timeout(Some(Duration::from_millis(20)))
+        .unwrap();
+    thread::spawn(move || {
+        let (mut buf, mut sent) = ([0u8; 2048], 0);
+        while !stop.load(Ordering::Relaxed) {
+            let (n, from) = match socket.recv_from(&mut buf) {
+                Ok(got) => got,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            };
+            if n < 8 {
+                continue;
+            }
+            let mut reply = buf[..8].to_vec();
+            reply.extend_from_slice(PAGED_VALUE);
+            socket.send_to(&reply, from)?;
+            sent += 1;
+        }
+        Ok(sent)
+    })
+}
+
+#[test]
+fn a_paged_reply_is_pulled_and_rewritten_on_tc_ingress() {
+    use std::sync::{Arc, atomic::AtomicBool};
+    const READS: usize = 200;
+    let tb = Testbed::new("selpg", 2).expect("testbed");
+    let [primary, replica] = tb.replica_endpoints()[..] else {
+        unreachable!()
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = serve_paged_replies(&tb.replica_ns[1], replica, stop.clone());
+    let timeout = Duration::from_millis(500);
+    let running = SweptSelector::start(
+        &tb,
+        Settings {
+            ingress: IngressMode::Tc,
+            ..Settings::new(CLIENT_IFACE, vec![vec![primary, replica]])
+        },
+    );
+    {
+        let mut sel = running.selector.lock().unwrap();
+        let id = sel.backend_index(primary).unwrap();
+        // Every read now leaves the primary (nothing listens there).
+        sel.set_drained(id, true).unwrap();
+    }
+    let answered = tb
+        .client
+        .run(move || {
+            let client = selector_testbed::MemcachedClient::connect(primary).unwrap();
+            (0..READS)
+                .filter(|_| {
+                    // A connected socket: only a reply rewritten to come
+                    // from the primary is received.
+                    client
+                        .request(b"get k\r\n", Duration::from_millis(300))
+                        .is_ok_and(|body| body == PAGED_VALUE)
+                })
+                .count()
+        })
+        .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = server.join().unwrap().expect("paged replica");
+    assert_eq!(sent, READS as u64, "the replica answers every read");
+    assert_eq!(answered, READS, "every paged reply reaches the application");
+    let stats = running.selector.lock().unwrap().stats().unwrap();
+    assert_eq!(stats[0].redirected_away, READS as u64, "{stats:?}");
+    assert_eq!(stats[1].responses, READS as u64, "{stats:?}");
+    assert_eq!(wait_for_zero_pending(&running, timeout), vec![0, 0]);
+}
