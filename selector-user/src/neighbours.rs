@@ -1,62 +1,322 @@
-//! Next-hop warm-up. A redirected request leaves through
-//! `bpf_redirect_neigh`, which resolves the replica's neighbour itself but
-//! holds the packet while it does; probing every backend at start (and now
-//! and then) keeps those entries resolved, so no redirect waits for ARP.
+//! Keeping the backends' next hops resolved, through rtnetlink and without
+//! traffic of the agent's own. A redirected request leaves through
+//! `bpf_redirect_neigh`, which resolves the next hop itself but holds the
+//! packet while it does. So at start the agent looks up each backend's
+//! route and marks its next hop's neighbour entry *managed* (NTF_EXT_MANAGED,
+//! Linux 5.16): the kernel resolves it at once and keeps it resolved, with
+//! its own ARP probes, for as long as the entry is managed. Entries the
+//! administrator made permanent (or that need no resolution) are left alone.
+//! [`ManagedNeighbours::release`] deletes the entries the agent marked when
+//! it detaches; the kernel re-resolves them on demand as it always does.
 
 use std::{
-    collections::HashSet,
-    net::{Ipv4Addr, SocketAddrV4, UdpSocket},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4},
     time::{Duration, Instant},
 };
 
-/// The discard port: a probe there reaches the backend host (resolving the
-/// neighbour) without touching the service or the selector's counters.
-const PROBE_PORT: u16 = 9;
+use anyhow::{Context as _, Result, bail};
+use netlink_packet_core::{
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
+    NetlinkPayload,
+};
+use netlink_packet_route::{
+    AddressFamily, RouteNetlinkMessage,
+    neighbour::{
+        NeighbourAddress, NeighbourAttribute, NeighbourExtFlags, NeighbourMessage, NeighbourState,
+    },
+    route::{RouteAddress, RouteAttribute, RouteMessage},
+};
+use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
 
-/// Sends one empty datagram towards each backend host.
-pub fn probe(backends: &[SocketAddrV4]) {
-    let Ok(socket) = UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0)) else {
-        return;
-    };
-    for b in backends {
-        let _ = socket.send_to(&[], (*b.ip(), PROBE_PORT));
+/// Where packets to a backend go next: the interface and the address whose
+/// link-layer address they are sent to (the backend itself when on-link,
+/// else its gateway).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NextHop {
+    pub ifindex: u32,
+    pub via: IpAddr,
+}
+
+/// A neighbour entry as the kernel reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Neighbour {
+    pub state: NeighbourState,
+    pub lladdr: Option<Vec<u8>>,
+    pub managed: bool,
+}
+
+impl Neighbour {
+    /// Has a usable link-layer address now.
+    pub fn is_resolved(&self) -> bool {
+        self.lladdr.is_some()
+            && matches!(
+                self.state,
+                NeighbourState::Reachable
+                    | NeighbourState::Stale
+                    | NeighbourState::Delay
+                    | NeighbourState::Probe
+                    | NeighbourState::Permanent
+                    | NeighbourState::Noarp
+            )
+    }
+
+    /// Set by the administrator (or needing no resolution): not ours to manage.
+    fn is_static(&self) -> bool {
+        matches!(
+            self.state,
+            NeighbourState::Permanent | NeighbourState::Noarp
+        )
     }
 }
 
-/// IPv4 neighbours the kernel has resolved (from /proc/net/arp).
-pub fn resolved() -> HashSet<Ipv4Addr> {
-    let Ok(table) = std::fs::read_to_string("/proc/net/arp") else {
-        return HashSet::new();
-    };
-    table
-        .lines()
-        .skip(1)
-        .filter_map(|line| {
-            let mut cols = line.split_whitespace();
-            let ip = cols.next()?.parse().ok()?;
-            let flags = u32::from_str_radix(cols.nth(1)?.trim_start_matches("0x"), 16).ok()?;
-            // ATF_COM: the entry is complete.
-            (flags & 0x2 != 0).then_some(ip)
-        })
-        .collect()
+/// A NETLINK_ROUTE socket in the calling thread's network namespace.
+pub struct Netlink {
+    socket: Socket,
+    sequence: u32,
 }
 
-/// Probes and waits (up to `wait`) for on-link backends to resolve. Returns
-/// the backends still unresolved; those behind a router never show up here
-/// and resolve through their gateway instead.
-pub fn warm_up(backends: &[SocketAddrV4], wait: Duration) -> Vec<SocketAddrV4> {
-    probe(backends);
+impl Netlink {
+    pub fn open() -> Result<Self> {
+        let mut socket = Socket::new(NETLINK_ROUTE).context("opening a netlink socket")?;
+        socket.bind_auto()?;
+        socket.connect(&SocketAddr::new(0, 0))?;
+        Ok(Self {
+            socket,
+            sequence: 0,
+        })
+    }
+
+    /// Sends one request and collects the replies until its ack (or the
+    /// answer, for a get without NLM_F_ACK).
+    fn request(
+        &mut self,
+        message: RouteNetlinkMessage,
+        flags: u16,
+    ) -> Result<Vec<RouteNetlinkMessage>> {
+        self.sequence = self.sequence.wrapping_add(1);
+        let mut header = NetlinkHeader::default();
+        header.flags = NLM_F_REQUEST | flags;
+        header.sequence_number = self.sequence;
+        let mut packet = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(message));
+        packet.finalize();
+        let mut buf = vec![0; packet.buffer_len()];
+        packet.serialize(&mut buf);
+        self.socket.send(&buf, 0)?;
+        let wants_ack = flags & NLM_F_ACK != 0;
+        let mut replies = Vec::new();
+        let mut received = Vec::with_capacity(1 << 16);
+        loop {
+            received.clear();
+            let n = self.socket.recv(&mut received, 0)?;
+            let mut at = 0;
+            while at < n {
+                let message = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&received[at..n])
+                    .context("decoding a netlink reply")?;
+                let len = message.header.length as usize;
+                if message.header.sequence_number == self.sequence {
+                    match message.payload {
+                        NetlinkPayload::Error(e) if e.code.is_some() => {
+                            return Err(e.to_io().into());
+                        }
+                        NetlinkPayload::Error(_) | NetlinkPayload::Done(_) => return Ok(replies),
+                        NetlinkPayload::InnerMessage(m) => {
+                            replies.push(m);
+                            if !wants_ack {
+                                return Ok(replies);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if len == 0 {
+                    break;
+                }
+                at += len;
+            }
+        }
+    }
+
+    /// The route the kernel would use for `dst` (`ip route get`).
+    pub fn next_hop(&mut self, dst: Ipv4Addr) -> Result<NextHop> {
+        let mut query = RouteMessage::default();
+        query.header.address_family = AddressFamily::Inet;
+        query.header.destination_prefix_length = 32;
+        query
+            .attributes
+            .push(RouteAttribute::Destination(RouteAddress::Inet(dst)));
+        let replies = self
+            .request(RouteNetlinkMessage::GetRoute(query), 0)
+            .with_context(|| format!("no route to {dst}"))?;
+        let Some(RouteNetlinkMessage::NewRoute(route)) = replies.into_iter().next() else {
+            bail!("no route to {dst}");
+        };
+        let mut hop = NextHop {
+            ifindex: 0,
+            via: IpAddr::V4(dst),
+        };
+        for attribute in route.attributes {
+            match attribute {
+                RouteAttribute::Oif(index) => hop.ifindex = index,
+                RouteAttribute::Gateway(RouteAddress::Inet(gateway)) => {
+                    hop.via = IpAddr::V4(gateway)
+                }
+                _ => {}
+            }
+        }
+        if hop.ifindex == 0 {
+            bail!("the route to {dst} names no interface");
+        }
+        Ok(hop)
+    }
+
+    /// The neighbour entry for `hop`, if there is one.
+    pub fn neighbour(&mut self, hop: NextHop) -> Result<Option<Neighbour>> {
+        let query = neighbour_message(hop);
+        let replies = match self.request(RouteNetlinkMessage::GetNeighbour(query), 0) {
+            Ok(r) => r,
+            Err(e) if is_not_found(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        Ok(replies.into_iter().find_map(|r| match r {
+            RouteNetlinkMessage::NewNeighbour(n) => Some(parse_neighbour(n)),
+            _ => None,
+        }))
+    }
+
+    /// Marks `hop`'s entry managed (creating it), unless it is static.
+    /// Returns whether the agent now manages it.
+    pub fn manage(&mut self, hop: NextHop) -> Result<bool> {
+        if self.neighbour(hop)?.is_some_and(|n| n.is_static()) {
+            return Ok(false);
+        }
+        let mut entry = neighbour_message(hop);
+        // NUD_NONE with the managed flag: the kernel starts resolving.
+        entry.header.state = NeighbourState::None;
+        entry
+            .attributes
+            .push(NeighbourAttribute::ExtFlags(NeighbourExtFlags::Managed));
+        self.request(
+            RouteNetlinkMessage::NewNeighbour(entry),
+            NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
+        )
+        .with_context(|| format!("marking the neighbour {} managed", hop.via))?;
+        Ok(true)
+    }
+
+    /// Deletes `hop`'s entry.
+    pub fn forget(&mut self, hop: NextHop) -> Result<()> {
+        match self.request(
+            RouteNetlinkMessage::DelNeighbour(neighbour_message(hop)),
+            NLM_F_ACK,
+        ) {
+            Err(e) if !is_not_found(&e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn neighbour_message(hop: NextHop) -> NeighbourMessage {
+    let mut m = NeighbourMessage::default();
+    m.header.family = match hop.via {
+        IpAddr::V4(_) => AddressFamily::Inet,
+        IpAddr::V6(_) => AddressFamily::Inet6,
+    };
+    m.header.ifindex = hop.ifindex;
+    m.attributes
+        .push(NeighbourAttribute::Destination(match hop.via {
+            IpAddr::V4(a) => NeighbourAddress::Inet(a),
+            IpAddr::V6(a) => NeighbourAddress::Inet6(a),
+        }));
+    m
+}
+
+fn parse_neighbour(m: NeighbourMessage) -> Neighbour {
+    let mut n = Neighbour {
+        state: m.header.state,
+        lladdr: None,
+        managed: false,
+    };
+    for attribute in m.attributes {
+        match attribute {
+            NeighbourAttribute::LinkLayerAddress(a) => n.lladdr = Some(a),
+            NeighbourAttribute::ExtFlags(f) => n.managed = f.contains(NeighbourExtFlags::Managed),
+            _ => {}
+        }
+    }
+    n
+}
+
+fn is_not_found(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<std::io::Error>()
+        .and_then(std::io::Error::raw_os_error)
+        == Some(libc::ENOENT)
+}
+
+/// The next hops the agent marked managed; [`Self::release`] deletes them.
+#[derive(Debug, Default)]
+pub struct ManagedNeighbours {
+    hops: Vec<NextHop>,
+}
+
+impl ManagedNeighbours {
+    pub fn hops(&self) -> &[NextHop] {
+        &self.hops
+    }
+
+    /// Deletes the entries the agent marked (failures are only logged: the
+    /// data path does not depend on them).
+    pub fn release(self) {
+        let Ok(mut netlink) = Netlink::open() else {
+            return;
+        };
+        for hop in self.hops {
+            if let Err(e) = netlink.forget(hop) {
+                log::warn!("deleting the neighbour entry {}: {e:#}", hop.via);
+            }
+        }
+    }
+}
+
+/// Marks every backend's next hop managed, then waits up to `wait` for them
+/// to resolve. Returns what it marked and the backends still unresolved.
+pub fn keep_resolved(
+    backends: &[SocketAddrV4],
+    wait: Duration,
+) -> Result<(ManagedNeighbours, Vec<SocketAddrV4>)> {
+    let mut netlink = Netlink::open()?;
+    let mut managed = ManagedNeighbours::default();
+    let mut hops = Vec::new();
+    for backend in backends {
+        let hop = netlink.next_hop(*backend.ip())?;
+        if !managed.hops.contains(&hop) && netlink.manage(hop)? {
+            managed.hops.push(hop);
+        }
+        hops.push((*backend, hop));
+    }
     let deadline = Instant::now() + wait;
     loop {
-        let known = resolved();
-        let missing: Vec<_> = backends
-            .iter()
-            .filter(|b| !known.contains(b.ip()))
-            .copied()
-            .collect();
-        if missing.is_empty() || Instant::now() >= deadline {
-            return missing;
+        let mut unresolved = Vec::new();
+        for (backend, hop) in &hops {
+            if !netlink.neighbour(*hop)?.is_some_and(|n| n.is_resolved()) {
+                unresolved.push(*backend);
+            }
+        }
+        if unresolved.is_empty() || Instant::now() >= deadline {
+            return Ok((managed, unresolved));
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// [`keep_resolved`] for callers that keep the entries managed for the
+/// namespace's lifetime (tests and benchmarks); an error counts every
+/// backend as unresolved.
+pub fn warm_up(backends: &[SocketAddrV4], wait: Duration) -> Vec<SocketAddrV4> {
+    match keep_resolved(backends, wait) {
+        Ok((_, unresolved)) => unresolved,
+        Err(e) => {
+            log::warn!("resolving the backends' next hops: {e:#}");
+            backends.to_vec()
+        }
     }
 }

@@ -15,9 +15,6 @@ use super::{
 };
 use crate::{Selector, control::SettingsInForce, neighbours, sys, telemetry};
 
-/// How often the neighbour entries of the backends are refreshed.
-const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
-
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
@@ -61,7 +58,8 @@ impl StopSignals {
 /// The attached selector and what the loops around it need.
 struct Agent {
     selector: Selector,
-    addrs: Vec<SocketAddrV4>,
+    /// The backends' next hops the agent keeps resolved.
+    neighbours: neighbours::ManagedNeighbours,
     interval: Duration,
     sweep_every: Duration,
     quiet: bool,
@@ -70,11 +68,12 @@ struct Agent {
 }
 
 impl Agent {
-    /// Warms the backends' neighbour entries and prints the attached line.
+    /// Has the backends' next hops kept resolved and prints the attached line.
     fn new(selector: Selector, args: &RunArgs) -> Result<Self> {
         let settings = &selector.settings;
         let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
-        let unresolved = neighbours::warm_up(&addrs, Duration::from_millis(500));
+        let (neighbours, unresolved) =
+            neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
         println!(
             "selector: attached to {} ({} ingress), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}",
             settings.iface,
@@ -88,7 +87,7 @@ impl Agent {
         );
         if !unresolved.is_empty() {
             println!(
-                "selector: no neighbour entry yet for {unresolved:?} (fine if routed; the first redirect to them waits for resolution)"
+                "selector: next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
             );
         }
         let interval = Duration::from_millis(args.interval);
@@ -99,7 +98,7 @@ impl Agent {
         let last = selector.snapshot()?;
         Ok(Self {
             selector,
-            addrs,
+            neighbours,
             interval,
             sweep_every,
             quiet: args.quiet,
@@ -116,7 +115,6 @@ impl Agent {
     ) {
         let mut sweep_tick = interval(self.sweep_every);
         let mut print_tick = ticks_after(self.interval);
-        let mut refresh_tick = ticks_after(NEIGHBOUR_REFRESH);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -129,7 +127,6 @@ impl Agent {
                 _ = signals.recv() => return,
                 _ = &mut until_deadline => return,
                 _ = sweep_tick.tick() => self.sweep(),
-                _ = refresh_tick.tick() => neighbours::probe(&self.addrs),
                 call = control.next_call() => self.answer(call, false),
                 _ = print_tick.tick() => self.print_table(),
             }
@@ -178,7 +175,11 @@ impl Agent {
 
     /// A last sweep, the totals, and the detach (dropping the selector).
     fn detach(self) -> Result<()> {
-        let Self { mut selector, .. } = self;
+        let Self {
+            mut selector,
+            neighbours,
+            ..
+        } = self;
         selector.sweep(sys::monotonic_ns())?;
         let end = selector.snapshot()?;
         let totals = telemetry::totals(&selector.backends, &end);
@@ -196,6 +197,7 @@ impl Agent {
             )
         );
         drop(selector);
+        neighbours.release();
         Ok(())
     }
 
