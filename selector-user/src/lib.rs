@@ -7,6 +7,7 @@ pub mod interface;
 pub mod loader;
 pub mod neighbours;
 pub mod plant;
+pub mod preflight;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

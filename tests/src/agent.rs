@@ -219,3 +219,40 @@ pub fn status(ns: &Namespace, iface: &str) -> Vec<TotalsRow> {
     assert_eq!(code, 0, "{out}");
     totals_rows(&out)
 }
+
+/// What is attached to an interface: TCX programs on each side, and XDP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Attached {
+    pub tcx_egress: usize,
+    pub tcx_ingress: usize,
+    pub xdp: bool,
+}
+
+impl Attached {
+    pub const NOTHING: Self = Self {
+        tcx_egress: 0,
+        tcx_ingress: 0,
+        xdp: false,
+    };
+}
+
+/// Programs attached to `iface` in `ns`.
+pub fn attached(ns: &Namespace, iface: &str) -> Attached {
+    use aya::programs::{SchedClassifier, TcAttachType};
+    let name = iface.to_owned();
+    let (tcx_egress, tcx_ingress) = ns
+        .run(move || {
+            let count = |side| SchedClassifier::query_tcx(&name, side).map(|(_, p)| p.len());
+            (
+                count(TcAttachType::Egress).unwrap(),
+                count(TcAttachType::Ingress).unwrap(),
+            )
+        })
+        .unwrap();
+    let link = ns.ip(&["-d", "link", "show", iface]).unwrap();
+    Attached {
+        tcx_egress,
+        tcx_ingress,
+        xdp: String::from_utf8_lossy(&link.stdout).contains("prog/xdp"),
+    }
+}

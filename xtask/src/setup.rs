@@ -27,6 +27,9 @@ const PACKAGES: &[&str] = &[
     "nftables",
     "nginx",
     "libnginx-mod-stream",
+    // setpriv (the capability test) and systemd-analyze (the unit check).
+    "util-linux",
+    "systemd",
     // DNS replicas and a real DNS client for the overload and fragment tests.
     "nsd",
     "bind9-dnsutils",

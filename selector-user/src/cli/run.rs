@@ -22,6 +22,7 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 /// then stops steering, waits for the redirected reads in flight, and detaches.
 pub async fn run(args: RunArgs) -> Result<()> {
     let settings = args.settings()?;
+    crate::preflight::check_host()?;
     settings.check_interface()?;
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;

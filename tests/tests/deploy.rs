@@ -1,0 +1,199 @@
+//! The shipped systemd unit: it verifies, and the agent works with exactly
+//! the capabilities it grants (as an unprivileged user, under setpriv),
+//! while any one of them missing is named in one line with nothing attached.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use selector_testbed::{
+    LoadSpec, Namespace, Testbed,
+    agent::{Attached, attached, selector_binary, totals_rows},
+    netns::unique_tag,
+    run_load,
+    topology::CLIENT_IFACE,
+};
+
+const UNIT: &str = include_str!("../../deploy/selector.service");
+const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
+/// nobody
+const UNPRIVILEGED: &str = "65534";
+
+/// A `[Service]` setting of the unit, split on spaces.
+fn unit_setting(key: &str) -> Vec<String> {
+    let prefix = format!("{key}=");
+    let line = UNIT
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no {key} in the unit"));
+    line.split_whitespace().map(str::to_owned).collect()
+}
+
+/// The unit's capabilities as setpriv names them (`CAP_BPF` -> `bpf`).
+fn unit_capabilities() -> Vec<String> {
+    let ambient = unit_setting("AmbientCapabilities");
+    assert_eq!(ambient, unit_setting("CapabilityBoundingSet"));
+    ambient
+        .iter()
+        .map(|c| c.strip_prefix("CAP_").unwrap().to_lowercase())
+        .collect()
+}
+
+/// A copy of the agent binary that an unprivileged user can run (the
+/// checkout may sit in a directory only root can enter).
+struct PublicBinary {
+    dir: PathBuf,
+}
+
+impl PublicBinary {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(format!("selector-deploy-{}", unique_tag()));
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        std::fs::copy(selector_binary(), dir.join("selector")).unwrap();
+        Self { dir }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.join("selector")
+    }
+}
+
+impl Drop for PublicBinary {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `selector ARGS` in `ns` as nobody with only `caps` (setpriv names).
+fn as_unprivileged(ns: &Namespace, binary: &Path, caps: &[String], args: &[&str]) -> Command {
+    let set = std::iter::once("-all".to_owned())
+        .chain(caps.iter().map(|c| format!("+{c}")))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut c = ns.command("setpriv");
+    c.args([
+        &format!("--reuid={UNPRIVILEGED}"),
+        &format!("--regid={UNPRIVILEGED}"),
+        "--clear-groups",
+        &format!("--inh-caps={set}"),
+        &format!("--ambient-caps={set}"),
+        &format!("--bounding-set={set}"),
+        "--",
+    ]);
+    c.arg(binary).args(args);
+    c
+}
+
+#[test]
+fn the_unit_file_verifies() {
+    let binary = PublicBinary::new();
+    let unit = binary.dir.join("selector.service");
+    std::fs::write(
+        &unit,
+        UNIT.replace("/usr/local/bin/selector", binary.path().to_str().unwrap()),
+    )
+    .unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", unit.to_str().unwrap()])
+        .output()
+        .expect("systemd-analyze (Debian's systemd package)");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.trim().is_empty(), "{text}");
+}
+
+#[test]
+fn the_agent_steers_with_only_the_units_capabilities() {
+    let mut tb = Testbed::new("seldp", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let binary = PublicBinary::new();
+    let caps = unit_capabilities();
+    let mut agent = as_unprivileged(
+        &tb.client,
+        &binary.path(),
+        &caps,
+        &[
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--threshold",
+            "1",
+            "--quiet",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to"), "{first}");
+    assert_eq!(
+        attached(&tb.client, CLIENT_IFACE),
+        Attached {
+            tcx_egress: 1,
+            tcx_ingress: 0,
+            xdp: true
+        }
+    );
+
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(800),
+        keys: 100,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(60));
+    tb.replicas[0].resume();
+    let report = load.join().unwrap().unwrap();
+    assert_eq!(report.lost(), 0, "every reply arrives");
+
+    // The root operator's status command talks to the unprivileged agent.
+    let out = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args(["status", "--iface", CLIENT_IFACE])
+        .output()
+        .unwrap();
+    let rows = totals_rows(&String::from_utf8_lossy(&out.stdout));
+    assert_eq!(rows.len(), 3, "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(rows.iter().map(|r| r.requests).sum::<u64>(), report.sent);
+    assert!(rows[0].away > 0, "the stall moved reads: {rows:?}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+#[test]
+fn each_missing_capability_is_named_in_one_line() {
+    let tb = Testbed::new("seldq", 3).unwrap();
+    let binary = PublicBinary::new();
+    let caps = unit_capabilities();
+    for missing in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != missing).cloned().collect();
+        let out = as_unprivileged(
+            &tb.client,
+            &binary.path(),
+            &fewer,
+            &["run", "--iface", CLIENT_IFACE, "--group", GROUP],
+        )
+        .output()
+        .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        let wanted = format!("missing capability CAP_{}", missing.to_uppercase());
+        assert!(stderr.contains(&wanted), "{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
+}
