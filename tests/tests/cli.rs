@@ -7,7 +7,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::programs::{SchedClassifier, TcAttachType};
+use aya::programs::TcAttachType;
 use selector_testbed::{
     Testbed,
     agent::{self, Agent, TotalsRow, selector_binary},
@@ -22,10 +22,11 @@ fn tcx_programs(tb: &Testbed, attach: TcAttachType) -> usize {
 }
 
 fn tcx_programs_on(tb: &Testbed, iface: &'static str, attach: TcAttachType) -> usize {
-    tb.client
-        .run(move || SchedClassifier::query_tcx(iface, attach).map(|(_, p)| p.len()))
-        .unwrap()
-        .unwrap()
+    let a = agent::attached(&tb.client, iface);
+    match attach {
+        TcAttachType::Egress => a.tcx_egress,
+        _ => a.tcx_ingress,
+    }
 }
 
 fn has_xdp(tb: &Testbed) -> bool {
@@ -33,8 +34,7 @@ fn has_xdp(tb: &Testbed) -> bool {
 }
 
 fn has_xdp_on(tb: &Testbed, iface: &str) -> bool {
-    let out = tb.client.ip(&["-d", "link", "show", iface]).unwrap();
-    String::from_utf8_lossy(&out.stdout).contains("prog/xdp")
+    agent::attached(&tb.client, iface).xdp
 }
 
 #[test]
