@@ -6,6 +6,7 @@ pub mod control;
 pub mod interface;
 pub mod loader;
 pub mod neighbours;
+pub mod pinning;
 pub mod plant;
 pub mod preflight;
 pub mod settings;

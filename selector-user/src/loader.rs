@@ -1,14 +1,21 @@
 //! Loading, configuring and attaching the kernel programs. `Selector::attach`
 //! either returns a fully configured, attached selector or fails with nothing
 //! left attached (dropping the `Ebpf` detaches whatever did attach).
+//! `Selector::attach_pinned` keeps maps and links under a pin directory
+//! instead, or adopts those an earlier agent left there (see `pinning`).
 
-use std::{collections::HashMap as StdHashMap, net::SocketAddrV4, os::fd::AsFd as _};
+use std::{
+    collections::HashMap as StdHashMap,
+    net::SocketAddrV4,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, PerCpuArray},
-    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, tc},
+    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink, tc},
     util::KernelVersion,
 };
 use log::debug;
@@ -21,7 +28,8 @@ use selector_common::{
 
 use crate::{
     EBPF_OBJECT,
-    settings::{BackendPlan, IngressMode, Settings},
+    pinning::{self, LinkSlot, PinDir},
+    settings::{BackendPlan, Settings},
     shared::{SharedArray, load},
 };
 
@@ -42,6 +50,66 @@ pub struct Selector {
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
     pub(crate) planted: u64,
+    /// Where maps and links are pinned (`--pin`); `None`: private to this agent.
+    pins: Option<PinDir>,
+    /// The maps were an earlier agent's, adopted from `pins`.
+    adopted: bool,
+}
+
+/// What `GROUPS` holds for `backends`: per group index, members in order,
+/// all active.
+fn group_table(backends: &[BackendPlan]) -> StdHashMap<u32, Group> {
+    let mut by_group: StdHashMap<u32, Group> = StdHashMap::new();
+    for b in backends {
+        let g = by_group.entry(b.group).or_default();
+        g.endpoints[g.len as usize] = endpoint(b.addr);
+        g.active |= 1 << g.len;
+        g.len += 1;
+    }
+    by_group
+}
+
+/// The program a link slot runs.
+fn program_of(slot: LinkSlot) -> &'static str {
+    match slot {
+        LinkSlot::Egress => programs::EGRESS,
+        LinkSlot::IngressXdp => programs::INGRESS_XDP,
+        LinkSlot::IngressTc => programs::INGRESS_TC,
+    }
+}
+
+/// Its name under `progs/`.
+fn pin_name(slot: LinkSlot) -> &'static str {
+    match slot {
+        LinkSlot::Egress => "egress",
+        _ => "ingress",
+    }
+}
+
+/// Refuses to attach next to selector programs already on `iface` (left
+/// pinned by an agent with `--pin`, say): both would count and steer.
+fn refuse_if_attached(iface: &str) -> Result<()> {
+    if !pinning::tcx_programs_on(iface)?.is_empty() {
+        bail!(
+            "selector programs are already attached to {iface} (pinned by a `selector run --pin DIR`?): adopt them with the same --pin DIR, or remove them with `selector detach --iface {iface} [--pin DIR]`"
+        );
+    }
+    Ok(())
+}
+
+/// As [`refuse_if_attached`], for the TCX direction of one missing link.
+fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
+    let attach = match slot {
+        LinkSlot::Egress => TcAttachType::Egress,
+        LinkSlot::IngressTc => TcAttachType::Ingress,
+        LinkSlot::IngressXdp => return Ok(()), // the kernel refuses a second XDP program
+    };
+    if !pinning::tcx_programs_at(iface, attach).is_empty() {
+        bail!(
+            "a selector program is attached to {iface} without a pinned link in the pin directory: run `selector detach --iface {iface}` first"
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn endpoint(addr: SocketAddrV4) -> Endpoint {
@@ -70,31 +138,145 @@ impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
         interface_index(&settings.iface)?;
-        let mut selector = Self::load(settings)?;
+        refuse_if_attached(&settings.iface)?;
+        let selector = Self::load_with(settings, None)?;
+        selector.attach_fresh()
+    }
+
+    /// As [`Self::attach`], with maps and links pinned under `dir/IFACE`.
+    /// When an earlier agent pinned them there, adopts them instead: its
+    /// maps are reused (counts and requests in flight carry on), this
+    /// build's programs are swapped into its links atomically, and steering
+    /// never stops. Settings that shape the maps (groups, `--inflight-max`,
+    /// `--ingress`) must match; see [`PinDir::check_adoptable`].
+    pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
+        interface_index(&settings.iface)?;
+        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
+            bail!("--pin needs TCX links (Linux 6.6 or later)");
+        }
+        let pins = PinDir::prepare(dir, &settings.iface)?;
+        if pins.has_maps() {
+            let mut selector = Self::load_with(settings, Some(pins))?;
+            selector.adopt_links()?;
+            return Ok(selector);
+        }
+        let fresh = refuse_if_attached(&settings.iface)
+            .and_then(|()| Self::load_with(settings, Some(pins.clone())))
+            .and_then(Self::attach_fresh);
+        if fresh.is_err() {
+            // Nothing of a failed start stays pinned (the next agent would
+            // adopt it).
+            let _ = pins.remove_all(&mut pinning::Removed::default());
+        }
+        fresh
+    }
+
+    /// The pin directory (`DIR/IFACE`) with `--pin`.
+    pub fn pinned(&self) -> Option<&Path> {
+        self.pins.as_ref().map(PinDir::root)
+    }
+
+    /// Whether the maps were adopted from an earlier agent's pins.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    /// Attaches the loaded programs with new links (pinned with `--pin`).
+    fn attach_fresh(mut self) -> Result<Self> {
         // The reply path goes first, so a redirect never goes out before
         // its reply can be rewritten. Order matters at a SIGKILL too: the
         // dying process's links are released last-opened first (task work
         // runs in reverse), so egress, opened last, stops redirecting before
         // ingress goes (measured: 7-27 of 6,000 replies lost the other way
         // round, 0 this way). Steering stays off until both are in place.
-        selector.steering_off = true;
-        selector.write_config()?;
-        selector.attach_programs()?;
-        selector.steering_off = false;
-        selector.write_config()?;
-        Ok(selector)
+        self.steering_off = true;
+        self.write_config()?;
+        self.attach_programs()?;
+        self.steering_off = false;
+        self.write_config()?;
+        Ok(self)
+    }
+
+    /// Swaps this agent's programs into the links an earlier agent pinned
+    /// (`BPF_LINK_UPDATE`, atomic per link; the reply path first), and
+    /// attaches and pins a link that is missing. Steering goes on
+    /// throughout: both programs use the same maps.
+    fn adopt_links(&mut self) -> Result<()> {
+        let pins = self.pins.clone().expect("adopting needs pins");
+        let iface = self.settings.iface.clone();
+        let ingress = LinkSlot::ingress(self.settings.ingress);
+        let mut missing = Vec::new();
+        for slot in [ingress, LinkSlot::Egress] {
+            let Some(link) = pins.pinned_link(slot, &iface)? else {
+                missing.push(slot);
+                continue;
+            };
+            let name = program_of(slot);
+            let updated = match slot {
+                LinkSlot::IngressXdp => {
+                    let p: &mut Xdp = self.program_mut(name)?.try_into()?;
+                    p.attach_to_link(link.try_into()?).map(drop)
+                }
+                _ => {
+                    let p: &mut SchedClassifier = self.program_mut(name)?.try_into()?;
+                    p.attach_to_link(link.try_into()?).map(drop)
+                }
+            };
+            updated.with_context(|| {
+                format!(
+                    "updating the pinned {} link (a link severed by `selector detach` without --pin, or by its interface going away, cannot be adopted: run `selector detach --iface {iface} --pin DIR` first)",
+                    slot.file()
+                )
+            })?;
+            pins.pin_program(self.program_mut(name)?, pin_name(slot))?;
+        }
+        for slot in missing {
+            // An agent stopped between pinning its maps and its links.
+            refuse_if_attached_at(&iface, slot)?;
+            self.attach_one(slot)?;
+        }
+        Ok(())
     }
 
     /// Validates `settings`, loads the programs into the kernel and fills the
     /// maps, without attaching (packet-fixture tests and benchmarks run the
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
+        Self::load_with(settings, None)
+    }
+
+    /// As [`Self::load`]; with `pins`, every map is pinned there, or taken
+    /// from there when an earlier agent pinned it (after checking it fits).
+    fn load_with(settings: &Settings, pins: Option<PinDir>) -> Result<Self> {
         let backends = settings.plan()?;
         let slot_count = slots_for(settings.inflight_max);
-        let mut ebpf = EbpfLoader::new()
-            .map_max_entries(names::INFLIGHT, slot_count)
+        let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
+        if let Some(pins) = pins.as_ref().filter(|_| adopted) {
+            pins.check_adoptable(settings, &group_table(&backends))?;
+        }
+        let map_names = pinning::pinned_map_names();
+        let map_paths: Vec<(&str, PathBuf)> = match &pins {
+            Some(p) => map_names.iter().map(|n| (*n, p.map_path(n))).collect(),
+            None => Vec::new(),
+        };
+        let mut loader = EbpfLoader::new();
+        loader.map_max_entries(names::INFLIGHT, slot_count);
+        for (name, path) in &map_paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading the kernel programs")?;
+        if pins.is_some() {
+            // A map added to the object but not to the pinned list would
+            // silently start from zero at every restart.
+            if let Some((name, _)) = ebpf
+                .maps()
+                .find(|(name, _)| !pinning::is_private_map(name) && !map_names.contains(name))
+            {
+                bail!("map {name} is not in the pinned list (pinning::shapes)");
+            }
+        }
         let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
@@ -115,6 +297,8 @@ impl Selector {
             clients,
             steering_off: false,
             planted: 0,
+            pins,
+            adopted,
         };
         selector.write_tables()?;
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -124,6 +308,47 @@ impl Selector {
         let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
         p.load()?;
         Ok(selector)
+    }
+
+    /// Attaches the program of `slot` with a new link; with pins, pins it.
+    fn attach_one(&mut self, slot: LinkSlot) -> Result<()> {
+        let iface = self.settings.iface.clone();
+        let name = program_of(slot);
+        let pinned = self.pins.is_some();
+        let link: Option<FdLink> = match slot {
+            LinkSlot::IngressXdp => {
+                let p: &mut Xdp = self.program_mut(name)?.try_into()?;
+                let id = p
+                    .attach(&iface, XdpMode::Default)
+                    .with_context(|| format!("attaching XDP to {iface} (try --ingress tc)"))?;
+                if pinned {
+                    Some(p.take_link(id)?.try_into()?)
+                } else {
+                    None
+                }
+            }
+            _ => {
+                let (attach, what) = match slot {
+                    LinkSlot::Egress => (TcAttachType::Egress, "egress"),
+                    _ => (TcAttachType::Ingress, "ingress"),
+                };
+                let p: &mut SchedClassifier = self.program_mut(name)?.try_into()?;
+                let id = p
+                    .attach(&iface, attach)
+                    .with_context(|| format!("attaching TC {what} to {iface}"))?;
+                if pinned {
+                    let link = p.take_link(id)?.try_into();
+                    Some(link.context("--pin needs TCX links (Linux 6.6 or later)")?)
+                } else {
+                    None
+                }
+            }
+        };
+        if let (Some(pins), Some(link)) = (self.pins.clone(), link) {
+            pins.pin_link(slot, link)?;
+            pins.pin_program(self.program_mut(name)?, pin_name(slot))?;
+        }
+        Ok(())
     }
 
     /// The loaded object, for tests and benchmarks that drive maps and
@@ -139,16 +364,17 @@ impl Selector {
     fn write_tables(&mut self) -> Result<()> {
         self.write_config()?;
         let backends = self.backends.clone();
+        // Adopted groups keep their drain bits (the groups are the same).
+        let active = match (&self.pins, self.adopted) {
+            (Some(pins), true) => Some(pins.pinned_active()?),
+            _ => None,
+        };
         {
             let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
-            let mut by_group: StdHashMap<u32, Group> = StdHashMap::new();
-            for b in &backends {
-                let g = by_group.entry(b.group).or_default();
-                g.endpoints[g.len as usize] = endpoint(b.addr);
-                g.active |= 1 << g.len;
-                g.len += 1;
-            }
-            for (index, group) in by_group {
+            for (index, mut group) in group_table(&backends) {
+                if let Some(bits) = active.as_ref().and_then(|a| a.get(index as usize)) {
+                    group.active = *bits;
+                }
                 groups.set(index, group, 0)?;
             }
         }
@@ -162,31 +388,12 @@ impl Selector {
     }
 
     fn attach_programs(&mut self) -> Result<()> {
-        let iface = self.settings.iface.clone();
         if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
             // Netlink TC needs clsact; TCX (6.6+) does not. An existing one is fine.
-            let _ = tc::qdisc_add_clsact(&iface);
+            let _ = tc::qdisc_add_clsact(&self.settings.iface);
         }
-        match self.settings.ingress {
-            IngressMode::Xdp => {
-                let ingress: &mut Xdp = self.program_mut(programs::INGRESS_XDP)?.try_into()?;
-                ingress
-                    .attach(&iface, XdpMode::Default)
-                    .with_context(|| format!("attaching XDP to {iface} (try --ingress tc)"))?;
-            }
-            IngressMode::Tc => {
-                let ingress: &mut SchedClassifier =
-                    self.program_mut(programs::INGRESS_TC)?.try_into()?;
-                ingress
-                    .attach(&iface, TcAttachType::Ingress)
-                    .with_context(|| format!("attaching TC ingress to {iface}"))?;
-            }
-        }
-        let egress: &mut SchedClassifier = self.program_mut(programs::EGRESS)?.try_into()?;
-        egress
-            .attach(&iface, TcAttachType::Egress)
-            .with_context(|| format!("attaching TC egress to {iface}"))?;
-        Ok(())
+        self.attach_one(LinkSlot::ingress(self.settings.ingress))?;
+        self.attach_one(LinkSlot::Egress)
     }
 
     fn program_mut(&mut self, name: &str) -> Result<&mut aya::programs::Program> {

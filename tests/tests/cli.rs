@@ -7,7 +7,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::programs::TcAttachType;
+use aya::programs::{TcAttachType, Xdp, XdpMode};
+use selector_common::programs;
 use selector_testbed::{
     Testbed,
     agent::{self, Agent, TotalsRow, selector_binary},
@@ -251,29 +252,36 @@ fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
 #[test]
 fn failed_attach_detaches_what_it_attached() {
     let tb = Testbed::new("self", 3).unwrap();
-    // Another selector holds the interface's XDP hook.
+    // Another XDP program holds the interface's XDP hook (not a selector
+    // on TCX, which `run` would refuse before attaching anything).
     let settings = Settings {
         threshold: 1,
         ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
     };
-    let first = tb
+    let holder = tb
         .client
-        .run(move || Selector::attach(&settings))
+        .run(move || -> anyhow::Result<Selector> {
+            let mut holder = Selector::load(&settings)?;
+            let xdp: &mut Xdp = holder
+                .ebpf_mut()
+                .program_mut(programs::BASELINE_XDP)
+                .expect("baseline XDP program")
+                .try_into()?;
+            xdp.load()?;
+            xdp.attach(CLIENT_IFACE, XdpMode::Default)?;
+            Ok(holder)
+        })
         .unwrap()
         .unwrap();
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
-    // The second attaches TC egress, then fails on XDP: it must undo the egress.
+    assert!(has_xdp(&tb));
+    // The second attaches nothing else once XDP fails.
     let (code, stderr) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
     assert_ne!(code, 0);
     assert!(stderr.contains("attaching XDP"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
-    assert_eq!(
-        tcx_programs(&tb, TcAttachType::Egress),
-        1,
-        "only the first selector's egress"
-    );
-    drop(first);
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0, "no egress left");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
+    drop(holder);
     assert!(!has_xdp(&tb));
 }
 

@@ -1,8 +1,10 @@
 //! The `selector` command line: its clap types, and the control commands
 //! (`status`, `set`, `drain`, `undrain`) that talk to a running agent.
-//! `run` is in [`run`] (the loop) and [`run_args`] (its flags).
+//! `run` is in [`run`] (the loop) and [`run_args`] (its flags); `detach`
+//! in [`detach`].
 
 mod control_server;
+mod detach;
 mod run;
 mod run_args;
 
@@ -12,6 +14,7 @@ use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use selector_common::Policy;
 
+pub use detach::DetachArgs;
 pub use run::run;
 pub use run_args::RunArgs;
 
@@ -49,6 +52,9 @@ pub enum Command {
     Undrain(BackendArgs),
     /// Print the running agent's settings, totals and pending counts.
     Status(StatusArgs),
+    /// Remove what `run --pin` left attached and pinned (or, without
+    /// --pin, any selector links on the interface).
+    Detach(DetachArgs),
 }
 
 #[derive(Debug, Args)]
@@ -148,6 +154,7 @@ impl SetArgs {
 pub fn control(command: Command) -> Result<()> {
     let (iface, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
+        Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.iface, Request::Status, a.json),
         Command::Set(a) => {
             let change = a.change();

@@ -1,5 +1,6 @@
 //! `selector run`: attach, steer until a signal or --duration, stop
-//! gracefully, detach and print the totals.
+//! gracefully, detach and print the totals. With `--pin` the agent leaves
+//! everything attached and pinned when it exits, for the next agent to adopt.
 
 use std::{net::SocketAddrV4, time::Duration};
 
@@ -27,9 +28,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     let mut control = ControlServer::bind(&settings.iface)?;
-    let selector = Selector::attach(&settings)?;
+    let selector = match &args.pin {
+        Some(dir) => Selector::attach_pinned(&settings, dir)?,
+        None => Selector::attach(&settings)?,
+    };
     let mut agent = Agent::new(selector, &args)?;
     agent.steer(&mut signals, &mut control, args.duration).await;
+    if agent.selector.pinned().is_some() {
+        // Pinned: the programs steer on, and the next agent sweeps.
+        return agent.leave_pinned();
+    }
     agent.stop(&mut signals, &mut control).await?;
     agent.detach()
 }
@@ -75,8 +83,15 @@ impl Agent {
         let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
             neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
+        let pinned = match selector.pinned() {
+            Some(dir) if selector.adopted() => {
+                format!(", adopted the pins under {}", dir.display())
+            }
+            Some(dir) => format!(", pinned under {}", dir.display()),
+            None => String::new(),
+        };
         println!(
-            "selector: attached to {} ({} ingress), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}",
+            "selector: attached to {} ({} ingress), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             settings.ingress.name(),
             addrs.len(),
@@ -176,6 +191,28 @@ impl Agent {
 
     /// A last sweep, the totals, and the detach (dropping the selector).
     fn detach(self) -> Result<()> {
+        let iface = self.selector.settings.iface.clone();
+        self.exit(&format!("selector: detaching from {iface}; totals:"), true)
+    }
+
+    /// With `--pin`: a last sweep and the totals; the links and maps stay
+    /// pinned (dropping the selector closes this agent's descriptors only),
+    /// and so do the managed neighbour entries the pinned programs rely on.
+    fn leave_pinned(self) -> Result<()> {
+        let s = &self.selector.settings;
+        let dir = self.selector.pinned().map(|d| d.display().to_string());
+        let line = format!(
+            "selector: exiting, leaving {} steered by the programs pinned under {} (`selector detach --iface {}` with the same --pin removes them); totals so far:",
+            s.iface,
+            dir.unwrap_or_default(),
+            s.iface
+        );
+        self.exit(&line, false)
+    }
+
+    /// `release_neighbours`: delete the neighbour entries the agent marked
+    /// managed (nothing steers once it has gone).
+    fn exit(self, headline: &str, release_neighbours: bool) -> Result<()> {
         let Self {
             mut selector,
             neighbours,
@@ -184,10 +221,7 @@ impl Agent {
         selector.sweep(sys::monotonic_ns())?;
         let end = selector.snapshot()?;
         let totals = telemetry::totals(&selector.backends, &end);
-        println!(
-            "selector: detaching from {}; totals:",
-            selector.settings.iface
-        );
+        println!("{headline}");
         print!("{}", telemetry::render_summary(&totals));
         print!(
             "{}",
@@ -198,7 +232,9 @@ impl Agent {
             )
         );
         drop(selector);
-        neighbours.release();
+        if release_neighbours {
+            neighbours.release();
+        }
         Ok(())
     }
 

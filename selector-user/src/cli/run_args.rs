@@ -1,12 +1,13 @@
 //! The flags of `selector run` and their translation into [`Settings`].
 
-use std::{fmt, net::SocketAddrV4, time::Duration};
+use std::{fmt, net::SocketAddrV4, path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED};
 
 use super::{OnOverloadArg, PolicyArg};
+use crate::pinning::DEFAULT_PIN_DIR;
 use crate::settings::{
     DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Settings, parse_group, parse_u32,
 };
@@ -128,6 +129,13 @@ pub struct RunArgs {
     /// Print only the final summary, not the live table.
     #[arg(long)]
     pub quiet: bool,
+    /// Pin maps and links under DIR/IFACE on a bpf filesystem (DIR
+    /// defaults to /sys/fs/bpf/selector). The programs keep steering after
+    /// the agent exits (SIGTERM, SIGINT, SIGKILL alike); an agent started
+    /// with the same DIR adopts them, counts carrying on; `selector detach`
+    /// removes them.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = DEFAULT_PIN_DIR)]
+    pub pin: Option<PathBuf>,
 }
 
 impl RunArgs {

@@ -1,0 +1,66 @@
+//! `selector detach`: removes what `selector run --pin` left attached and
+//! pinned, or, without `--pin`, any selector links on the interface.
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::{Result, bail};
+use clap::Args;
+
+use crate::pinning::{self, DEFAULT_PIN_DIR, PinDir};
+
+#[derive(Debug, Args)]
+pub struct DetachArgs {
+    /// Interface the selector is attached to (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
+    /// The pin directory given to `selector run --pin` (default
+    /// /sys/fs/bpf/selector): stop steering, wait for the redirected reads
+    /// in flight, unpin the links (which detaches them) and remove every
+    /// pin under DIR/IFACE. Without it: force-detach any selector links
+    /// on the interface; pins elsewhere are left as they are.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = DEFAULT_PIN_DIR)]
+    pub pin: Option<PathBuf>,
+    /// With --pin: milliseconds to wait for redirected reads in flight to be
+    /// answered before the reply path goes (the agent's --timeout).
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    pub wait: u64,
+}
+
+pub fn detach(args: DetachArgs) -> Result<()> {
+    let iface = &args.iface;
+    if pinning::agent_running(iface)? {
+        bail!(
+            "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"
+        );
+    }
+    match &args.pin {
+        Some(dir) => {
+            let pins = PinDir::at(dir, iface)?;
+            let removed = pinning::detach_pinned(&pins, Duration::from_millis(args.wait))?;
+            if removed.waited_out > 0 {
+                println!(
+                    "selector: {} redirected reads were still unanswered after {} ms",
+                    removed.waited_out, args.wait
+                );
+            }
+            println!(
+                "selector: detached from {iface}: unpinned links [{}], {} maps, {} programs; removed {}",
+                removed.links.join(", "),
+                removed.maps,
+                removed.programs,
+                pins.root().display()
+            );
+        }
+        None => {
+            let detached = pinning::detach_attached(iface)?;
+            if detached.is_empty() {
+                bail!("nothing of the selector is attached to {iface}");
+            }
+            println!(
+                "selector: detached from {iface}: {} (pins, if any, remain until removed)",
+                detached.join(", ")
+            );
+        }
+    }
+    Ok(())
+}

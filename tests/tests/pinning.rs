@@ -1,0 +1,438 @@
+//! Restarts without loss (`selector run --pin DIR`), in network namespaces
+//! with real memcached replicas: an agent SIGKILLed under load with the
+//! primary stalling, and a new agent adopting its pins; `selector detach`;
+//! adoption refused when the settings that shape the maps differ.
+//!
+//! Each test mounts a bpf filesystem of its own on a unique temporary
+//! directory (unmounted at the end, also on failure, which drops every pin
+//! left in it). `ip netns exec` gives the agent a mount namespace with a
+//! fresh /sys, so /sys/fs/bpf would not reach it; a mount made here does.
+
+use std::{
+    ffi::CString,
+    io::{BufRead as _, BufReader, Read as _},
+    net::SocketAddrV4,
+    path::{Path, PathBuf},
+    process::{Child, ChildStdout, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use selector_testbed::{
+    ClientSocket, LoadReport, LoadSpec, Testbed, agent, netns::unique_tag, preload, run_load_on,
+    topology::CLIENT_IFACE,
+};
+use selector_user::control::Status;
+
+const KEYS: usize = 200;
+const TIMEOUT: Duration = Duration::from_millis(200);
+const RATE: u32 = 2000;
+const LOAD: Duration = Duration::from_secs(3);
+/// The primary stalls this long every `STALL_EVERY` while the load runs.
+const STALL: Duration = Duration::from_millis(40);
+const STALL_EVERY: Duration = Duration::from_millis(250);
+
+/// A bpf filesystem mounted on a fresh temporary directory; unmounted and
+/// removed on drop.
+struct Bpffs {
+    path: PathBuf,
+}
+
+impl Bpffs {
+    fn mount() -> Self {
+        let path = std::env::temp_dir().join(format!("selector-pin-{}", unique_tag()));
+        std::fs::create_dir_all(&path).unwrap();
+        let target = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: valid NUL-terminated strings; no data.
+        let rc = unsafe {
+            libc::mount(
+                c"bpf".as_ptr(),
+                target.as_ptr(),
+                c"bpf".as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(rc, 0, "mount bpffs: {}", std::io::Error::last_os_error());
+        Self { path }
+    }
+
+    /// The directory given to `--pin`.
+    fn dir(&self) -> PathBuf {
+        self.path.join("selector")
+    }
+
+    fn arg(&self) -> String {
+        self.dir().to_str().unwrap().to_string()
+    }
+}
+
+impl Drop for Bpffs {
+    fn drop(&mut self) {
+        let target = CString::new(self.path.to_str().unwrap()).unwrap();
+        // SAFETY: valid path; a lazy unmount of our own mount.
+        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+        let _ = std::fs::remove_dir(&self.path);
+    }
+}
+
+/// A running agent and its output (kept open: an agent whose stdout is
+/// closed fails when it prints its totals). Killed if a test fails
+/// half-way.
+struct Running(Option<Child>, Option<BufReader<ChildStdout>>);
+
+impl Running {
+    fn signal(&mut self, signal: i32) -> std::process::ExitStatus {
+        let mut child = self.0.take().expect("agent running");
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let mut rest = String::new();
+        if let Some(mut out) = self.1.take() {
+            let _ = out.read_to_string(&mut rest);
+        }
+        child.wait().unwrap()
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn testbed(prefix: &str) -> Testbed {
+    let mut tb = Testbed::new(prefix, 3).expect("testbed");
+    tb.start_memcached().expect("memcached");
+    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
+    tb
+}
+
+fn group(tb: &Testbed) -> String {
+    let members: Vec<String> = tb
+        .replica_endpoints()
+        .iter()
+        .map(SocketAddrV4::to_string)
+        .collect();
+    members.join(",")
+}
+
+/// `selector run` arguments: threshold 1, short timeout, pinned.
+fn run_args(group: &str, pin: &str, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        group,
+        "--threshold",
+        "1",
+        "--timeout",
+        &TIMEOUT.as_millis().to_string(),
+        "--interval",
+        "100",
+        "--quiet",
+        "--pin",
+        pin,
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    args.extend(extra.iter().map(ToString::to_string));
+    args
+}
+
+/// Starts `selector run ARGS`; returns it and its "attached" line.
+fn spawn(tb: &Testbed, args: &[String]) -> (Running, String) {
+    let mut child = tb
+        .client
+        .command(agent::selector_binary().to_str().unwrap())
+        .arg("run")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut stderr = child.stderr.take().unwrap();
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    if !line.starts_with("selector: attached to") {
+        let mut error = String::new();
+        let _ = stderr.read_to_string(&mut error);
+        let _ = child.wait();
+        panic!("selector run {}: {line}{error}", args.join(" "));
+    }
+    (Running(Some(child), Some(stdout)), line)
+}
+
+fn status(tb: &Testbed) -> Status {
+    let (code, out) =
+        agent::run_selector(&tb.client, &["status", "--iface", CLIENT_IFACE, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+/// Selector programs attached through TCX on the client's interface.
+fn attached(tb: &Testbed) -> usize {
+    tb.client
+        .run(|| selector_user::pinning::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
+        .unwrap()
+        .unwrap()
+}
+
+/// Stalls the primary for `STALL` every `STALL_EVERY` until told to stop.
+fn stall_primary_periodically(tb: &Testbed, stop: Arc<AtomicBool>) -> thread::JoinHandle<u32> {
+    let pid = tb.replicas[0].pid();
+    thread::spawn(move || {
+        let mut stalls = 0;
+        while !stop.load(Ordering::Relaxed) {
+            thread::sleep(STALL_EVERY - STALL);
+            // SAFETY: signals to our own memcached child.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            selector_testbed::netns::wait_stopped(pid);
+            thread::sleep(STALL);
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            stalls += 1;
+        }
+        stalls
+    })
+}
+
+fn start_load(tb: &Testbed) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: RATE,
+        duration: LOAD,
+        keys: KEYS,
+        drain: TIMEOUT * 2,
+    };
+    tb.client
+        .spawn(move || run_load_on(&spec, ClientSocket::Unconnected))
+        .expect("load")
+}
+
+fn sum(status: &Status, f: impl Fn(&selector_user::telemetry::BackendTotals) -> u64) -> u64 {
+    status.backends.iter().map(f).sum()
+}
+
+/// SIGKILL of a pinned agent under load with the primary stalling, then a
+/// new agent with the same DIR: the kernel steers on while no agent runs,
+/// the new agent adopts the maps and links, and nothing is lost.
+#[test]
+fn agent_killed_and_restarted_with_pins_loses_nothing() {
+    let tb = testbed("pk");
+    let bpffs = Bpffs::mount();
+    let args = run_args(&group(&tb), &bpffs.arg(), &[]);
+    let (mut first, line) = spawn(&tb, &args);
+    assert!(line.contains("pinned under"), "{line}");
+
+    let stop_stalls = Arc::new(AtomicBool::new(false));
+    let stalls = stall_primary_periodically(&tb, stop_stalls.clone());
+    let load = start_load(&tb);
+    thread::sleep(LOAD / 3);
+    let before_kill = status(&tb);
+    first.signal(libc::SIGKILL);
+    // No agent for a while, stalls going on: the pinned programs steer.
+    thread::sleep(Duration::from_millis(400));
+    assert_eq!(attached(&tb), 1, "the pinned egress program stays attached");
+    let (_second, line) = spawn(&tb, &args);
+    assert!(line.contains("adopted the pins"), "{line}");
+    let at_restart = status(&tb);
+    let report = load.join().expect("load thread").expect("load");
+    stop_stalls.store(true, Ordering::Relaxed);
+    let stalls = stalls.join().unwrap();
+
+    // One timeout (and a few sweeps) after the load: nothing pending.
+    let deadline = Instant::now() + TIMEOUT * 3 + Duration::from_secs(1);
+    let end = loop {
+        let s = status(&tb);
+        if s.backends.iter().all(|b| b.pending == 0) || Instant::now() > deadline {
+            break s;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let requests = |s: &Status| sum(s, |b| b.stats.requests);
+    let away = |s: &Status| sum(s, |b| b.stats.redirected_away);
+    println!(
+        "pinning kill-restart: {} reads sent, {} answered, {} lost, {} from a wrong source, {} wrong values; {stalls} stalls; \
+         requests counted {} before the kill, {} at the restart, {} at the end; redirected {} before the kill, {} at the restart, {} at the end; \
+         issued {} completed {} expired {} pending {}",
+        report.sent,
+        report.received,
+        report.lost(),
+        report.wrong_source,
+        report.wrong_values,
+        requests(&before_kill),
+        requests(&at_restart),
+        requests(&end),
+        away(&before_kill),
+        away(&at_restart),
+        away(&end),
+        sum(&end, |b| b.issued),
+        sum(&end, |b| b.completed),
+        sum(&end, |b| b.expired),
+        sum(&end, |b| b.pending),
+    );
+    assert_eq!(report.lost(), 0, "every read answered");
+    assert_eq!(report.wrong_source, 0, "every reply from the address asked");
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(
+        requests(&end),
+        report.sent,
+        "requests counted == reads sent"
+    );
+    for b in &end.backends {
+        assert_eq!(b.issued, b.completed + b.expired, "{}", b.backend);
+        assert_eq!(b.pending, 0, "{}", b.backend);
+    }
+    assert!(
+        requests(&at_restart) > requests(&before_kill),
+        "the kernel counted while no agent ran"
+    );
+    assert!(
+        away(&at_restart) > away(&before_kill),
+        "the kernel steered while no agent ran"
+    );
+    assert!(away(&end) > away(&at_restart), "the adopting agent steers");
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+}
+
+/// A pinned agent's plain exit leaves everything attached and pinned; an
+/// unpinned agent is refused next to it; `selector detach --pin` removes
+/// it all, after which a fresh unpinned agent attaches; detach says so,
+/// with a non-zero exit, when nothing is there.
+#[test]
+fn sigterm_leaves_pins_and_detach_removes_them() {
+    let tb = testbed("pd");
+    let bpffs = Bpffs::mount();
+    let group = group(&tb);
+    let args = run_args(&group, &bpffs.arg(), &[]);
+    let (mut agent, _) = spawn(&tb, &args);
+    assert!(agent.signal(libc::SIGTERM).success());
+    let pins = bpffs.dir().join(CLIENT_IFACE);
+    for link in [
+        "links/egress",
+        "links/ingress_xdp",
+        "maps/COUNTERS",
+        "progs/egress",
+    ] {
+        assert!(pins.join(link).exists(), "{link} pinned after SIGTERM");
+    }
+    assert_eq!(attached(&tb), 1);
+
+    let unpinned = [
+        "run",
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        &group,
+        "--duration",
+        "1",
+    ];
+    let (code, out) = agent::run_selector(&tb.client, &unpinned);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("already attached"), "{out}");
+
+    let pin = bpffs.arg();
+    let detach = ["detach", "--iface", CLIENT_IFACE, "--pin", &pin];
+    let (code, out) = agent::run_selector(&tb.client, &detach);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("unpinned links [egress, ingress_xdp]"),
+        "{out}"
+    );
+    assert!(!pins.exists(), "{} removed", pins.display());
+    assert_eq!(attached(&tb), 0, "unpinning detached the programs");
+    let (code, out) = agent::run_selector(&tb.client, &detach);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nothing is pinned"), "{out}");
+
+    // A fresh, unpinned agent attaches; detach refuses while it runs.
+    let unpinned_args: Vec<String> = ["--iface", CLIENT_IFACE, "--group", &group, "--quiet"]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let (mut fresh, _) = spawn(&tb, &unpinned_args);
+    let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("is running"), "{out}");
+    assert!(fresh.signal(libc::SIGTERM).success());
+    let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nothing of the selector is attached"), "{out}");
+
+    // Without --pin, detach cuts pinned links too; the pins stay for
+    // `detach --pin`, and an adoption of severed links is refused.
+    let (mut agent, _) = spawn(&tb, &args);
+    assert!(agent.signal(libc::SIGTERM).success());
+    let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(attached(&tb), 0, "{out}");
+    let run: Vec<&str> = std::iter::once("run")
+        .chain(args.iter().map(String::as_str))
+        .collect();
+    let (code, out) = agent::run_selector(&tb.client, &run);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("selector detach"), "{out}");
+    let (code, out) = agent::run_selector(&tb.client, &detach);
+    assert_eq!(code, 0, "{out}");
+    assert!(!pins.exists());
+}
+
+/// Settings that shape the maps must match the pinned agent's: otherwise
+/// the new agent refuses, naming the difference and `selector detach`,
+/// and the pinned programs steer on untouched.
+#[test]
+fn adoption_with_other_map_shaping_settings_is_refused() {
+    let tb = testbed("pm");
+    let bpffs = Bpffs::mount();
+    let group = group(&tb);
+    let pin = bpffs.arg();
+    let args = run_args(&group, &pin, &[]);
+    let (mut agent, _) = spawn(&tb, &args);
+    assert!(!agent.signal(libc::SIGKILL).success());
+    let two = tb.replica_endpoints()[..2]
+        .iter()
+        .map(SocketAddrV4::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let cases: [(Vec<String>, &str); 3] = [
+        (
+            run_args(&group, &pin, &["--inflight-max", "1000"]),
+            "--inflight-max differs",
+        ),
+        (run_args(&two, &pin, &[]), "--group differs"),
+        (
+            run_args(&group, &pin, &["--ingress", "tc"]),
+            "--ingress differs",
+        ),
+    ];
+    for (args, expected) in cases {
+        let run: Vec<&str> = std::iter::once("run")
+            .chain(args.iter().map(String::as_str))
+            .collect();
+        let (code, out) = agent::run_selector(&tb.client, &run);
+        assert_eq!(code, 1, "{out}");
+        assert!(out.contains(expected), "{expected}: {out}");
+        assert!(out.contains("selector detach --iface eth0 --pin"), "{out}");
+        assert_eq!(attached(&tb), 1, "the pinned programs stay");
+    }
+    // Other settings may change: they are rewritten in the config map.
+    let (second, line) = spawn(&tb, &run_args(&group, &pin, &["--max-pending", "50"]));
+    assert!(line.contains("adopted the pins"), "{line}");
+    let s = status(&tb);
+    assert_eq!(s.settings.max_pending, 50);
+    drop(second);
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(!Path::new(&pin).join(CLIENT_IFACE).exists());
+}
