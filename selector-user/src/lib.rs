@@ -2,11 +2,13 @@
 //! tests and the demo/benchmark drive the same code.
 
 pub mod cli;
+pub mod config;
 pub mod control;
 pub mod interface;
 pub mod loader;
 pub mod neighbours;
 pub mod plant;
+pub mod reload;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

@@ -1,5 +1,5 @@
 //! The `selector` command line: its clap types, and the control commands
-//! (`status`, `set`, `drain`, `undrain`) that talk to a running agent.
+//! (`status`, `set`, `drain`, `undrain`, `reload`) that talk to a running agent.
 //! `run` is in [`run`] (the loop) and [`run_args`] (its flags).
 
 mod control_server;
@@ -49,6 +49,15 @@ pub enum Command {
     Undrain(BackendArgs),
     /// Print the running agent's settings, totals and pending counts.
     Status(StatusArgs),
+    /// Make the running agent re-read its --config file and apply it.
+    Reload(ReloadArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReloadArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
 }
 
 #[derive(Debug, Args)]
@@ -149,6 +158,7 @@ pub fn control(command: Command) -> Result<()> {
     let (iface, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
         Command::Status(a) => (a.iface, Request::Status, a.json),
+        Command::Reload(a) => (a.iface, Request::Reload, false),
         Command::Set(a) => {
             let change = a.change();
             if change.is_empty() {

@@ -13,7 +13,10 @@ use super::{
     RunArgs,
     control_server::{ControlCall, ControlServer},
 };
-use crate::{Selector, control::SettingsInForce, neighbours, sys, telemetry};
+use crate::{
+    Selector, config::RunConfig, control::SettingsInForce, neighbours, reload::Reloader, sys,
+    telemetry,
+};
 
 /// How often the neighbour entries of the backends are refreshed.
 const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
@@ -24,14 +27,20 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 /// Attaches, then sweeps and prints until a signal or the duration ends;
 /// then stops steering, waits for the redirected reads in flight, and detaches.
 pub async fn run(args: RunArgs) -> Result<()> {
-    let settings = args.settings()?;
+    let config = args.run_config()?;
+    let settings = &config.settings;
     settings.check_interface()?;
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
+    // SIGHUP reloads the config file (and no longer ends the process).
+    let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
-    let selector = Selector::attach(&settings)?;
-    let mut agent = Agent::new(selector, &args)?;
-    agent.steer(&mut signals, &mut control, args.duration).await;
+    let selector = Selector::attach(settings)?;
+    let reloader = Reloader::new(args.config.clone(), args.options(), &config);
+    let mut agent = Agent::new(selector, reloader, &config)?;
+    agent
+        .steer(&mut signals, &mut hangups, &mut control, config.duration)
+        .await;
     agent.stop(&mut signals, &mut control).await?;
     agent.detach()
 }
@@ -61,6 +70,8 @@ impl StopSignals {
 /// The attached selector and what the loops around it need.
 struct Agent {
     selector: Selector,
+    /// The config file, start flags and group tables, for reloads.
+    reloader: Reloader,
     addrs: Vec<SocketAddrV4>,
     interval: Duration,
     sweep_every: Duration,
@@ -71,7 +82,7 @@ struct Agent {
 
 impl Agent {
     /// Warms the backends' neighbour entries and prints the attached line.
-    fn new(selector: Selector, args: &RunArgs) -> Result<Self> {
+    fn new(selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
         let settings = &selector.settings;
         let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
         let unresolved = neighbours::warm_up(&addrs, Duration::from_millis(500));
@@ -91,18 +102,16 @@ impl Agent {
                 "selector: no neighbour entry yet for {unresolved:?} (fine if routed; the first redirect to them waits for resolution)"
             );
         }
-        let interval = Duration::from_millis(args.interval);
-        // Sweep often enough that an expiry is at most a quarter timeout late.
-        let sweep_every = interval
-            .min(settings.timeout / 4)
-            .max(Duration::from_millis(1));
+        let interval = config.interval;
+        let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
         Ok(Self {
             selector,
+            reloader,
             addrs,
             interval,
             sweep_every,
-            quiet: args.quiet,
+            quiet: config.quiet,
             last,
         })
     }
@@ -111,6 +120,7 @@ impl Agent {
     async fn steer(
         &mut self,
         signals: &mut StopSignals,
+        hangups: &mut Signal,
         control: &mut ControlServer,
         duration: Option<f64>,
     ) {
@@ -128,9 +138,23 @@ impl Agent {
             tokio::select! {
                 _ = signals.recv() => return,
                 _ = &mut until_deadline => return,
-                _ = sweep_tick.tick() => self.sweep(),
+                _ = sweep_tick.tick() => {
+                    self.sweep();
+                    self.retire_finished();
+                }
                 _ = refresh_tick.tick() => neighbours::probe(&self.addrs),
-                call = control.next_call() => self.answer(call, false),
+                call = control.next_call() => {
+                    if self.answer(call, false) {
+                        sweep_tick = interval(self.sweep_every);
+                    }
+                }
+                _ = hangups.recv() => {
+                    match self.reload() {
+                        Ok(message) => println!("selector: {message}"),
+                        Err(e) => println!("selector: reload refused, running configuration kept: {e:#}"),
+                    }
+                    sweep_tick = interval(self.sweep_every);
+                }
                 _ = print_tick.tick() => self.print_table(),
             }
         }
@@ -170,7 +194,9 @@ impl Agent {
                         return Ok(());
                     }
                 }
-                call = control.next_call() => self.answer(call, true),
+                call = control.next_call() => {
+                    self.answer(call, true);
+                }
                 _ = print_tick.tick() => print_stopping(waiting),
             }
         }
@@ -207,8 +233,53 @@ impl Agent {
         self.selector.flush_kernel_logs();
     }
 
-    fn answer(&mut self, call: ControlCall, stopping: bool) {
-        call.answer(&mut self.selector, stopping);
+    /// Answers a control request; true if it was a reload that applied.
+    fn answer(&mut self, call: ControlCall, stopping: bool) -> bool {
+        let reloaded = call.answer(&mut self.selector, &mut self.reloader, stopping);
+        if reloaded {
+            self.after_reload();
+        }
+        reloaded
+    }
+
+    /// Re-reads the config file and applies it (SIGHUP).
+    fn reload(&mut self) -> Result<String> {
+        let message = self.reloader.reload(&mut self.selector)?;
+        self.after_reload();
+        Ok(message)
+    }
+
+    /// The loop's derived state follows a reload: backends, sweep period,
+    /// quiet, the snapshot rates are taken against.
+    fn after_reload(&mut self) {
+        self.after_groups_changed();
+        self.quiet = self.reloader.quiet;
+        self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
+        let unresolved = neighbours::warm_up(&self.addrs, Duration::from_millis(100));
+        if !unresolved.is_empty() {
+            log::info!("no neighbour entry yet for {unresolved:?}");
+        }
+    }
+
+    /// Forgets removed members whose requests are done.
+    fn retire_finished(&mut self) {
+        match self.reloader.retire_finished(&mut self.selector) {
+            Ok(retired) if retired.is_empty() => {}
+            Ok(retired) => {
+                println!("selector: removed {retired:?}: their requests have finished");
+                self.after_groups_changed();
+            }
+            Err(e) => log::warn!("retiring removed members failed: {e:#}"),
+        }
+    }
+
+    /// The table's rates compare snapshots backend by backend: start over.
+    fn after_groups_changed(&mut self) {
+        self.addrs = self.selector.backends.iter().map(|b| b.addr).collect();
+        match self.selector.snapshot() {
+            Ok(now) => self.last = now,
+            Err(e) => log::warn!("reading the maps failed: {e:#}"),
+        }
     }
 
     fn print_table(&mut self) {
@@ -227,6 +298,11 @@ impl Agent {
         }
         self.last = now;
     }
+}
+
+/// Sweep often enough that an expiry is at most a quarter timeout late.
+fn sweep_period(interval: Duration, timeout: Duration) -> Duration {
+    interval.min(timeout / 4).max(Duration::from_millis(1))
 }
 
 fn print_stopping(waiting: usize) {
