@@ -25,6 +25,13 @@ pub const DEFAULT_INFLIGHT_MAX: u32 = 65_536;
 /// Largest `--inflight-max`: 16 Mi slots of 64 bytes, 1 GiB.
 pub const MAX_INFLIGHT_MAX: u32 = 4_194_304;
 
+/// Set in a `BACKENDS` value while a member removed by a reload finishes
+/// its requests: egress treats its address as no backend (nothing new is
+/// tracked or steered to or from it), the reply path still completes and
+/// rewrites the requests in flight. The agent deletes the entry once none
+/// is left.
+pub const BACKEND_RETIRING: u32 = 1 << 31;
+
 /// The id of the member at `position` of `group`.
 pub const fn backend_id(group: u32, position: usize) -> u32 {
     group * MAX_GROUP_MEMBERS as u32 + position as u32

@@ -4,7 +4,8 @@
 use aya_ebpf::programs::TcContext;
 use aya_log_ebpf::debug;
 use selector_common::{
-    Config, Direction, Endpoint, InflightKey, OnOverload, PassReason, Policy, backend_id,
+    BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, OnOverload, PassReason, Policy,
+    backend_id,
     inflight::{PHASE_LIVE, key_hashes},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
@@ -39,6 +40,10 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
         return pass(PassReason::NotBackend);
     };
+    if primary & BACKEND_RETIRING != 0 {
+        // Removed by a reload: only its requests in flight are still served.
+        return pass(PassReason::NotBackend);
+    }
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {
         return pass(PassReason::NoRequestId);

@@ -3,7 +3,7 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use selector_common::{
-    Direction, Endpoint, InflightKey, PassReason,
+    BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason,
     inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
     split_backend_id,
 };
@@ -32,6 +32,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
     };
+    // A member being removed still completes the requests it was sent.
+    let backend = backend & !BACKEND_RETIRING;
     let config = config().ok_or(())?;
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {

@@ -13,6 +13,7 @@
 //! {"request":"set","policy":"threshold","threshold":2,"max_pending":5,
 //!  "max_pending_client":0,"on_overload":"drop"}   (every field optional)
 //! {"request":"drain","backend":"10.0.0.2:11211","drained":true}
+//! {"request":"reload"}
 //!
 //! {"reply":"status", ...Status...}
 //! {"reply":"done","message":"policy threshold threshold 2 ..."}
@@ -54,6 +55,8 @@ pub enum Request {
         backend: SocketAddrV4,
         drained: bool,
     },
+    /// Read the config file again and apply it (see [`crate::reload`]).
+    Reload,
 }
 
 /// The tunables `selector set` changes; absent fields keep their value.
@@ -282,7 +285,7 @@ impl Named for OnOverload {
 }
 
 /// Serde for an optional [`Named`] value as its name.
-mod by_name {
+pub(crate) mod by_name {
     use serde::{Deserialize as _, Deserializer, Serializer, de::Error as _};
 
     use super::Named;
@@ -344,6 +347,7 @@ mod tests {
                 backend: backend(),
                 drained: false,
             },
+            Request::Reload,
         ] {
             round_trip(&r);
         }
@@ -363,6 +367,10 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&Request::Status).unwrap(),
             r#"{"request":"status"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Request::Reload).unwrap(),
+            r#"{"request":"reload"}"#
         );
         let drain: Request = serde_json::from_str(
             r#"{"request":"drain","backend":"10.0.0.2:11211","drained":true}"#,

@@ -2,6 +2,7 @@
 //! tests and the demo/benchmark drive the same code.
 
 pub mod cli;
+pub mod config;
 pub mod control;
 pub mod interface;
 pub mod loader;
@@ -9,6 +10,7 @@ pub mod neighbours;
 pub mod pinning;
 pub mod plant;
 pub mod preflight;
+pub mod reload;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

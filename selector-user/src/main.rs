@@ -29,7 +29,7 @@ fn main() {
         }
     };
     let result = match cli.command {
-        Command::Run(args) => runtime.block_on(selector_user::cli::run(args)),
+        Command::Run(args) => runtime.block_on(selector_user::cli::run(*args)),
         other => selector_user::cli::control(other),
     };
     if let Err(e) = result {

@@ -277,35 +277,48 @@ impl ManagedNeighbours {
     }
 }
 
-/// Marks every backend's next hop managed, then waits up to `wait` for them
-/// to resolve. Returns what it marked and the backends still unresolved.
+impl ManagedNeighbours {
+    /// Marks every backend's next hop managed (those not marked yet), then
+    /// waits up to `wait` for them to resolve. Returns the backends still
+    /// unresolved.
+    pub fn keep_resolved(
+        &mut self,
+        backends: &[SocketAddrV4],
+        wait: Duration,
+    ) -> Result<Vec<SocketAddrV4>> {
+        let mut netlink = Netlink::open()?;
+        let mut hops = Vec::new();
+        for backend in backends {
+            let hop = netlink.next_hop(*backend.ip())?;
+            if !self.hops.contains(&hop) && netlink.manage(hop)? {
+                self.hops.push(hop);
+            }
+            hops.push((*backend, hop));
+        }
+        let deadline = Instant::now() + wait;
+        loop {
+            let mut unresolved = Vec::new();
+            for (backend, hop) in &hops {
+                if !netlink.neighbour(*hop)?.is_some_and(|n| n.is_resolved()) {
+                    unresolved.push(*backend);
+                }
+            }
+            if unresolved.is_empty() || Instant::now() >= deadline {
+                return Ok(unresolved);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// [`ManagedNeighbours::keep_resolved`] from nothing marked yet.
 pub fn keep_resolved(
     backends: &[SocketAddrV4],
     wait: Duration,
 ) -> Result<(ManagedNeighbours, Vec<SocketAddrV4>)> {
-    let mut netlink = Netlink::open()?;
     let mut managed = ManagedNeighbours::default();
-    let mut hops = Vec::new();
-    for backend in backends {
-        let hop = netlink.next_hop(*backend.ip())?;
-        if !managed.hops.contains(&hop) && netlink.manage(hop)? {
-            managed.hops.push(hop);
-        }
-        hops.push((*backend, hop));
-    }
-    let deadline = Instant::now() + wait;
-    loop {
-        let mut unresolved = Vec::new();
-        for (backend, hop) in &hops {
-            if !netlink.neighbour(*hop)?.is_some_and(|n| n.is_resolved()) {
-                unresolved.push(*backend);
-            }
-        }
-        if unresolved.is_empty() || Instant::now() >= deadline {
-            return Ok((managed, unresolved));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let unresolved = managed.keep_resolved(backends, wait)?;
+    Ok((managed, unresolved))
 }
 
 /// [`keep_resolved`] for callers that keep the entries managed for the

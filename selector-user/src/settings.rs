@@ -31,6 +31,10 @@ impl IngressMode {
             Self::Tc => "tc",
         }
     }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Xdp, Self::Tc].into_iter().find(|m| m.name() == name)
+    }
 }
 
 /// The request protocol, as far as the descriptor tells it.
@@ -48,6 +52,12 @@ impl Protocol {
             Self::Dns => "dns",
             Self::Custom => "custom",
         }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Memcached, Self::Dns, Self::Custom]
+            .into_iter()
+            .find(|p| p.name() == name)
     }
 
     /// Whether the kernel can build this protocol's error reply (`reject`).
@@ -80,6 +90,52 @@ pub struct Settings {
     /// How long after a request completed or expired a late reply to a
     /// redirected read is still rewritten.
     pub grace: Duration,
+}
+
+/// What a validation error is about, so that a caller can point at where
+/// the value came from (a flag, or a line of the config file).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SettingKey {
+    /// A flag of `selector run`, named without its dashes (also its key in
+    /// the config file).
+    Flag(&'static str),
+    /// The protocol descriptor as a whole (`--proto` and its options).
+    Descriptor,
+    /// The list of groups as a whole.
+    Groups,
+    /// Group `n` (from 0, in order).
+    Group(usize),
+    /// Member `m` of group `n` (both from 0).
+    Member(usize, usize),
+}
+
+/// A setting that fails validation. Displayed in the flags' words
+/// (`--threshold must be at least 1`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Invalid {
+    pub key: SettingKey,
+    /// What is wrong, without the flag's name for [`SettingKey::Flag`].
+    pub problem: String,
+}
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.key {
+            SettingKey::Flag(flag) => write!(f, "--{flag} {}", self.problem),
+            _ => f.write_str(&self.problem),
+        }
+    }
+}
+
+impl std::error::Error for Invalid {}
+
+/// Fails with an [`Invalid`] about `key`.
+pub fn invalid<T>(key: SettingKey, problem: impl Into<String>) -> Result<T> {
+    Err(Invalid {
+        key,
+        problem: problem.into(),
+    }
+    .into())
 }
 
 /// One backend as the maps will hold it.
@@ -132,33 +188,42 @@ impl Settings {
     /// Checks everything and numbers the backends (group order, member order).
     pub fn plan(&self) -> Result<Vec<BackendPlan>> {
         if self.iface.is_empty() {
-            bail!("--iface is required");
+            return invalid(SettingKey::Flag("iface"), "is required");
         }
         if self.groups.is_empty() {
-            bail!("at least one --group is required");
+            return invalid(SettingKey::Groups, "at least one --group is required");
         }
         if self.groups.len() > MAX_GROUPS as usize {
-            bail!(
-                "at most {MAX_GROUPS} groups are supported, got {}",
-                self.groups.len()
+            return invalid(
+                SettingKey::Groups,
+                format!(
+                    "at most {MAX_GROUPS} groups are supported, got {}",
+                    self.groups.len()
+                ),
             );
         }
         self.check_tunables()?;
         if let Err(e) = self.descriptor.validate() {
-            bail!("bad protocol descriptor: {e}");
+            return invalid(
+                SettingKey::Descriptor,
+                format!("bad protocol descriptor: {e}"),
+            );
         }
-        check_millis("--timeout", self.timeout)?;
-        check_millis("--grace", self.grace)?;
+        check_millis("timeout", self.timeout)?;
+        check_millis("grace", self.grace)?;
         if self.inflight_max == 0 || self.inflight_max > selector_common::MAX_INFLIGHT_MAX {
-            bail!(
-                "--inflight-max must be 1 to {} (the table takes 256 bytes per request)",
-                selector_common::MAX_INFLIGHT_MAX
+            return invalid(
+                SettingKey::Flag("inflight-max"),
+                format!(
+                    "must be 1 to {} (the table takes 256 bytes per request)",
+                    selector_common::MAX_INFLIGHT_MAX
+                ),
             );
         }
         if self.mark.count_ones() != 1 {
-            bail!(
-                "--mark must have exactly one bit set, got {:#010x}",
-                self.mark
+            return invalid(
+                SettingKey::Flag("mark"),
+                format!("must have exactly one bit set, got {:#010x}", self.mark),
             );
         }
         self.number_backends()
@@ -167,11 +232,12 @@ impl Settings {
     /// Checks what `selector set` can change at run time.
     pub fn check_tunables(&self) -> Result<()> {
         if self.threshold == 0 && self.policy != Policy::Observe {
-            bail!("--threshold must be at least 1");
+            return invalid(SettingKey::Flag("threshold"), "must be at least 1");
         }
         if self.on_overload == OnOverload::Reject && !self.protocol().has_error_reply() {
-            bail!(
-                "--on-overload reject needs --proto memcached or dns (a custom protocol has no error reply)"
+            return invalid(
+                SettingKey::Flag("on-overload"),
+                "reject needs --proto memcached or dns (a custom protocol has no error reply)",
             );
         }
         Ok(())
@@ -195,33 +261,43 @@ impl Settings {
         let mut plan = Vec::new();
         for (g, members) in self.groups.iter().enumerate() {
             if members.is_empty() {
-                bail!("group {} is empty", g + 1);
+                return invalid(SettingKey::Group(g), format!("group {} is empty", g + 1));
             }
             if members.len() > MAX_GROUP_MEMBERS {
-                bail!(
-                    "group {} has {} members; at most {MAX_GROUP_MEMBERS} are supported",
-                    g + 1,
-                    members.len()
+                return invalid(
+                    SettingKey::Group(g),
+                    format!(
+                        "group {} has {} members; at most {MAX_GROUP_MEMBERS} are supported",
+                        g + 1,
+                        members.len()
+                    ),
                 );
             }
             for (position, addr) in members.iter().enumerate() {
+                let member = SettingKey::Member(g, position);
                 if addr.port() == 0 {
-                    bail!("backend {addr} has port 0");
+                    return invalid(member, format!("backend {addr} has port 0"));
                 }
                 if addr.ip().is_unspecified()
                     || addr.ip().is_broadcast()
                     || addr.ip().is_multicast()
                 {
-                    bail!("backend {addr} is not a unicast address");
+                    return invalid(member, format!("backend {addr} is not a unicast address"));
                 }
                 if let Some(other) = seen.insert(*addr, g) {
                     if other == g {
-                        bail!("backend {addr} appears twice in group {}", g + 1);
+                        return invalid(
+                            member,
+                            format!("backend {addr} appears twice in group {}", g + 1),
+                        );
                     }
-                    bail!(
-                        "backend {addr} is in group {} and group {}",
-                        other + 1,
-                        g + 1
+                    return invalid(
+                        member,
+                        format!(
+                            "backend {addr} is in group {} and group {}",
+                            other + 1,
+                            g + 1
+                        ),
                     );
                 }
                 plan.push(BackendPlan {
@@ -236,14 +312,17 @@ impl Settings {
 }
 
 /// A duration flag given in milliseconds: 1..=MAX_TIMEOUT_MS.
-fn check_millis(flag: &str, value: Duration) -> Result<()> {
+fn check_millis(flag: &'static str, value: Duration) -> Result<()> {
     if value < Duration::from_millis(1) {
-        bail!("{flag} must be at least 1 ms");
+        return invalid(SettingKey::Flag(flag), "must be at least 1 ms");
     }
     if value > Duration::from_millis(MAX_TIMEOUT_MS) {
-        bail!(
-            "{flag} must be at most {MAX_TIMEOUT_MS} ms (one hour), got {}",
-            value.as_millis()
+        return invalid(
+            SettingKey::Flag(flag),
+            format!(
+                "must be at most {MAX_TIMEOUT_MS} ms (one hour), got {}",
+                value.as_millis()
+            ),
         );
     }
     Ok(())
@@ -285,6 +364,33 @@ mod tests {
 
     fn err(s: &Settings) -> String {
         s.plan().unwrap_err().to_string()
+    }
+
+    /// What the error of `plan` is about.
+    fn key(s: &Settings) -> SettingKey {
+        s.plan().unwrap_err().downcast::<Invalid>().unwrap().key
+    }
+
+    #[test]
+    fn errors_name_the_setting_they_are_about() {
+        let mut s = settings(&["10.0.0.1:1", "10.0.0.2:1,10.0.0.1:1"]);
+        assert_eq!(key(&s), SettingKey::Member(1, 1));
+        assert_eq!(err(&s), "backend 10.0.0.1:1 is in group 1 and group 2");
+        s = settings(&["10.0.0.1:1", "10.0.0.2:0"]);
+        assert_eq!(key(&s), SettingKey::Member(1, 0));
+        s.groups[1].clear();
+        assert_eq!(key(&s), SettingKey::Group(1));
+        s = settings(&["10.0.0.1:1"]);
+        s.threshold = 0;
+        assert_eq!(key(&s), SettingKey::Flag("threshold"));
+        assert_eq!(err(&s), "--threshold must be at least 1");
+        s.threshold = 1;
+        s.grace = Duration::ZERO;
+        assert_eq!(key(&s), SettingKey::Flag("grace"));
+        assert_eq!(key(&settings(&[])), SettingKey::Groups);
+        assert_eq!(IngressMode::from_name("tc"), Some(IngressMode::Tc));
+        assert_eq!(Protocol::from_name("dns"), Some(Protocol::Dns));
+        assert_eq!(Protocol::from_name("http"), None);
     }
 
     #[test]

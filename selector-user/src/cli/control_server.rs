@@ -13,6 +13,7 @@ use tokio::{
 use crate::{
     Selector,
     control::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
+    reload::Reloader,
     telemetry,
 };
 
@@ -70,15 +71,21 @@ impl ControlServer {
 }
 
 impl ControlCall {
-    /// Applies the request and sends the reply. While the agent is stopping,
-    /// only `status` is served: a change could start steering again.
-    pub fn answer(self, selector: &mut Selector, stopping: bool) {
+    /// Applies the request and sends the reply; true if it was a reload
+    /// that applied. While the agent is stopping, only `status` is served:
+    /// a change could start steering again.
+    pub fn answer(self, selector: &mut Selector, reloader: &mut Reloader, stopping: bool) -> bool {
         let result = match &self.request {
             Request::Status => status(selector).map(|s| Reply::Status(Box::new(s))),
             _ if stopping => Err(anyhow!("the agent is stopping; it takes no changes")),
             Request::Set(change) => set(selector, change),
-            Request::Drain { backend, drained } => drain(selector, *backend, *drained),
+            Request::Drain { backend, drained } => drain(selector, reloader, *backend, *drained),
+            Request::Reload => reloader
+                .reload(selector)
+                .map(|message| Reply::Done { message })
+                .map_err(|e| anyhow!("reload refused, running configuration kept: {e:#}")),
         };
+        let reloaded = matches!((&self.request, &result), (Request::Reload, Ok(_)));
         let reply = result.unwrap_or_else(|e| Reply::Error {
             message: format!("{e:#}"),
         });
@@ -86,6 +93,7 @@ impl ControlCall {
             println!("selector: control: {message}");
         }
         let _ = self.reply.send(reply);
+        reloaded
     }
 }
 
@@ -114,9 +122,15 @@ fn set(selector: &mut Selector, change: &SettingsChange) -> Result<Reply> {
     })
 }
 
-fn drain(selector: &mut Selector, backend: std::net::SocketAddrV4, drained: bool) -> Result<Reply> {
+fn drain(
+    selector: &mut Selector,
+    reloader: &Reloader,
+    backend: std::net::SocketAddrV4,
+    drained: bool,
+) -> Result<Reply> {
     let id = selector
         .backend_index(backend)
+        .filter(|_| !reloader.table.is_retiring(backend))
         .ok_or_else(|| anyhow!("{backend} is not a configured backend"))?;
     selector.set_drained(id, drained)?;
     Ok(Reply::Done {

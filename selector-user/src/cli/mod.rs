@@ -1,5 +1,5 @@
 //! The `selector` command line: its clap types, and the control commands
-//! (`status`, `set`, `drain`, `undrain`) that talk to a running agent.
+//! (`status`, `set`, `drain`, `undrain`, `reload`) that talk to a running agent.
 //! `run` is in [`run`] (the loop) and [`run_args`] (its flags); `detach`
 //! in [`detach`].
 
@@ -43,7 +43,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Attach to an interface and steer until interrupted (or --duration).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Change the run-time settings of the agent running on an interface.
     Set(SetArgs),
     /// Stop choosing a backend (its pending requests still complete).
@@ -55,6 +55,15 @@ pub enum Command {
     /// Remove what `run --pin` left attached and pinned (or, without
     /// --pin, any selector links on the interface).
     Detach(DetachArgs),
+    /// Make the running agent re-read its --config file and apply it.
+    Reload(ReloadArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ReloadArgs {
+    /// Interface the agent runs on (in this network namespace).
+    #[arg(long)]
+    pub iface: String,
 }
 
 #[derive(Debug, Args)]
@@ -156,6 +165,7 @@ pub fn control(command: Command) -> Result<()> {
         Command::Run(_) => bail!("not a control command"),
         Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.iface, Request::Status, a.json),
+        Command::Reload(a) => (a.iface, Request::Reload, false),
         Command::Set(a) => {
             let change = a.change();
             if change.is_empty() {

@@ -14,7 +14,10 @@ use super::{
     RunArgs,
     control_server::{ControlCall, ControlServer},
 };
-use crate::{Selector, control::SettingsInForce, neighbours, sys, telemetry};
+use crate::{
+    Selector, config::RunConfig, control::SettingsInForce, neighbours, reload::Reloader, sys,
+    telemetry,
+};
 
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
@@ -22,18 +25,24 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 /// Attaches, then sweeps and prints until a signal or the duration ends;
 /// then stops steering, waits for the redirected reads in flight, and detaches.
 pub async fn run(args: RunArgs) -> Result<()> {
-    let settings = args.settings()?;
+    let config = args.run_config()?;
+    let settings = &config.settings;
     crate::preflight::check_host()?;
     settings.check_interface()?;
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
+    // SIGHUP reloads the config file (and no longer ends the process).
+    let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
     let selector = match &args.pin {
-        Some(dir) => Selector::attach_pinned(&settings, dir)?,
-        None => Selector::attach(&settings)?,
+        Some(dir) => Selector::attach_pinned(settings, dir)?,
+        None => Selector::attach(settings)?,
     };
-    let mut agent = Agent::new(selector, &args)?;
-    agent.steer(&mut signals, &mut control, args.duration).await;
+    let reloader = Reloader::new(args.config.clone(), args.options(), &config);
+    let mut agent = Agent::new(selector, reloader, &config)?;
+    agent
+        .steer(&mut signals, &mut hangups, &mut control, config.duration)
+        .await;
     if agent.selector.pinned().is_some() {
         // Pinned: the programs steer on, and the next agent sweeps.
         return agent.leave_pinned();
@@ -69,6 +78,8 @@ struct Agent {
     selector: Selector,
     /// The backends' next hops the agent keeps resolved.
     neighbours: neighbours::ManagedNeighbours,
+    /// The config file, start flags and group tables, for reloads.
+    reloader: Reloader,
     interval: Duration,
     sweep_every: Duration,
     quiet: bool,
@@ -78,7 +89,7 @@ struct Agent {
 
 impl Agent {
     /// Has the backends' next hops kept resolved and prints the attached line.
-    fn new(selector: Selector, args: &RunArgs) -> Result<Self> {
+    fn new(selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
         let settings = &selector.settings;
         let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
@@ -106,18 +117,16 @@ impl Agent {
                 "selector: next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
             );
         }
-        let interval = Duration::from_millis(args.interval);
-        // Sweep often enough that an expiry is at most a quarter timeout late.
-        let sweep_every = interval
-            .min(settings.timeout / 4)
-            .max(Duration::from_millis(1));
+        let interval = config.interval;
+        let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
         Ok(Self {
             selector,
             neighbours,
+            reloader,
             interval,
             sweep_every,
-            quiet: args.quiet,
+            quiet: config.quiet,
             last,
         })
     }
@@ -126,6 +135,7 @@ impl Agent {
     async fn steer(
         &mut self,
         signals: &mut StopSignals,
+        hangups: &mut Signal,
         control: &mut ControlServer,
         duration: Option<f64>,
     ) {
@@ -142,8 +152,22 @@ impl Agent {
             tokio::select! {
                 _ = signals.recv() => return,
                 _ = &mut until_deadline => return,
-                _ = sweep_tick.tick() => self.sweep(),
-                call = control.next_call() => self.answer(call, false),
+                _ = sweep_tick.tick() => {
+                    self.sweep();
+                    self.retire_finished();
+                }
+                call = control.next_call() => {
+                    if self.answer(call, false) {
+                        sweep_tick = interval(self.sweep_every);
+                    }
+                }
+                _ = hangups.recv() => {
+                    match self.reload() {
+                        Ok(message) => println!("selector: {message}"),
+                        Err(e) => println!("selector: reload refused, running configuration kept: {e:#}"),
+                    }
+                    sweep_tick = interval(self.sweep_every);
+                }
                 _ = print_tick.tick() => self.print_table(),
             }
         }
@@ -183,7 +207,9 @@ impl Agent {
                         return Ok(());
                     }
                 }
-                call = control.next_call() => self.answer(call, true),
+                call = control.next_call() => {
+                    self.answer(call, true);
+                }
                 _ = print_tick.tick() => print_stopping(waiting),
             }
         }
@@ -246,8 +272,59 @@ impl Agent {
         self.selector.flush_kernel_logs();
     }
 
-    fn answer(&mut self, call: ControlCall, stopping: bool) {
-        call.answer(&mut self.selector, stopping);
+    /// Answers a control request; true if it was a reload that applied.
+    fn answer(&mut self, call: ControlCall, stopping: bool) -> bool {
+        let reloaded = call.answer(&mut self.selector, &mut self.reloader, stopping);
+        if reloaded {
+            self.after_reload();
+        }
+        reloaded
+    }
+
+    /// Re-reads the config file and applies it (SIGHUP).
+    fn reload(&mut self) -> Result<String> {
+        let message = self.reloader.reload(&mut self.selector)?;
+        self.after_reload();
+        Ok(message)
+    }
+
+    /// The loop's derived state follows a reload: backends, sweep period,
+    /// quiet, the snapshot rates are taken against.
+    fn after_reload(&mut self) {
+        self.after_groups_changed();
+        self.quiet = self.reloader.quiet;
+        self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
+        let addrs: Vec<SocketAddrV4> = self.selector.backends.iter().map(|b| b.addr).collect();
+        match self
+            .neighbours
+            .keep_resolved(&addrs, Duration::from_millis(100))
+        {
+            Ok(unresolved) if !unresolved.is_empty() => {
+                log::info!("next hop not resolved yet for {unresolved:?}")
+            }
+            Ok(_) => {}
+            Err(e) => log::warn!("resolving the backends' next hops: {e:#}"),
+        }
+    }
+
+    /// Forgets removed members whose requests are done.
+    fn retire_finished(&mut self) {
+        match self.reloader.retire_finished(&mut self.selector) {
+            Ok(retired) if retired.is_empty() => {}
+            Ok(retired) => {
+                println!("selector: removed {retired:?}: their requests have finished");
+                self.after_groups_changed();
+            }
+            Err(e) => log::warn!("retiring removed members failed: {e:#}"),
+        }
+    }
+
+    /// The table's rates compare snapshots backend by backend: start over.
+    fn after_groups_changed(&mut self) {
+        match self.selector.snapshot() {
+            Ok(now) => self.last = now,
+            Err(e) => log::warn!("reading the maps failed: {e:#}"),
+        }
     }
 
     fn print_table(&mut self) {
@@ -266,6 +343,11 @@ impl Agent {
         }
         self.last = now;
     }
+}
+
+/// Sweep often enough that an expiry is at most a quarter timeout late.
+fn sweep_period(interval: Duration, timeout: Duration) -> Duration {
+    interval.min(timeout / 4).max(Duration::from_millis(1))
 }
 
 fn print_stopping(waiting: usize) {

@@ -1,15 +1,17 @@
-//! The flags of `selector run` and their translation into [`Settings`].
+//! The flags of `selector run` and their translation into [`Options`],
+//! laid over the config file's (see [`crate::config`]).
 
-use std::{fmt, net::SocketAddrV4, path::PathBuf, time::Duration};
+use std::{fmt, net::SocketAddrV4, path::PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
-use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED};
+use selector_common::Policy;
 
 use super::{OnOverloadArg, PolicyArg};
-use crate::pinning::DEFAULT_PIN_DIR;
-use crate::settings::{
-    DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Settings, parse_group, parse_u32,
+use crate::{
+    config::{ConfigFile, GroupSpec, Options, RunConfig},
+    pinning::DEFAULT_PIN_DIR,
+    settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -54,35 +56,42 @@ fn mark_arg(s: &str) -> Result<Mark, String> {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    /// A TOML file with any of these settings (keys are the flag names);
+    /// a flag given here wins over its key. `selector reload` or SIGHUP
+    /// re-reads it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// Network interface the application's traffic leaves by (needs an IPv4 address).
     #[arg(long)]
-    pub iface: String,
+    pub iface: Option<String>,
     /// A replica group, e.g. 10.0.0.1:11211,10.0.0.2:11211,10.0.0.3:11211.
     /// Repeat for more groups. Requests addressed to a member may go to
-    /// any member of its group.
-    #[arg(long = "group", required = true, value_parser = group_arg)]
+    /// any member of its group. Replaces the config file's groups.
+    #[arg(long = "group", value_parser = group_arg)]
     pub groups: Vec<GroupArg>,
-    #[arg(long, value_enum, default_value_t = PolicyArg::Threshold)]
-    pub policy: PolicyArg,
+    /// [default: threshold]
+    #[arg(long, value_enum)]
+    pub policy: Option<PolicyArg>,
     /// Pending requests: the margin (threshold policy) or the limit
-    /// (absolute policy) at which reads leave the primary.
-    #[arg(long, default_value_t = DEFAULT_THRESHOLD)]
-    pub threshold: u32,
+    /// (absolute policy) at which reads leave the primary [default: 4].
+    #[arg(long)]
+    pub threshold: Option<u32>,
     /// Pending requests per backend at which it is no longer chosen; when
     /// the primary and every eligible replica are there, --on-overload
-    /// applies (0: no bound).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub max_pending: u32,
+    /// applies (0: no bound) [default: 0].
+    #[arg(long, value_name = "N")]
+    pub max_pending: Option<u32>,
     /// What a read gets when its backends are at --max-pending or its
-    /// client socket at --max-pending-client.
-    #[arg(long, value_enum, default_value_t = OnOverloadArg::Pass)]
-    pub on_overload: OnOverloadArg,
+    /// client socket at --max-pending-client [default: pass].
+    #[arg(long, value_enum)]
+    pub on_overload: Option<OnOverloadArg>,
     /// Pending requests per client socket at which its reads are
-    /// overloaded (0: no bound).
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub max_pending_client: u32,
-    #[arg(long, value_enum, default_value_t = ProtoArg::Memcached)]
-    pub proto: ProtoArg,
+    /// overloaded (0: no bound) [default: 0].
+    #[arg(long, value_name = "N")]
+    pub max_pending_client: Option<u32>,
+    /// [default: memcached]
+    #[arg(long, value_enum)]
+    pub proto: Option<ProtoArg>,
     /// Custom protocol: byte offset of the request id in the UDP payload.
     #[arg(long)]
     pub req_id_offset: Option<u16>,
@@ -92,19 +101,20 @@ pub struct RunArgs {
     /// Custom protocol: reads start with these bytes (default: every request is a read).
     #[arg(long)]
     pub read_prefix: Option<String>,
-    /// Custom protocol: offset of the read prefix in the UDP payload.
-    #[arg(long, default_value_t = 0)]
-    pub read_prefix_offset: u16,
+    /// Custom protocol: offset of the read prefix in the UDP payload [default: 0].
+    #[arg(long)]
+    pub read_prefix_offset: Option<u16>,
     /// Custom protocol: requests holding these bytes (1-8) at
     /// --no-reply-offset expect no reply; they are passed, never tracked.
     #[arg(long)]
     pub no_reply_marker: Option<String>,
-    /// Custom protocol: offset of the no-reply marker in the UDP payload.
-    #[arg(long, default_value_t = 0)]
-    pub no_reply_offset: u16,
-    /// Milliseconds after which an unanswered request is expired (1 to 3600000).
-    #[arg(long, value_name = "MS", default_value_t = DEFAULT_TIMEOUT_MS)]
-    pub timeout: u64,
+    /// Custom protocol: offset of the no-reply marker in the UDP payload [default: 0].
+    #[arg(long)]
+    pub no_reply_offset: Option<u16>,
+    /// Milliseconds after which an unanswered request is expired (1 to 3600000)
+    /// [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub timeout: Option<u64>,
     /// Milliseconds after a request completed or expired during which a late
     /// reply to a redirected read is still rewritten (1 to 3600000;
     /// default: --timeout).
@@ -112,17 +122,21 @@ pub struct RunArgs {
     pub grace: Option<u64>,
     /// The skb mark bit set on the selector's own re-sent requests between
     /// their redirect and their second egress pass, where it is cleared.
-    /// Exactly one bit, decimal or 0x hex; pick one no fwmark rule matches.
-    #[arg(long, value_name = "BIT", value_parser = mark_arg, default_value_t = Mark(MARK_REDIRECTED))]
-    pub mark: Mark,
-    /// Capacity of the in-flight table; requests beyond it pass untracked.
-    #[arg(long, default_value_t = DEFAULT_INFLIGHT_MAX)]
-    pub inflight_max: u32,
-    /// Milliseconds between table prints (the sweep runs at least this often).
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
-    pub interval: u64,
-    #[arg(long, value_enum, default_value_t = IngressArg::Xdp)]
-    pub ingress: IngressArg,
+    /// Exactly one bit, decimal or 0x hex; pick one no fwmark rule matches
+    /// [default: 0x01000000].
+    #[arg(long, value_name = "BIT", value_parser = mark_arg)]
+    pub mark: Option<Mark>,
+    /// Capacity of the in-flight table; requests beyond it pass untracked
+    /// [default: 65536].
+    #[arg(long)]
+    pub inflight_max: Option<u32>,
+    /// Milliseconds between table prints (the sweep runs at least this often)
+    /// [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub interval: Option<u64>,
+    /// [default: xdp]
+    #[arg(long, value_enum)]
+    pub ingress: Option<IngressArg>,
     /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
@@ -139,78 +153,71 @@ pub struct RunArgs {
 }
 
 impl RunArgs {
-    /// The flags as checked settings; nothing on the host is looked at yet.
-    pub fn settings(&self) -> Result<Settings> {
-        if self.interval == 0 {
-            bail!("--interval must be greater than 0");
-        }
-        if self.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
-            bail!("--duration must be a positive number of seconds");
-        }
-        let timeout = Duration::from_millis(self.timeout);
-        let settings = Settings {
+    /// The flags given, as options to lay over the config file.
+    pub fn options(&self) -> Options {
+        Options {
             iface: self.iface.clone(),
-            groups: self.groups.iter().map(|g| g.0.clone()).collect(),
-            policy: self.policy.into(),
+            groups: (!self.groups.is_empty()).then(|| {
+                self.groups
+                    .iter()
+                    .map(|g| GroupSpec {
+                        name: None,
+                        members: g.0.iter().map(|a| a.to_string()).collect(),
+                    })
+                    .collect()
+            }),
+            policy: self.policy.map(Policy::from),
             threshold: self.threshold,
-            descriptor: self.descriptor()?,
-            timeout,
+            max_pending: self.max_pending,
+            on_overload: self.on_overload.map(OnOverload::from),
+            max_pending_client: self.max_pending_client,
+            proto: self.proto.map(|p| match p {
+                ProtoArg::Memcached => Protocol::Memcached,
+                ProtoArg::Dns => Protocol::Dns,
+                ProtoArg::Custom => Protocol::Custom,
+            }),
+            req_id_offset: self.req_id_offset,
+            req_id_len: self.req_id_len,
+            read_prefix: self.read_prefix.clone(),
+            read_prefix_offset: self.read_prefix_offset,
+            no_reply_marker: self.no_reply_marker.clone(),
+            no_reply_offset: self.no_reply_offset,
+            timeout: self.timeout,
+            grace: self.grace,
+            mark: self.mark.map(|m| m.0),
             inflight_max: self.inflight_max,
-            ingress: match self.ingress {
+            interval: self.interval,
+            ingress: self.ingress.map(|i| match i {
                 IngressArg::Xdp => IngressMode::Xdp,
                 IngressArg::Tc => IngressMode::Tc,
-            },
-            max_pending: self.max_pending,
-            max_pending_client: self.max_pending_client,
-            on_overload: self.on_overload.into(),
-            mark: self.mark.0,
-            grace: self.grace.map_or(timeout, Duration::from_millis),
-        };
-        settings.plan()?;
-        Ok(settings)
+            }),
+            duration: self.duration,
+            quiet: self.quiet.then_some(true),
+        }
     }
 
-    fn descriptor(&self) -> Result<Descriptor> {
-        let custom_flags = self.req_id_offset.is_some()
-            || self.req_id_len.is_some()
-            || self.read_prefix.is_some()
-            || self.read_prefix_offset != 0
-            || self.no_reply_marker.is_some()
-            || self.no_reply_offset != 0;
-        Ok(match self.proto {
-            ProtoArg::Memcached | ProtoArg::Dns if custom_flags => {
-                bail!(
-                    "--req-id-offset, --req-id-len, --read-prefix[-offset] and --no-reply-* need --proto custom"
-                )
-            }
-            ProtoArg::Memcached => Descriptor::memcached(),
-            ProtoArg::Dns => Descriptor::dns(),
-            ProtoArg::Custom => {
-                let (Some(offset), Some(len)) = (self.req_id_offset, self.req_id_len) else {
-                    bail!("--proto custom needs --req-id-offset and --req-id-len");
-                };
-                let prefix = self.read_prefix.as_deref().unwrap_or("");
-                let descriptor =
-                    Descriptor::custom(offset, len, self.read_prefix_offset, prefix.as_bytes());
-                let descriptor = match &self.no_reply_marker {
-                    Some(marker) => descriptor.and_then(|d| {
-                        d.with_no_reply_prefix(self.no_reply_offset, marker.as_bytes())
-                    }),
-                    None if self.no_reply_offset != 0 => {
-                        bail!("--no-reply-offset needs --no-reply-marker")
-                    }
-                    None => descriptor,
-                };
-                descriptor.map_err(|e| anyhow::anyhow!("bad protocol descriptor: {e}"))?
-            }
-        })
+    /// The flags over the config file (if any), checked; nothing on the
+    /// host is looked at yet but the resolver.
+    pub fn run_config(&self) -> Result<RunConfig> {
+        let flags = self.options();
+        match &self.config {
+            Some(path) => ConfigFile::read(path)?.resolve_with(&flags),
+            None => flags.resolve(),
+        }
+    }
+
+    /// The settings of [`Self::run_config`].
+    pub fn settings(&self) -> Result<Settings> {
+        Ok(self.run_config()?.settings)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use anyhow::bail;
     use clap::Parser as _;
-    use selector_common::Policy;
 
     use super::*;
     use crate::{

@@ -1,0 +1,773 @@
+//! The config file of `selector run --config FILE` (TOML), and the one path
+//! by which the file and the flags become [`Settings`]: both are read into
+//! [`Options`] (every field optional), the flags are laid over the file
+//! field by field ([`Options::over`]), and the result is resolved and
+//! checked by [`Options::resolve`] and [`Settings::plan`].
+//!
+//! Every key is the name of a `selector run` flag without its dashes, in
+//! the same unit (`timeout = 250` is `--timeout 250`); groups are
+//! `[[group]]` tables with an optional `name` and `members`, which may be
+//! host names (resolved here, IPv4 only). An error about a value the file
+//! gave names the file, the line and the key.
+
+use std::{
+    collections::{BTreeSet, HashSet},
+    fmt,
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4, ToSocketAddrs as _},
+    ops::Range,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result, anyhow};
+use selector_common::{Descriptor, OnOverload, Policy};
+use serde::{Deserialize, Serialize};
+use toml::de::{DeTable, DeValue};
+
+use crate::{
+    control::{Named, by_name},
+    settings::{
+        DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol, SettingKey,
+        Settings, invalid,
+    },
+};
+
+/// Default `interval`: milliseconds between table prints.
+pub const DEFAULT_INTERVAL_MS: u64 = 1000;
+
+/// Keys of the protocol descriptor; `proto` given as a flag replaces all
+/// of them (see [`Options::over`]).
+const DESCRIPTOR_KEYS: [&str; 7] = [
+    "proto",
+    "req-id-offset",
+    "req-id-len",
+    "read-prefix",
+    "read-prefix-offset",
+    "no-reply-marker",
+    "no-reply-offset",
+];
+
+/// Every setting of `selector run`, each optional: what the file says or
+/// what the flags say. Absent fields take the defaults in [`Options::resolve`].
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct Options {
+    pub iface: Option<String>,
+    #[serde(rename = "group")]
+    pub groups: Option<Vec<GroupSpec>>,
+    #[serde(default, with = "by_name")]
+    pub policy: Option<Policy>,
+    pub threshold: Option<u32>,
+    pub max_pending: Option<u32>,
+    #[serde(default, with = "by_name")]
+    pub on_overload: Option<OnOverload>,
+    pub max_pending_client: Option<u32>,
+    #[serde(default, with = "by_name")]
+    pub proto: Option<Protocol>,
+    pub req_id_offset: Option<u16>,
+    pub req_id_len: Option<u8>,
+    pub read_prefix: Option<String>,
+    pub read_prefix_offset: Option<u16>,
+    pub no_reply_marker: Option<String>,
+    pub no_reply_offset: Option<u16>,
+    /// Milliseconds.
+    pub timeout: Option<u64>,
+    /// Milliseconds.
+    pub grace: Option<u64>,
+    pub mark: Option<u32>,
+    pub inflight_max: Option<u32>,
+    /// Milliseconds.
+    pub interval: Option<u64>,
+    #[serde(default, with = "by_name")]
+    pub ingress: Option<IngressMode>,
+    /// Seconds.
+    pub duration: Option<f64>,
+    pub quiet: Option<bool>,
+}
+
+/// One replica group: members in preference order, each `a.b.c.d:port` or
+/// `host:port`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupSpec {
+    pub name: Option<String>,
+    pub members: Vec<String>,
+}
+
+/// What `selector run` runs with: the settings, the groups' names and the
+/// agent loop's own options.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub settings: Settings,
+    /// Name of each group in `settings.groups` (None: unnamed).
+    pub group_names: Vec<Option<String>>,
+    pub interval: Duration,
+    pub duration: Option<f64>,
+    pub quiet: bool,
+}
+
+impl Options {
+    /// `self` (the flags) laid over `file`, field by field: a field the
+    /// flags give wins. `proto` carries its descriptor options with it, so
+    /// `--proto dns` over a file's custom descriptor is plain DNS.
+    pub fn over(self, file: Options) -> Options {
+        let file = if self.proto.is_some() {
+            Options {
+                req_id_offset: None,
+                req_id_len: None,
+                read_prefix: None,
+                read_prefix_offset: None,
+                no_reply_marker: None,
+                no_reply_offset: None,
+                ..file
+            }
+        } else {
+            file
+        };
+        Options {
+            iface: self.iface.or(file.iface),
+            groups: self.groups.or(file.groups),
+            policy: self.policy.or(file.policy),
+            threshold: self.threshold.or(file.threshold),
+            max_pending: self.max_pending.or(file.max_pending),
+            on_overload: self.on_overload.or(file.on_overload),
+            max_pending_client: self.max_pending_client.or(file.max_pending_client),
+            proto: self.proto.or(file.proto),
+            req_id_offset: self.req_id_offset.or(file.req_id_offset),
+            req_id_len: self.req_id_len.or(file.req_id_len),
+            read_prefix: self.read_prefix.or(file.read_prefix),
+            read_prefix_offset: self.read_prefix_offset.or(file.read_prefix_offset),
+            no_reply_marker: self.no_reply_marker.or(file.no_reply_marker),
+            no_reply_offset: self.no_reply_offset.or(file.no_reply_offset),
+            timeout: self.timeout.or(file.timeout),
+            grace: self.grace.or(file.grace),
+            mark: self.mark.or(file.mark),
+            inflight_max: self.inflight_max.or(file.inflight_max),
+            interval: self.interval.or(file.interval),
+            ingress: self.ingress.or(file.ingress),
+            duration: self.duration.or(file.duration),
+            quiet: self.quiet.or(file.quiet),
+        }
+    }
+
+    /// Whether the field with this key (as in the file) is given.
+    fn gives(&self, key: &str) -> bool {
+        serde_json::to_value(self).is_ok_and(|v| !v[key].is_null())
+    }
+
+    /// Defaults for what is absent, host names resolved, everything
+    /// checked; nothing on the host is looked at beyond the resolver.
+    pub fn resolve(&self) -> Result<RunConfig> {
+        let interval = self.interval.unwrap_or(DEFAULT_INTERVAL_MS);
+        if interval == 0 {
+            return invalid(SettingKey::Flag("interval"), "must be greater than 0");
+        }
+        if self.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+            return invalid(
+                SettingKey::Flag("duration"),
+                "must be a positive number of seconds",
+            );
+        }
+        let specs = self.groups.as_deref().unwrap_or_default();
+        let mut names = HashSet::new();
+        for (g, spec) in specs.iter().enumerate() {
+            if let Some(name) = &spec.name
+                && (name.is_empty() || !names.insert(name.as_str()))
+            {
+                return invalid(
+                    SettingKey::Group(g),
+                    format!("group name '{name}' is empty or used twice"),
+                );
+            }
+        }
+        let mut groups = Vec::new();
+        for (g, spec) in specs.iter().enumerate() {
+            let mut members = Vec::new();
+            for (m, member) in spec.members.iter().enumerate() {
+                members.push(
+                    resolve_member(member)
+                        .or_else(|problem| invalid(SettingKey::Member(g, m), problem))?,
+                );
+            }
+            groups.push(members);
+        }
+        let timeout = Duration::from_millis(self.timeout.unwrap_or(DEFAULT_TIMEOUT_MS));
+        let defaults = Settings::new("", vec![]);
+        let settings = Settings {
+            iface: self.iface.clone().unwrap_or_default(),
+            groups,
+            policy: self.policy.unwrap_or(defaults.policy),
+            threshold: self.threshold.unwrap_or(DEFAULT_THRESHOLD),
+            descriptor: self.descriptor()?,
+            timeout,
+            inflight_max: self.inflight_max.unwrap_or(defaults.inflight_max),
+            ingress: self.ingress.unwrap_or(defaults.ingress),
+            max_pending: self.max_pending.unwrap_or(0),
+            max_pending_client: self.max_pending_client.unwrap_or(0),
+            on_overload: self.on_overload.unwrap_or(defaults.on_overload),
+            mark: self.mark.unwrap_or(defaults.mark),
+            grace: self.grace.map_or(timeout, Duration::from_millis),
+        };
+        settings.plan()?;
+        Ok(RunConfig {
+            settings,
+            group_names: specs.iter().map(|s| s.name.clone()).collect(),
+            interval: Duration::from_millis(interval),
+            duration: self.duration,
+            quiet: self.quiet.unwrap_or(false),
+        })
+    }
+
+    fn descriptor(&self) -> Result<Descriptor> {
+        let descriptor_error = |problem: &str| invalid(SettingKey::Descriptor, problem);
+        let custom_options = DESCRIPTOR_KEYS[1..].iter().any(|key| self.gives(key));
+        match self.proto.unwrap_or(Protocol::Memcached) {
+            Protocol::Memcached | Protocol::Dns if custom_options => descriptor_error(
+                "--req-id-offset, --req-id-len, --read-prefix[-offset] and --no-reply-* need --proto custom",
+            ),
+            Protocol::Memcached => Ok(Descriptor::memcached()),
+            Protocol::Dns => Ok(Descriptor::dns()),
+            Protocol::Custom => {
+                let (Some(offset), Some(len)) = (self.req_id_offset, self.req_id_len) else {
+                    return descriptor_error(
+                        "--proto custom needs --req-id-offset and --req-id-len",
+                    );
+                };
+                let prefix = self.read_prefix.as_deref().unwrap_or("");
+                let prefix_offset = self.read_prefix_offset.unwrap_or(0);
+                let descriptor = Descriptor::custom(offset, len, prefix_offset, prefix.as_bytes());
+                let no_reply_offset = self.no_reply_offset.unwrap_or(0);
+                let descriptor = match &self.no_reply_marker {
+                    Some(marker) => descriptor
+                        .and_then(|d| d.with_no_reply_prefix(no_reply_offset, marker.as_bytes())),
+                    None if self.no_reply_offset.is_some() => {
+                        return descriptor_error("--no-reply-offset needs --no-reply-marker");
+                    }
+                    None => descriptor,
+                };
+                descriptor.or_else(|e| descriptor_error(&format!("bad protocol descriptor: {e}")))
+            }
+        }
+    }
+}
+
+/// `a.b.c.d:port`, or `host:port` resolved with the system's resolver to
+/// exactly one IPv4 address (a member is one replica).
+pub fn resolve_member(member: &str) -> Result<SocketAddrV4, String> {
+    if let Ok(addr) = member.parse::<SocketAddrV4>() {
+        return Ok(addr);
+    }
+    let malformed = || format!("'{member}' is not an IPv4 address:port or a host:port");
+    let (host, port) = member.rsplit_once(':').ok_or_else(malformed)?;
+    let port: u16 = port.parse().map_err(|_| malformed())?;
+    if host.is_empty() || host.contains(':') {
+        return Err(malformed());
+    }
+    let found = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("'{member}' does not resolve: {e}"))?;
+    let addrs: BTreeSet<Ipv4Addr> = found
+        .filter_map(|a| match a {
+            SocketAddr::V4(v4) => Some(*v4.ip()),
+            SocketAddr::V6(_) => None,
+        })
+        .collect();
+    match addrs.len() {
+        0 => Err(format!("'{member}' has no IPv4 address")),
+        1 => Ok(SocketAddrV4::new(
+            *addrs.first().unwrap_or(&Ipv4Addr::UNSPECIFIED),
+            port,
+        )),
+        n => {
+            let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            Err(format!(
+                "'{member}' resolves to {n} IPv4 addresses ({}); a member is one replica, name it by address",
+                list.join(", ")
+            ))
+        }
+    }
+}
+
+/// A config file, read and parsed (its values not yet checked).
+#[derive(Clone, Debug)]
+pub struct ConfigFile {
+    pub path: PathBuf,
+    text: String,
+    pub options: Options,
+}
+
+impl ConfigFile {
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config file {}", path.display()))?;
+        Self::parse(path, text)
+    }
+
+    /// Parses `text` as the file at `path`. A syntax error, a value of the
+    /// wrong type or an unknown key fails naming the line and the key.
+    pub fn parse(path: &Path, text: String) -> Result<Self> {
+        match toml::from_str::<Options>(&text) {
+            Ok(options) => Ok(Self {
+                path: path.to_owned(),
+                text,
+                options,
+            }),
+            Err(e) => {
+                let at = e.span().map_or(0, |span| span.start);
+                let (tree, _) = DeTable::parse_recoverable(&text);
+                let key = key_at(tree.get_ref(), at, "").or_else(|| header_at(&text, at));
+                let (line, column) = line_and_column(&text, at);
+                let key = key.map(|k| format!(" {k}:")).unwrap_or_default();
+                let message = e.message().replace('\n', " ");
+                Err(anyhow!(
+                    "{}:{line}:{column}:{key} {}",
+                    path.display(),
+                    message.trim_end()
+                ))
+            }
+        }
+    }
+
+    /// The file with `flags` laid over it, resolved and checked. An error
+    /// about a value from the file names the file, its line and its key.
+    pub fn resolve_with(&self, flags: &Options) -> Result<RunConfig> {
+        let merged = flags.clone().over(self.options.clone());
+        merged.resolve().map_err(|e| {
+            let Some(problem) = e.downcast_ref::<Invalid>() else {
+                return e;
+            };
+            match self.locate(problem.key, flags) {
+                Some(at) => anyhow!("{}:{at}: {}", self.path.display(), problem.problem),
+                None => e,
+            }
+        })
+    }
+
+    /// Where in the file the value behind `key` is, unless the flags gave it.
+    fn locate(&self, key: SettingKey, flags: &Options) -> Option<Location> {
+        let (tree, _) = DeTable::parse_recoverable(&self.text);
+        let tree = tree.get_ref();
+        let entry = |name: &str| tree.iter().find(|(k, _)| k.get_ref() == name);
+        let groups = || match entry("group")?.1.get_ref() {
+            DeValue::Array(a) if !flags.gives("group") => Some(a.clone()),
+            _ => None,
+        };
+        let (label, span) = match key {
+            SettingKey::Flag(name) if !flags.gives(name) => {
+                let (k, _) = entry(name)?;
+                (name.to_string(), k.span())
+            }
+            SettingKey::Flag(_) => return None,
+            SettingKey::Descriptor => {
+                let name = DESCRIPTOR_KEYS
+                    .iter()
+                    .find(|name| !flags.gives(name) && entry(name).is_some())?;
+                (name.to_string(), entry(name)?.0.span())
+            }
+            SettingKey::Groups => ("group".into(), entry("group")?.0.span()),
+            SettingKey::Group(g) => (format!("group {}", g + 1), groups()?.get(g)?.span()),
+            SettingKey::Member(g, m) => {
+                let groups = groups()?;
+                let DeValue::Table(group) = groups.get(g)?.get_ref() else {
+                    return None;
+                };
+                let (_, members) = group.iter().find(|(k, _)| k.get_ref() == "members")?;
+                let DeValue::Array(members) = members.get_ref() else {
+                    return None;
+                };
+                (format!("group {} members", g + 1), members.get(m)?.span())
+            }
+        };
+        let (line, _) = line_and_column(&self.text, span.start);
+        Some(Location { line, label })
+    }
+}
+
+/// A line of the config file and the key there.
+struct Location {
+    line: usize,
+    label: String,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.line, self.label)
+    }
+}
+
+/// The innermost key whose key or value holds byte `at` (`group 2 members`
+/// for a member of the second group).
+fn key_at(table: &DeTable<'_>, at: usize, prefix: &str) -> Option<String> {
+    let holds = |span: Range<usize>| span.contains(&at) || span.start == at;
+    for (key, value) in table {
+        let name = format!("{prefix}{}", key.get_ref());
+        if !holds(key.span()) && !holds(value.span()) {
+            continue;
+        }
+        return Some(match value.get_ref() {
+            DeValue::Table(inner) => key_at(inner, at, &format!("{name} ")).unwrap_or(name),
+            DeValue::Array(items) => items
+                .iter()
+                .enumerate()
+                .find(|(_, item)| holds(item.span()))
+                .and_then(|(i, item)| match item.get_ref() {
+                    DeValue::Table(inner) => {
+                        let element = format!("{name} {}", i + 1);
+                        Some(key_at(inner, at, &format!("{element} ")).unwrap_or(element))
+                    }
+                    _ => None,
+                })
+                .unwrap_or(name),
+            _ => name,
+        });
+    }
+    // An array-of-tables element's span may leave out its `[[...]]` header.
+    table.iter().find_map(|(key, value)| match value.get_ref() {
+        DeValue::Array(items) => items.iter().enumerate().find_map(|(i, item)| {
+            let DeValue::Table(inner) = item.get_ref() else {
+                return None;
+            };
+            let element = format!("{prefix}{} {}", key.get_ref(), i + 1);
+            key_at(inner, at, &format!("{element} "))
+        }),
+        _ => None,
+    })
+}
+
+/// `group 2` when byte `at` starts the second `[[group]]` header (where
+/// toml points at a table that lacks a key).
+fn header_at(text: &str, at: usize) -> Option<String> {
+    let rest = text.get(at..)?;
+    let name = rest
+        .lines()
+        .next()?
+        .trim()
+        .strip_prefix("[[")?
+        .strip_suffix("]]")?
+        .trim();
+    let header = format!("[[{name}]]");
+    let count = text[..at]
+        .lines()
+        .filter(|line| line.trim() == header)
+        .count();
+    Some(format!("{name} {}", count + 1))
+}
+
+/// 1-based line and column (in characters) of byte `at` in `text`.
+fn line_and_column(text: &str, at: usize) -> (usize, usize) {
+    let before = &text[..at.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before
+        .rsplit_once('\n')
+        .map_or(before, |(_, rest)| rest)
+        .chars()
+        .count()
+        + 1;
+    (line, column)
+}
+
+impl Named for Protocol {
+    const WHAT: &'static str = "protocol";
+    fn name(self) -> &'static str {
+        Protocol::name(self)
+    }
+    fn from_name(name: &str) -> Option<Self> {
+        Protocol::from_name(name)
+    }
+}
+
+impl Named for IngressMode {
+    const WHAT: &'static str = "ingress mode";
+    fn name(self) -> &'static str {
+        IngressMode::name(self)
+    }
+    fn from_name(name: &str) -> Option<Self> {
+        IngressMode::from_name(name)
+    }
+}
+
+/// An IP literal, for tests that must not touch the resolver.
+#[cfg(test)]
+fn is_literal(member: &str) -> bool {
+    member
+        .rsplit_once(':')
+        .is_some_and(|(h, _)| h.parse::<std::net::IpAddr>().is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAMPLE: &str = include_str!("../../deploy/selector.toml");
+
+    fn parse(text: &str) -> Result<ConfigFile> {
+        ConfigFile::parse(Path::new("sel.toml"), text.to_string())
+    }
+
+    fn err(text: &str) -> String {
+        parse(text)
+            .and_then(|f| f.resolve_with(&Options::default()))
+            .unwrap_err()
+            .to_string()
+    }
+
+    const BASE: &str = r#"iface = "eth0"
+threshold = 2
+
+[[group]]
+name = "users"
+members = ["10.0.0.1:11211", "10.0.0.2:11211"]
+"#;
+
+    /// BASE with `lines` at the top level, as its third line on.
+    fn with(lines: &str) -> String {
+        BASE.replacen("threshold = 2\n", &format!("threshold = 2\n{lines}"), 1)
+    }
+
+    #[test]
+    fn the_sample_parses_and_says_every_key() {
+        let file = parse(SAMPLE).unwrap();
+        // Every key appears in the sample, set or commented out, so it
+        // documents them all.
+        let keys = serde_json::to_value(Options::default()).unwrap();
+        for key in keys.as_object().unwrap().keys() {
+            let shown = SAMPLE.lines().any(|line| {
+                let line = line.trim_start_matches("# ");
+                line.starts_with(&format!("{key} =")) || line == format!("[[{key}]]")
+            });
+            assert!(shown, "the sample does not show '{key}'");
+        }
+        assert!(file.options.groups.as_ref().unwrap().len() >= 2);
+        // Its members are literals, so this test needs no resolver.
+        for group in file.options.groups.as_ref().unwrap() {
+            assert!(group.members.iter().all(|m| is_literal(m)), "{group:?}");
+        }
+        let config = file.resolve_with(&Options::default()).unwrap();
+        assert!(config.settings.plan().is_ok());
+    }
+
+    #[test]
+    fn a_file_says_what_the_flags_say() {
+        let file = parse(
+            r#"iface = "eth1"
+policy = "absolute"
+threshold = 7
+max-pending = 5
+on-overload = "drop"
+max-pending-client = 3
+proto = "custom"
+req-id-offset = 4
+req-id-len = 2
+read-prefix = "GET"
+read-prefix-offset = 1
+no-reply-marker = "N!"
+no-reply-offset = 6
+timeout = 250
+grace = 400
+mark = 0x10
+inflight-max = 1024
+interval = 100
+ingress = "tc"
+duration = 2.5
+quiet = true
+
+[[group]]
+members = ["10.0.0.1:1", "10.0.0.2:1"]
+
+[[group]]
+name = "b"
+members = ["10.0.0.3:1"]
+"#,
+        )
+        .unwrap();
+        let c = file.resolve_with(&Options::default()).unwrap();
+        let s = &c.settings;
+        assert_eq!(s.iface, "eth1");
+        assert_eq!((s.policy, s.threshold), (Policy::Absolute, 7));
+        assert_eq!((s.max_pending, s.max_pending_client), (5, 3));
+        assert_eq!(s.on_overload, OnOverload::Drop);
+        assert_eq!(s.protocol(), Protocol::Custom);
+        assert_eq!((s.descriptor.id_offset, s.descriptor.id_len), (4, 2));
+        assert_eq!(&s.descriptor.prefix[..3], b"GET");
+        assert!(
+            s.descriptor
+                .expects_no_reply(|i| b"\0\0\0\0\0\0N!".get(i).copied())
+        );
+        assert_eq!(s.timeout, Duration::from_millis(250));
+        assert_eq!(s.grace, Duration::from_millis(400));
+        assert_eq!((s.mark, s.inflight_max), (0x10, 1024));
+        assert_eq!(s.ingress, IngressMode::Tc);
+        assert_eq!(c.interval, Duration::from_millis(100));
+        assert_eq!((c.duration, c.quiet), (Some(2.5), true));
+        assert_eq!(s.groups.len(), 2);
+        assert_eq!(c.group_names, vec![None, Some("b".to_string())]);
+    }
+
+    #[test]
+    fn flags_override_the_file_field_by_field() {
+        let file = parse(BASE).unwrap();
+        let flags = Options {
+            threshold: Some(9),
+            timeout: Some(300),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&flags).unwrap();
+        assert_eq!(c.settings.threshold, 9);
+        assert_eq!(c.settings.iface, "eth0", "from the file");
+        assert_eq!(
+            c.settings.grace,
+            Duration::from_millis(300),
+            "grace follows timeout"
+        );
+        assert_eq!(c.group_names, vec![Some("users".to_string())]);
+        // --group replaces the file's groups as a whole.
+        let flags = Options {
+            groups: Some(vec![GroupSpec {
+                name: None,
+                members: vec!["10.0.0.9:1".into()],
+            }]),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&flags).unwrap();
+        assert_eq!(c.settings.groups, vec![vec!["10.0.0.9:1".parse().unwrap()]]);
+        assert_eq!(c.group_names, vec![None]);
+    }
+
+    #[test]
+    fn proto_from_the_flags_carries_its_descriptor_options() {
+        let file = parse(&with(
+            "proto = \"custom\"\nreq-id-offset = 4\nreq-id-len = 4\n",
+        ))
+        .unwrap();
+        let from_file = file.resolve_with(&Options::default()).unwrap();
+        assert_eq!(from_file.settings.protocol(), Protocol::Custom);
+        let dns = Options {
+            proto: Some(Protocol::Dns),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&dns).unwrap();
+        assert_eq!(c.settings.descriptor, Descriptor::dns());
+        // One option alone is laid over the file's descriptor.
+        let len = Options {
+            req_id_len: Some(2),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&len).unwrap();
+        assert_eq!(
+            (
+                c.settings.descriptor.id_offset,
+                c.settings.descriptor.id_len
+            ),
+            (4, 2)
+        );
+    }
+
+    #[test]
+    fn syntax_type_and_unknown_key_errors_name_line_and_key() {
+        let e = err("iface = \"eth0\"\nthreshold = \"two\"\n");
+        assert!(e.starts_with("sel.toml:2:13: threshold:"), "{e}");
+        assert!(e.contains("invalid type"), "{e}");
+        let e = err("iface = \"eth0\"\n\ncolour = \"blue\"\n");
+        assert!(e.starts_with("sel.toml:3:1: colour: unknown field"), "{e}");
+        let e = err("iface = \"eth0\"\npolicy = \"fastest\"\n");
+        assert!(
+            e.starts_with("sel.toml:2:10: policy: unknown policy 'fastest'"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "{BASE}\n[[group]]\nmembers = [\"10.0.0.3:1\"]\ncolour = 1\n"
+        ));
+        assert!(
+            e.starts_with("sel.toml:10:1: group 2 colour: unknown field"),
+            "{e}"
+        );
+        // A top-level key after a [[group]] header belongs to that group.
+        let e = err(&format!("{BASE}mark = 16\n"));
+        assert!(
+            e.starts_with("sel.toml:7:1: group 1 mark: unknown field"),
+            "{e}"
+        );
+        let e = err(&format!("{BASE}\n[[group]]\nname = \"x\"\n"));
+        assert_eq!(e, "sel.toml:8:1: group 2: missing field `members`");
+        let e = err("iface = \"eth0\"\nthreshold = = 2\n");
+        assert!(e.starts_with("sel.toml:2:"), "{e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+    }
+
+    #[test]
+    fn bad_values_name_the_line_and_key_they_came_from() {
+        let e = err(&BASE.replace("threshold = 2", "threshold = 0"));
+        assert_eq!(e, "sel.toml:2: threshold: must be at least 1");
+        let e = err(&with("mark = 3\n"));
+        assert_eq!(
+            e,
+            "sel.toml:3: mark: must have exactly one bit set, got 0x00000003"
+        );
+        let e = err(&BASE.replace("10.0.0.2:11211", "10.0.0.1:11211"));
+        assert_eq!(
+            e,
+            "sel.toml:6: group 1 members: backend 10.0.0.1:11211 appears twice in group 1"
+        );
+        let e = err(&BASE.replace("10.0.0.2:11211", "10.0.0.2"));
+        assert!(
+            e.starts_with("sel.toml:6: group 1 members: '10.0.0.2' is not an IPv4 address:port"),
+            "{e}"
+        );
+        let e = err(&format!(
+            "{BASE}\n[[group]]\nname = \"users\"\nmembers = [\"10.0.0.3:1\"]\n"
+        ));
+        assert!(
+            e.starts_with("sel.toml:8: group 2: group name 'users'"),
+            "{e}"
+        );
+        let e = err(&with("proto = \"custom\"\n"));
+        assert!(
+            e.starts_with("sel.toml:3: proto: --proto custom needs"),
+            "{e}"
+        );
+        let e = err(&with("\ninterval = 0\n"));
+        assert_eq!(e, "sel.toml:4: interval: must be greater than 0");
+        // A value the flags gave is the flags' error, as without a file.
+        let file = parse(BASE).unwrap();
+        let flags = Options {
+            threshold: Some(0),
+            ..Options::default()
+        };
+        let e = file.resolve_with(&flags).unwrap_err().to_string();
+        assert_eq!(e, "--threshold must be at least 1");
+    }
+
+    #[test]
+    fn members_may_be_host_names() {
+        assert_eq!(
+            resolve_member("localhost:11211"),
+            Ok("127.0.0.1:11211".parse().unwrap())
+        );
+        assert_eq!(
+            resolve_member("10.0.0.1:1"),
+            Ok("10.0.0.1:1".parse().unwrap())
+        );
+        for bad in ["localhost", "localhost:port", ":11211", "[::1]:11211"] {
+            let e = resolve_member(bad).unwrap_err();
+            assert!(e.contains(&format!("'{bad}'")), "{e}");
+        }
+    }
+
+    #[test]
+    fn without_a_file_the_flags_alone_are_resolved() {
+        let flags = Options {
+            iface: Some("eth0".into()),
+            groups: Some(vec![GroupSpec {
+                name: None,
+                members: vec!["10.0.0.1:1".into()],
+            }]),
+            ..Options::default()
+        };
+        let c = flags.resolve().unwrap();
+        assert_eq!(c.settings.threshold, DEFAULT_THRESHOLD);
+        assert_eq!(c.interval, Duration::from_millis(DEFAULT_INTERVAL_MS));
+        assert!(!c.quiet);
+        let e = Options::default().resolve().unwrap_err().to_string();
+        assert_eq!(e, "--iface is required");
+    }
+}

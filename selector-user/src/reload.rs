@@ -1,0 +1,749 @@
+//! Reloading the config file into a running selector (`selector reload`,
+//! SIGHUP), without detaching.
+//!
+//! Tunables and the descriptor are rewritten in `CONFIG`. Groups change in
+//! place, and a backend's id (`group * 8 + position`) never changes while
+//! it is configured, since its counters, statistics and in-flight requests
+//! are all keyed by it:
+//! - a kept member keeps its position (and its drained state);
+//! - an added member takes the lowest free position of its group (a new
+//!   group, the lowest free group index), with its counters zeroed first;
+//! - a removed member *retires*: its `BACKENDS` entry gets
+//!   [`BACKEND_RETIRING`] (egress no longer tracks or steers requests to
+//!   its address) and its active bit is cleared (nothing is redirected to
+//!   it), while its endpoint stays, so the reply path still completes and
+//!   rewrites the requests in flight. Once `timeout + grace` has passed
+//!   since the reload and no in-flight slot names it, its entry is deleted
+//!   and its position is free again.
+//!
+//! Groups of the new file are matched to running ones by name, else by the
+//! members they share. A member cannot move between groups in one reload
+//! (its address has one `BACKENDS` entry): remove it, and add it back once
+//! it has retired.
+
+use std::{
+    net::SocketAddrV4,
+    path::PathBuf,
+    sync::atomic::Ordering,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use aya::maps::{Array, HashMap, PerCpuArray, PerCpuValues};
+use selector_common::{
+    BACKEND_RETIRING, BackendStats, Endpoint, Group, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
+    inflight::{FREE, PHASE_WRITING, phase},
+    latency::LATENCY_BUCKETS,
+    names,
+};
+
+use crate::{
+    Selector,
+    config::{ConfigFile, Options, RunConfig},
+    control::SettingsInForce,
+    loader::endpoint,
+    settings::{BackendPlan, Settings},
+    shared::atomic,
+};
+
+/// A member in the kernel's tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub addr: SocketAddrV4,
+    /// Removed by a reload at this instant; its requests still complete.
+    pub retiring_since: Option<Instant>,
+}
+
+/// A group in the kernel's tables: `members[p]` is at position `p`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableGroup {
+    pub name: Option<String>,
+    pub members: [Option<Member>; MAX_GROUP_MEMBERS],
+}
+
+impl TableGroup {
+    fn position_of(&self, addr: SocketAddrV4) -> Option<usize> {
+        self.members
+            .iter()
+            .position(|m| m.is_some_and(|m| m.addr == addr))
+    }
+
+    fn is_empty(&self) -> bool {
+        self.members.iter().all(Option::is_none)
+    }
+
+    /// The kernel's `len`: one past the last occupied position.
+    fn len(&self) -> u32 {
+        self.members
+            .iter()
+            .rposition(Option::is_some)
+            .map_or(0, |p| p as u32 + 1)
+    }
+}
+
+/// The groups as the kernel holds them: `groups[g]` is group index `g`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupTable {
+    pub groups: Vec<Option<TableGroup>>,
+}
+
+impl GroupTable {
+    /// The table `selector run` starts with: groups and members in order.
+    pub fn from_start(groups: &[Vec<SocketAddrV4>], names: &[Option<String>]) -> Self {
+        let groups = groups
+            .iter()
+            .enumerate()
+            .map(|(g, members)| {
+                let mut group = TableGroup {
+                    name: names.get(g).cloned().flatten(),
+                    ..TableGroup::default()
+                };
+                for (p, addr) in members.iter().take(MAX_GROUP_MEMBERS).enumerate() {
+                    group.members[p] = Some(Member {
+                        addr: *addr,
+                        retiring_since: None,
+                    });
+                }
+                Some(group)
+            })
+            .collect();
+        Self { groups }
+    }
+
+    /// Every backend in the tables, retiring ones included, by id.
+    pub fn backends(&self) -> Vec<BackendPlan> {
+        self.members()
+            .map(|(g, p, m)| BackendPlan {
+                index: backend_id(g as u32, p),
+                addr: m.addr,
+                group: g as u32,
+            })
+            .collect()
+    }
+
+    fn members(&self) -> impl Iterator<Item = (usize, usize, &Member)> {
+        self.groups.iter().enumerate().flat_map(|(g, group)| {
+            group.iter().flat_map(move |group| {
+                group
+                    .members
+                    .iter()
+                    .enumerate()
+                    .filter_map(move |(p, m)| m.as_ref().map(|m| (g, p, m)))
+            })
+        })
+    }
+
+    /// Whether `addr` is a member being removed.
+    pub fn is_retiring(&self, addr: SocketAddrV4) -> bool {
+        self.members()
+            .any(|(_, _, m)| m.addr == addr && m.retiring_since.is_some())
+    }
+
+    /// (group, position) of `addr`, retiring or not.
+    fn find(&self, addr: SocketAddrV4) -> Option<(usize, usize)> {
+        self.members()
+            .find(|(_, _, m)| m.addr == addr)
+            .map(|(g, p, _)| (g, p))
+    }
+}
+
+/// What a reload does to the groups.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupChanges {
+    /// The tables after the reload.
+    pub table: GroupTable,
+    /// Members new to the tables.
+    pub added: Vec<BackendPlan>,
+    /// Members that start retiring.
+    pub removed: Vec<BackendPlan>,
+    /// Retiring members configured again (same id).
+    pub restored: Vec<BackendPlan>,
+}
+
+impl GroupChanges {
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.restored.is_empty()
+    }
+}
+
+/// Plans the tables for `wanted` groups (validated, members in preference
+/// order) from `current`, keeping every kept member's id. Pure: the kernel
+/// is written by [`Selector::apply_groups`].
+pub fn plan_groups(
+    current: &GroupTable,
+    wanted: &[Vec<SocketAddrV4>],
+    names: &[Option<String>],
+    now: Instant,
+) -> Result<GroupChanges> {
+    let label = |w: usize| match names.get(w).cloned().flatten() {
+        Some(name) => format!("group '{name}'"),
+        None => format!("group {}", w + 1),
+    };
+    // Which running group each wanted group continues.
+    let mut continues: Vec<Option<usize>> = Vec::new();
+    for (w, members) in wanted.iter().enumerate() {
+        let by_name = names.get(w).cloned().flatten().and_then(|name| {
+            current.groups.iter().position(|g| {
+                g.as_ref()
+                    .is_some_and(|g| g.name.as_deref() == Some(&*name))
+            })
+        });
+        let by_members = || {
+            let mut found: Vec<usize> = members
+                .iter()
+                .filter_map(|addr| current.find(*addr).map(|(g, _)| g))
+                .collect();
+            found.sort_unstable();
+            found.dedup();
+            match found.as_slice() {
+                [] => Ok(None),
+                [one] => Ok(Some(*one)),
+                [a, b, ..] => Err(anyhow!(
+                    "{} takes members of running groups {} and {}; move members between groups in separate reloads",
+                    label(w),
+                    a + 1,
+                    b + 1
+                )),
+            }
+        };
+        let running = match by_name {
+            Some(g) => Some(g),
+            None => by_members()?,
+        };
+        if let Some(g) = running
+            && let Some(other) = continues.iter().position(|c| *c == Some(g))
+        {
+            bail!(
+                "{} and {} both continue running group {}; split groups in separate reloads",
+                label(other),
+                label(w),
+                g + 1
+            );
+        }
+        continues.push(running);
+    }
+
+    let mut table = current.clone();
+    let mut changes = GroupChanges {
+        table: GroupTable::default(),
+        added: Vec::new(),
+        removed: Vec::new(),
+        restored: Vec::new(),
+    };
+    // Running groups no wanted group continues: every member retires.
+    for (g, group) in table.groups.iter_mut().enumerate() {
+        let Some(group) = group else { continue };
+        if continues.contains(&Some(g)) {
+            continue;
+        }
+        retire_all_but(group, g, &[], now, &mut changes.removed);
+    }
+    for (w, members) in wanted.iter().enumerate() {
+        let g = match continues[w] {
+            Some(g) => g,
+            None => {
+                let free = (0..MAX_GROUPS as usize)
+                    .find(|g| table.groups.get(*g).is_none_or(Option::is_none))
+                    .ok_or_else(|| {
+                        anyhow!(
+                            "no free group index for {}: groups being removed still hold theirs; reload again once their requests finish",
+                            label(w)
+                        )
+                    })?;
+                if table.groups.len() <= free {
+                    table.groups.resize(free + 1, None);
+                }
+                table.groups[free] = Some(TableGroup::default());
+                free
+            }
+        };
+        let group = table.groups[g].get_or_insert_with(TableGroup::default);
+        group.name = names.get(w).cloned().flatten();
+        retire_all_but(group, g, members, now, &mut changes.removed);
+        for addr in members {
+            if let Some(p) = group.position_of(*addr) {
+                let member = group.members[p].as_mut().expect("found above");
+                if member.retiring_since.take().is_some() {
+                    changes.restored.push(plan(g, p, *addr));
+                }
+                continue;
+            }
+            if let Some((other, _)) = current.find(*addr) {
+                bail!(
+                    "backend {addr} would move from running group {} to {}: remove it in one reload and add it in a later one, once its requests have finished",
+                    other + 1,
+                    label(w)
+                );
+            }
+            let p = group.members.iter().position(Option::is_none).ok_or_else(|| {
+                anyhow!(
+                    "{} has no free position for {addr}: members being removed still hold theirs; reload again once their requests finish",
+                    label(w)
+                )
+            })?;
+            group.members[p] = Some(Member {
+                addr: *addr,
+                retiring_since: None,
+            });
+            changes.added.push(plan(g, p, *addr));
+        }
+    }
+    changes.table = table;
+    for list in [
+        &mut changes.added,
+        &mut changes.removed,
+        &mut changes.restored,
+    ] {
+        list.sort_by_key(|b| b.index);
+    }
+    Ok(changes)
+}
+
+/// Marks every configured member of `group` not in `keep` as retiring.
+fn retire_all_but(
+    group: &mut TableGroup,
+    g: usize,
+    keep: &[SocketAddrV4],
+    now: Instant,
+    removed: &mut Vec<BackendPlan>,
+) {
+    for (p, member) in group.members.iter_mut().enumerate() {
+        if let Some(m) = member
+            && m.retiring_since.is_none()
+            && !keep.contains(&m.addr)
+        {
+            m.retiring_since = Some(now);
+            removed.push(plan(g, p, m.addr));
+        }
+    }
+}
+
+fn plan(g: usize, p: usize, addr: SocketAddrV4) -> BackendPlan {
+    BackendPlan {
+        index: backend_id(g as u32, p),
+        addr,
+        group: g as u32,
+    }
+}
+
+/// The kernel side of a reload: a separate impl block of [`Selector`].
+impl Selector {
+    /// Writes `changes` into `GROUPS` and `BACKENDS`. A member becomes
+    /// choosable only once the reply path knows it, and a retiring member
+    /// keeps its endpoint, so no reply in flight goes unrecognised.
+    pub fn apply_groups(&mut self, changes: &GroupChanges) -> Result<()> {
+        for b in &changes.added {
+            self.zero_backend(b.index)?;
+        }
+        // Endpoints and lengths first, with the added members not yet active.
+        {
+            let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
+            for (g, group) in changes.table.groups.iter().enumerate() {
+                let Some(group) = group else { continue };
+                let mut entry = groups.get(&(g as u32), 0)?;
+                for (p, member) in group.members.iter().enumerate() {
+                    let bit = 1 << p;
+                    match member {
+                        Some(m) => {
+                            entry.endpoints[p] = endpoint(m.addr);
+                            if m.retiring_since.is_some() {
+                                entry.active &= !bit;
+                            }
+                        }
+                        None => {
+                            entry.endpoints[p] = Endpoint::default();
+                            entry.active &= !bit;
+                        }
+                    }
+                }
+                for b in changes.added.iter().filter(|b| b.group == g as u32) {
+                    entry.active &= !(1 << (b.index as usize % MAX_GROUP_MEMBERS));
+                }
+                entry.len = group.len();
+                groups.set(g as u32, entry, 0)?;
+            }
+        }
+        {
+            let mut backends: HashMap<_, Endpoint, u32> =
+                HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
+            for b in changes.added.iter().chain(&changes.restored) {
+                backends.insert(endpoint(b.addr), b.index, 0)?;
+            }
+            for b in &changes.removed {
+                backends.insert(endpoint(b.addr), b.index | BACKEND_RETIRING, 0)?;
+            }
+        }
+        for b in changes.added.iter().chain(&changes.restored) {
+            self.set_drained(b.index, false)?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the counters, statistics and latency of a backend id about to
+    /// be given to a new member (a retired member may have left them).
+    fn zero_backend(&mut self, id: u32) -> Result<()> {
+        let (group, position) = selector_common::split_backend_id(id);
+        let c = self.counters.ptr(group as usize);
+        // SAFETY: fields of a live shared element, 8-byte aligned. Nothing
+        // else writes them: no slot and no BACKENDS entry names this id.
+        unsafe {
+            for field in [
+                &raw mut (*c).issued[position],
+                &raw mut (*c).completed[position],
+                &raw mut (*c).expired[position],
+            ] {
+                atomic(field).store(0, Ordering::SeqCst);
+            }
+        }
+        let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
+        let mut stats: PerCpuArray<_, BackendStats> =
+            PerCpuArray::try_from(self.map_mut(names::STATS)?)?;
+        stats.set(
+            id,
+            PerCpuValues::try_from(vec![BackendStats::default(); cpus])?,
+            0,
+        )?;
+        let mut latency: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.map_mut(names::LATENCY)?)?;
+        for bucket in 0..LATENCY_BUCKETS {
+            latency.set(
+                id * LATENCY_BUCKETS + bucket,
+                PerCpuValues::try_from(vec![0u64; cpus])?,
+                0,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Whether any in-flight slot (live or lingering) names backend `id`
+    /// as primary or as the member it went to.
+    fn referenced(&self, id: u32) -> bool {
+        (0..self.slots.len()).any(|i| {
+            let slot = self.slots.read(i);
+            slot.state != FREE
+                && (phase(slot.state) == PHASE_WRITING
+                    || u32::from(slot.primary) == id
+                    || u32::from(slot.chosen) == id)
+        })
+    }
+
+    /// Forgets the retiring members of `table` whose requests are done:
+    /// `linger` (timeout + grace) has passed since their removal and no
+    /// slot names them. Returns them.
+    pub fn retire_finished(
+        &mut self,
+        table: &mut GroupTable,
+        linger: Duration,
+        now: Instant,
+    ) -> Result<Vec<SocketAddrV4>> {
+        let due: Vec<(usize, usize, SocketAddrV4)> = table
+            .members()
+            .filter(|(_, _, m)| {
+                m.retiring_since
+                    .is_some_and(|since| now.saturating_duration_since(since) >= linger)
+            })
+            .map(|(g, p, m)| (g, p, m.addr))
+            .filter(|(g, p, _)| !self.referenced(backend_id(*g as u32, *p)))
+            .collect();
+        let mut retired = Vec::new();
+        for (g, p, addr) in due {
+            let mut backends: HashMap<_, Endpoint, u32> =
+                HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
+            backends
+                .remove(&endpoint(addr))
+                .with_context(|| format!("removing {addr}"))?;
+            let group = table.groups[g].as_mut().expect("a member's group");
+            group.members[p] = None;
+            let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
+            let mut entry = groups.get(&(g as u32), 0)?;
+            entry.endpoints[p] = Endpoint::default();
+            entry.active &= !(1 << p);
+            entry.len = group.len();
+            groups.set(g as u32, entry, 0)?;
+            if group.is_empty() {
+                table.groups[g] = None;
+            }
+            retired.push(addr);
+        }
+        if !retired.is_empty() {
+            while table.groups.last().is_some_and(Option::is_none) {
+                table.groups.pop();
+            }
+            self.backends = table.backends();
+        }
+        Ok(retired)
+    }
+}
+
+/// What the agent needs to reload: where the file is, the flags it was
+/// started with (they still win over the file), and the tables.
+#[derive(Debug)]
+pub struct Reloader {
+    path: Option<PathBuf>,
+    flags: Options,
+    pub table: GroupTable,
+    interval: Duration,
+    duration: Option<f64>,
+    pub quiet: bool,
+}
+
+impl Reloader {
+    pub fn new(path: Option<PathBuf>, flags: Options, start: &RunConfig) -> Self {
+        Self {
+            path,
+            flags,
+            table: GroupTable::from_start(&start.settings.groups, &start.group_names),
+            interval: start.interval,
+            duration: start.duration,
+            quiet: start.quiet,
+        }
+    }
+
+    /// Re-reads the file and applies it to `selector`. On any error nothing
+    /// has changed. Returns what is in force now, in one line.
+    pub fn reload(&mut self, selector: &mut Selector) -> Result<String> {
+        let path = self
+            .path
+            .clone()
+            .ok_or_else(|| anyhow!("the agent was started without --config: nothing to reload"))?;
+        let wanted = ConfigFile::read(&path)?.resolve_with(&self.flags)?;
+        self.check_fixed(&selector.settings, &wanted)?;
+        let changes = plan_groups(
+            &self.table,
+            &wanted.settings.groups,
+            &wanted.group_names,
+            Instant::now(),
+        )?;
+        let previous = std::mem::replace(&mut selector.settings, wanted.settings);
+        if let Err(e) = selector.write_config() {
+            selector.settings = previous;
+            return Err(e);
+        }
+        selector.apply_groups(&changes)?;
+        self.table = changes.table.clone();
+        selector.backends = self.table.backends();
+        self.quiet = wanted.quiet;
+        Ok(format!(
+            "reloaded {}: {}, timeout {} ms, grace {} ms; {}",
+            path.display(),
+            SettingsInForce::from(&selector.settings).tunables(),
+            selector.settings.timeout.as_millis(),
+            selector.settings.grace.as_millis(),
+            describe(&changes)
+        ))
+    }
+
+    /// Refuses changes to what cannot change while attached.
+    fn check_fixed(&self, running: &Settings, wanted: &RunConfig) -> Result<()> {
+        let new = &wanted.settings;
+        let seconds = |d: Option<f64>| d.map_or("none".to_string(), |d| d.to_string());
+        let fixed: Vec<String> = [
+            ("iface", running.iface.clone(), new.iface.clone()),
+            (
+                "inflight-max",
+                running.inflight_max.to_string(),
+                new.inflight_max.to_string(),
+            ),
+            (
+                "ingress",
+                running.ingress.name().into(),
+                new.ingress.name().into(),
+            ),
+            (
+                "mark",
+                format!("{:#010x}", running.mark),
+                format!("{:#010x}", new.mark),
+            ),
+            (
+                "interval",
+                format!("{:?}", self.interval),
+                format!("{:?}", wanted.interval),
+            ),
+            ("duration", seconds(self.duration), seconds(wanted.duration)),
+        ]
+        .into_iter()
+        .filter(|(_, old, new)| old != new)
+        .map(|(key, old, new)| format!("{key} {old} -> {new}"))
+        .collect();
+        if !fixed.is_empty() {
+            bail!(
+                "{} cannot change while the agent runs (restart it to change them)",
+                fixed.join(", ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Forgets retiring members whose requests are done (see the module doc).
+    pub fn retire_finished(&mut self, selector: &mut Selector) -> Result<Vec<SocketAddrV4>> {
+        let linger = selector.settings.timeout + selector.settings.grace;
+        selector.retire_finished(&mut self.table, linger, Instant::now())
+    }
+}
+
+fn describe(changes: &GroupChanges) -> String {
+    if changes.is_empty() {
+        return "groups unchanged".into();
+    }
+    let list = |what: &str, backends: &[BackendPlan]| {
+        (!backends.is_empty()).then(|| {
+            let addrs: Vec<String> = backends.iter().map(|b| b.addr.to_string()).collect();
+            format!("{what} {}", addrs.join(" "))
+        })
+    };
+    [
+        list("added", &changes.added),
+        list("kept again", &changes.restored),
+        list("removing (until their requests finish)", &changes.removed),
+    ]
+    .into_iter()
+    .flatten()
+    .collect::<Vec<_>>()
+    .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(i: u8) -> SocketAddrV4 {
+        SocketAddrV4::new([10, 0, 0, i].into(), 11211)
+    }
+
+    fn group(members: &[u8]) -> Vec<SocketAddrV4> {
+        members.iter().map(|i| addr(*i)).collect()
+    }
+
+    fn ids(backends: &[BackendPlan]) -> Vec<(u32, SocketAddrV4)> {
+        backends.iter().map(|b| (b.index, b.addr)).collect()
+    }
+
+    fn start(groups: &[&[u8]], names: &[Option<&str>]) -> GroupTable {
+        let groups: Vec<_> = groups.iter().map(|g| group(g)).collect();
+        let names: Vec<_> = names.iter().map(|n| n.map(String::from)).collect();
+        GroupTable::from_start(&groups, &names)
+    }
+
+    fn reload(
+        table: &GroupTable,
+        groups: &[&[u8]],
+        names: &[Option<&str>],
+    ) -> Result<GroupChanges> {
+        let groups: Vec<_> = groups.iter().map(|g| group(g)).collect();
+        let names: Vec<_> = names.iter().map(|n| n.map(String::from)).collect();
+        plan_groups(table, &groups, &names, Instant::now())
+    }
+
+    #[test]
+    fn the_start_table_numbers_in_order() {
+        let t = start(&[&[1, 2], &[3]], &[None, None]);
+        assert_eq!(
+            ids(&t.backends()),
+            vec![(0, addr(1)), (1, addr(2)), (8, addr(3))]
+        );
+    }
+
+    #[test]
+    fn the_same_groups_change_nothing() {
+        let t = start(&[&[1, 2, 3]], &[Some("a")]);
+        let c = reload(&t, &[&[1, 2, 3]], &[Some("a")]).unwrap();
+        assert!(c.is_empty());
+        assert_eq!(c.table, t);
+    }
+
+    #[test]
+    fn kept_members_keep_their_ids_and_added_ones_take_free_positions() {
+        let t = start(&[&[1, 2, 3], &[4]], &[None, None]);
+        // Member 2 removed, 5 added; the order in the file does not move kept ones.
+        let c = reload(&t, &[&[5, 3, 1], &[4]], &[None, None]).unwrap();
+        assert_eq!(ids(&c.removed), vec![(1, addr(2))]);
+        // Position 1 is still held by the retiring member 2.
+        assert_eq!(ids(&c.added), vec![(3, addr(5))]);
+        let backends = ids(&c.table.backends());
+        assert!(backends.contains(&(0, addr(1))));
+        assert!(backends.contains(&(2, addr(3))));
+        assert!(backends.contains(&(8, addr(4))));
+        assert!(backends.contains(&(1, addr(2))), "retiring, still there");
+        assert!(c.table.is_retiring(addr(2)));
+        assert!(!c.table.is_retiring(addr(1)));
+    }
+
+    #[test]
+    fn a_retiring_member_configured_again_is_restored_in_place() {
+        let t = start(&[&[1, 2]], &[None]);
+        let removed = reload(&t, &[&[1]], &[None]).unwrap();
+        let c = reload(&removed.table, &[&[1, 2]], &[None]).unwrap();
+        assert_eq!(ids(&c.restored), vec![(1, addr(2))]);
+        assert!(c.added.is_empty() && c.removed.is_empty());
+        assert_eq!(c.table, t);
+    }
+
+    #[test]
+    fn groups_match_by_name_then_by_members() {
+        let t = start(&[&[1, 2], &[3, 4]], &[Some("a"), None]);
+        // Named "a" keeps index 0 with all-new members; the unnamed one is
+        // found by member 4 though it now comes first.
+        let c = reload(&t, &[&[4], &[5, 6]], &[None, Some("a")]).unwrap();
+        let backends = ids(&c.table.backends());
+        assert!(backends.contains(&(9, addr(4))), "{backends:?}");
+        assert_eq!(ids(&c.added), vec![(2, addr(5)), (3, addr(6))]);
+        assert_eq!(
+            ids(&c.removed),
+            vec![(0, addr(1)), (1, addr(2)), (8, addr(3))]
+        );
+    }
+
+    #[test]
+    fn a_new_group_takes_the_lowest_free_index_and_a_dropped_group_retires() {
+        let t = start(&[&[1], &[2], &[3]], &[None, None, None]);
+        let c = reload(&t, &[&[1], &[3]], &[None, None]).unwrap();
+        assert_eq!(ids(&c.removed), vec![(8, addr(2))]);
+        // Group index 1 is held until member 2 retires.
+        let c = reload(&c.table, &[&[1], &[3], &[7]], &[None, None, None]).unwrap();
+        assert_eq!(ids(&c.added), vec![(24, addr(7))]);
+    }
+
+    #[test]
+    fn moves_merges_splits_and_full_groups_are_refused() {
+        let named = start(&[&[1, 2], &[3]], &[Some("a"), Some("b")]);
+        let e = reload(&named, &[&[1], &[3, 2]], &[Some("a"), Some("b")]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("backend 10.0.0.2:11211 would move from running group 1 to group 'b'"),
+            "{e}"
+        );
+        let t = start(&[&[1, 2], &[3]], &[None, None]);
+        let e = reload(&t, &[&[1], &[3, 2]], &[None, None]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("group 2 takes members of running groups 1 and 2"),
+            "{e}"
+        );
+        let e = reload(&t, &[&[1, 3]], &[None]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("takes members of running groups 1 and 2"),
+            "{e}"
+        );
+        let e = reload(&t, &[&[1], &[2]], &[None, None]).unwrap_err();
+        assert!(
+            e.to_string().contains("both continue running group 1"),
+            "{e}"
+        );
+        let full = start(&[&[1, 2, 3, 4, 5, 6, 7, 8]], &[None]);
+        let e = reload(&full, &[&[1, 2, 3, 4, 5, 6, 7, 9]], &[None]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no free position for 10.0.0.9:11211"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn backends_come_in_id_order() {
+        let t = start(&[&[1, 2], &[3]], &[None, None]);
+        let c = reload(&t, &[&[3, 4], &[1, 2]], &[None, None]).unwrap();
+        let order: Vec<u32> = c.table.backends().iter().map(|b| b.index).collect();
+        assert_eq!(order, vec![0, 1, 8, 9]);
+    }
+}
