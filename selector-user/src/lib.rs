@@ -5,6 +5,7 @@ pub mod cli;
 pub mod control;
 pub mod interface;
 pub mod loader;
+pub mod metrics;
 pub mod neighbours;
 pub mod plant;
 pub mod settings;

@@ -13,7 +13,9 @@ use super::{
     RunArgs,
     control_server::{ControlCall, ControlServer},
 };
-use crate::{Selector, control::SettingsInForce, neighbours, sys, telemetry};
+use crate::{
+    Selector, control::SettingsInForce, metrics::MetricsServer, neighbours, sys, telemetry,
+};
 
 /// How often the neighbour entries of the backends are refreshed.
 const NEIGHBOUR_REFRESH: Duration = Duration::from_secs(10);
@@ -29,8 +31,24 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     let mut control = ControlServer::bind(&settings.iface)?;
+    let metrics = match args.metrics_addr {
+        Some(addr) => Some(MetricsServer::bind(addr).await?),
+        None => None,
+    };
     let selector = Selector::attach(&settings)?;
     let mut agent = Agent::new(selector, &args)?;
+    if let Some(metrics) = metrics {
+        println!(
+            "selector: metrics at http://{}/metrics",
+            metrics.local_addr()?
+        );
+        let caller = control.local_caller();
+        // Scrapes are answered by the main loop, like `selector status`.
+        tokio::spawn(metrics.serve(move || {
+            let caller = caller.clone();
+            async move { caller.status().await }
+        }));
+    }
     agent.steer(&mut signals, &mut control, args.duration).await;
     agent.stop(&mut signals, &mut control).await?;
     agent.detach()
@@ -65,8 +83,10 @@ struct Agent {
     interval: Duration,
     sweep_every: Duration,
     quiet: bool,
-    /// The snapshot of the last table print, for interval rates.
+    /// The snapshot at the end of the last interval, for interval rates.
     last: telemetry::Snapshot,
+    /// The interval tails so far, for the table, status and metrics.
+    tails: telemetry::TailHistory,
 }
 
 impl Agent {
@@ -104,6 +124,7 @@ impl Agent {
             sweep_every,
             quiet: args.quiet,
             last,
+            tails: telemetry::TailHistory::default(),
         })
     }
 
@@ -115,7 +136,7 @@ impl Agent {
         duration: Option<f64>,
     ) {
         let mut sweep_tick = interval(self.sweep_every);
-        let mut print_tick = ticks_after(self.interval);
+        let mut interval_tick = ticks_after(self.interval);
         let mut refresh_tick = ticks_after(NEIGHBOUR_REFRESH);
         let until_deadline = async {
             match duration {
@@ -131,7 +152,7 @@ impl Agent {
                 _ = sweep_tick.tick() => self.sweep(),
                 _ = refresh_tick.tick() => neighbours::probe(&self.addrs),
                 call = control.next_call() => self.answer(call, false),
-                _ = print_tick.tick() => self.print_table(),
+                _ = interval_tick.tick() => self.end_interval(),
             }
         }
     }
@@ -178,10 +199,14 @@ impl Agent {
 
     /// A last sweep, the totals, and the detach (dropping the selector).
     fn detach(self) -> Result<()> {
-        let Self { mut selector, .. } = self;
+        let Self {
+            mut selector,
+            tails,
+            ..
+        } = self;
         selector.sweep(sys::monotonic_ns())?;
         let end = selector.snapshot()?;
-        let totals = telemetry::totals(&selector.backends, &end);
+        let totals = telemetry::totals(&selector.backends, &end, &tails);
         println!(
             "selector: detaching from {}; totals:",
             selector.settings.iface
@@ -208,10 +233,11 @@ impl Agent {
     }
 
     fn answer(&mut self, call: ControlCall, stopping: bool) {
-        call.answer(&mut self.selector, stopping);
+        call.answer(&mut self.selector, &self.tails, stopping);
     }
 
-    fn print_table(&mut self) {
+    /// Records the interval's tail blame and, unless quiet, prints the table.
+    fn end_interval(&mut self) {
         let now = match self.selector.snapshot() {
             Ok(now) => now,
             Err(e) => {
@@ -219,10 +245,12 @@ impl Agent {
                 return;
             }
         };
+        self.tails
+            .record(telemetry::IntervalTail::between(&self.last, &now));
         if !self.quiet {
             println!(
                 "{}",
-                telemetry::render_table(&self.selector.backends, &self.last, &now)
+                telemetry::render_table(&self.selector.backends, &self.last, &now, &self.tails)
             );
         }
         self.last = now;

@@ -1,6 +1,10 @@
 //! The flags of `selector run` and their translation into [`Settings`].
 
-use std::{fmt, net::SocketAddrV4, time::Duration};
+use std::{
+    fmt,
+    net::{SocketAddr, SocketAddrV4},
+    time::Duration,
+};
 
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
@@ -128,6 +132,9 @@ pub struct RunArgs {
     /// Print only the final summary, not the live table.
     #[arg(long)]
     pub quiet: bool,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl RunArgs {
