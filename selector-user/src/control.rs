@@ -162,7 +162,7 @@ pub enum Reply {
 ///      "latency_buckets": [        the histogram's non-empty buckets:
 ///        {"lower_ns": 96000,       count requests answered in
 ///         "upper_ns": 112000,      [lower_ns, upper_ns); upper_ns null
-///         "count": 860}, ...],     for the open last bucket (~8 s and up)
+///         "count": 860}, ...],     for the open last bucket (29.4 s up)
 ///      "tail_requests": 24,        its requests in the last interval's tail
 ///      "tail_blame": 0.96,         its share of that tail; null if empty
 ///      "tail_requests_total": 310} its tail requests over all intervals
