@@ -2,7 +2,8 @@
 //! `--metrics-addr` in the namespace testbed and counts exactly the reads
 //! the client sent, `promtool check metrics` accepts the exposition, and the
 //! tail blame in `selector status --json` falls on a stalled primary when
-//! nothing steers and leaves it when the selector steers.
+//! nothing steers and leaves it when the selector steers. A metrics address
+//! that cannot listen fails the start before anything is attached.
 
 use std::{
     net::SocketAddr,
@@ -157,6 +158,31 @@ fn a_real_prometheus_counts_the_reads_the_client_sent() {
 
     drop(prometheus);
     stop_agent(agent);
+}
+
+#[test]
+fn a_metrics_address_that_cannot_listen_fails_the_start_with_nothing_attached() {
+    let tb = Testbed::new("selma", 3).unwrap();
+    let group = group(&tb);
+    // No interface in the client namespace has this address.
+    let args = [
+        "run",
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        &group,
+        "--metrics-addr",
+        "10.99.0.1:9464",
+    ];
+    let (code, out) = agent::run_selector(&tb.client, &args);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(out.trim_end().lines().count(), 1, "{out}");
+    assert!(
+        out.starts_with("error: --metrics-addr 10.99.0.1:9464: cannot listen"),
+        "{out}"
+    );
+    let links = tb.client.ip(&["-d", "link", "show", CLIENT_IFACE]).unwrap();
+    assert!(!String::from_utf8_lossy(&links.stdout).contains("prog/xdp"));
 }
 
 /// Each replica is the primary of a third of the reads (as when clients
