@@ -75,9 +75,9 @@ pub fn bucket_upper_ns(index: u32) -> u64 {
     }
 }
 
-/// The value at quantile `q` (0..=1) of a bucketed histogram, reported as the
-/// upper edge of its bucket (a conservative estimate), or `None` if empty.
-pub fn quantile_ns(counts: &[u64], q: f64) -> Option<u64> {
+/// The bucket holding quantile `q` (0..=1) of a bucketed histogram: the
+/// bucket of the `ceil(q * total)`-th smallest value, or `None` if empty.
+pub fn quantile_bucket(counts: &[u64], q: f64) -> Option<usize> {
     let total: u64 = counts.iter().sum();
     if total == 0 {
         return None;
@@ -92,15 +92,27 @@ pub fn quantile_ns(counts: &[u64], q: f64) -> Option<u64> {
     for (i, c) in counts.iter().enumerate() {
         seen += c;
         if seen >= rank {
-            let upper = bucket_upper_ns(i as u32);
-            return Some(if upper == u64::MAX {
-                bucket_lower_ns(i as u32)
-            } else {
-                upper + 1
-            });
+            return Some(i);
         }
     }
     None
+}
+
+/// The exclusive upper edge (ns) of bucket `index`, or its lower edge for
+/// the open last bucket: how quantiles are reported.
+pub fn bucket_edge_ns(index: u32) -> u64 {
+    let upper = bucket_upper_ns(index);
+    if upper == u64::MAX {
+        bucket_lower_ns(index)
+    } else {
+        upper + 1
+    }
+}
+
+/// The value at quantile `q` (0..=1) of a bucketed histogram, reported as the
+/// upper edge of its bucket (a conservative estimate), or `None` if empty.
+pub fn quantile_ns(counts: &[u64], q: f64) -> Option<u64> {
+    quantile_bucket(counts, q).map(|i| bucket_edge_ns(i as u32))
 }
 
 #[cfg(test)]
@@ -161,5 +173,24 @@ mod tests {
         assert!(p99 <= 125_000);
         let p999 = quantile_ns(&counts, 0.999).unwrap();
         assert!((30_000_000..=37_500_000).contains(&p999), "{p999}");
+        assert_eq!(
+            quantile_bucket(&counts, 0.5),
+            Some(bucket(100_000) as usize)
+        );
+        assert_eq!(
+            quantile_bucket(&counts, 1.0),
+            Some(bucket(30_000_000) as usize)
+        );
+        assert_eq!(
+            quantile_ns(&counts, 0.5),
+            Some(bucket_edge_ns(bucket(100_000)))
+        );
+    }
+
+    #[test]
+    fn the_last_bucket_reports_its_lower_edge() {
+        let last = LATENCY_BUCKETS - 1;
+        assert_eq!(bucket_edge_ns(last), bucket_lower_ns(last));
+        assert_eq!(bucket_edge_ns(4), bucket_lower_ns(5));
     }
 }

@@ -3,6 +3,7 @@
 //! the kernel and in host unit tests.
 #![no_std]
 
+pub mod blame;
 pub mod checksum;
 pub mod descriptor;
 pub mod inflight;

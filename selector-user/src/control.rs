@@ -35,7 +35,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     settings::{OnOverload, Settings},
-    telemetry::{self, BackendTotals, PassedCount},
+    telemetry::{self, BackendTotals, LastInterval, PassedCount},
 };
 
 /// The abstract socket name of the agent on `iface`.
@@ -97,7 +97,7 @@ impl SettingsChange {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Reply {
     Status(Box<Status>),
@@ -112,7 +112,12 @@ pub enum Reply {
 
 /// The running agent's state: the reply to `status`, and the document
 /// `selector status --json` prints. Counters are totals since the agent
-/// started.
+/// started. The schema only grows: fields are added, never renamed or
+/// removed, and a reader takes a missing added field as its default.
+///
+/// The tail of an interval (`--interval`) is its answered requests in the
+/// latency bucket of the p99 over all backends, or slower; a backend's
+/// blame is its share of them (see `selector_common::blame`).
 ///
 /// ```text
 /// {
@@ -131,6 +136,13 @@ pub enum Reply {
 ///     "ingress": "xdp"             xdp | tc
 ///   },
 ///   "in_flight": 3,                entries in the in-flight table now
+///   "last_interval": {             the last interval ended; null before
+///     "number": 12,                from 1; a new number means new blame
+///     "length_ms": 1000,
+///     "answered": 2000,            requests answered in it, all backends
+///     "p99_ns": 28000000,          its p99 over all backends (bucket edge)
+///     "tail_requests": 25          answered in the p99 bucket or slower
+///   },
 ///   "drained": ["10.0.0.2:11211"],
 ///   "passed": [                    packets passed untouched, by reason
 ///     {"direction": "egress", "reason": "not_a_backend", "count": 12}
@@ -148,15 +160,25 @@ pub enum Reply {
 ///      "unmatched_responses": 1, "late_responses": 0,
 ///      "overload_passed": 0, "overload_dropped": 0, "overload_rejected": 0,
 ///      "p50_ns": 112000,           null until a reply was seen;
-///      "p99_ns": 28000000}         upper edge of a histogram bucket
+///      "p99_ns": 28000000,         upper edge of a histogram bucket
+///      "p999_ns": 30000000,
+///      "latency_buckets": [        the histogram's non-empty buckets:
+///        {"lower_ns": 96000,       count requests answered in
+///         "upper_ns": 112000,      [lower_ns, upper_ns); upper_ns null
+///         "count": 860}, ...],     for the open last bucket (29.4 s up)
+///      "tail_requests": 24,        its requests in the last interval's tail
+///      "tail_blame": 0.96,         its share of that tail; null if empty
+///      "tail_requests_total": 310} its tail requests over all intervals
 ///   ]
 /// }
 /// ```
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Status {
     pub iface: String,
     pub settings: SettingsInForce,
     pub in_flight: usize,
+    #[serde(default)]
+    pub last_interval: Option<LastInterval>,
     pub drained: Vec<SocketAddrV4>,
     pub passed: Vec<PassedCount>,
     pub backends: Vec<BackendTotals>,
@@ -310,6 +332,7 @@ pub(crate) mod by_name {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::telemetry::{BackendTail, LatencyBucket};
     use selector_common::BackendStats;
 
     fn round_trip<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
@@ -392,6 +415,13 @@ mod tests {
             iface: "eth0".into(),
             settings: SettingsInForce::from(&settings),
             in_flight: 3,
+            last_interval: Some(LastInterval {
+                number: 4,
+                length_ms: 1000,
+                answered: 10,
+                p99_ns: Some(112_000),
+                tail_requests: 2,
+            }),
             drained: vec![backend()],
             passed: vec![PassedCount {
                 direction: "ingress".into(),
@@ -414,6 +444,17 @@ mod tests {
                 },
                 p50_ns: Some(112_000),
                 p99_ns: None,
+                p999_ns: None,
+                latency_buckets: vec![LatencyBucket {
+                    lower_ns: 96_000,
+                    upper_ns: Some(112_000),
+                    count: 9,
+                }],
+                tail: BackendTail {
+                    tail_requests: 2,
+                    tail_blame: Some(1.0),
+                    tail_requests_total: 7,
+                },
             }],
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
@@ -428,6 +469,13 @@ mod tests {
         assert_eq!(json["settings"]["mark"], 0x0100_0000);
         assert_eq!(json["backends"][0]["backend"], "10.0.0.2:11211");
         assert!(json["backends"][0]["p99_ns"].is_null());
+        assert_eq!(json["backends"][0]["tail_blame"], 1.0);
+        assert_eq!(json["backends"][0]["tail_requests_total"], 7);
+        assert_eq!(
+            json["backends"][0]["latency_buckets"][0]["upper_ns"],
+            112_000
+        );
+        assert_eq!(json["last_interval"]["length_ms"], 1000);
         let text = status.render();
         assert!(
             text.contains(
@@ -441,6 +489,31 @@ mod tests {
             text.contains("passed untouched: ingress fragment 4"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_status_without_the_added_fields_still_reads() {
+        // What an agent from before the tail blame and histograms replies.
+        let older = r#"{"reply":"status","iface":"eth0",
+            "settings":{"policy":"threshold","threshold":4,"max_pending":0,
+              "max_pending_client":0,"on_overload":"pass","proto":"memcached",
+              "timeout_ms":1000,"grace_ms":1000,"mark":16777216,
+              "inflight_max":65536,"ingress":"xdp"},
+            "in_flight":0,"drained":[],"passed":[],
+            "backends":[{"backend":"10.0.0.2:11211","group":1,"position":0,
+              "pending":0,"issued":1,"completed":1,"expired":0,
+              "requests":1,"responses":1,"redirected_away":0,"redirected_to":0,
+              "untracked":0,"no_reply":0,"id_collisions":0,
+              "unmatched_responses":0,"late_responses":0,"overload_passed":0,
+              "overload_dropped":0,"overload_rejected":0,
+              "p50_ns":112000,"p99_ns":112000}]}"#;
+        let Reply::Status(status) = serde_json::from_str(older).unwrap() else {
+            panic!("not a status");
+        };
+        assert_eq!(status.last_interval, None);
+        let b = &status.backends[0];
+        assert_eq!((b.p999_ns, b.latency_buckets.len()), (None, 0));
+        assert_eq!(b.tail, BackendTail::default());
     }
 
     #[test]

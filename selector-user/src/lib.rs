@@ -6,6 +6,7 @@ pub mod config;
 pub mod control;
 pub mod interface;
 pub mod loader;
+pub mod metrics;
 pub mod neighbours;
 pub mod pinning;
 pub mod plant;

@@ -1,10 +1,18 @@
 //! Reading the maps into snapshots, per-backend totals, and printing the
 //! live table and the summary.
 
-use std::{fmt::Write as _, net::SocketAddrV4, time::Instant};
+use std::{
+    fmt::Write as _,
+    net::SocketAddrV4,
+    time::{Duration, Instant},
+};
 
 use anyhow::Result;
-use selector_common::{BackendStats, latency, split_backend_id};
+use selector_common::{
+    BackendStats,
+    blame::{self, TAIL_QUANTILE},
+    latency, split_backend_id,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::{Selector, settings::BackendPlan};
@@ -53,8 +61,9 @@ impl Selector {
 }
 
 /// One backend's counters since start (also an element of `selector status
-/// --json`; see [`crate::control::Status`]).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// --json`; see [`crate::control::Status`]). Fields added later default when
+/// absent, so a newer `selector status` reads an older agent's reply.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BackendTotals {
     pub backend: SocketAddrV4,
     /// Group number, from 1 in `--group` order.
@@ -74,6 +83,158 @@ pub struct BackendTotals {
     /// Latency quantiles since start: upper edge of the histogram bucket.
     pub p50_ns: Option<u64>,
     pub p99_ns: Option<u64>,
+    #[serde(default)]
+    pub p999_ns: Option<u64>,
+    /// The latency histogram since start: the buckets that hold requests,
+    /// fastest first.
+    #[serde(default)]
+    pub latency_buckets: Vec<LatencyBucket>,
+    #[serde(flatten)]
+    pub tail: BackendTail,
+}
+
+/// One bucket of a latency histogram: `count` requests answered after at
+/// least `lower_ns` and less than `upper_ns` (`None`: the open last bucket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LatencyBucket {
+    pub lower_ns: u64,
+    pub upper_ns: Option<u64>,
+    pub count: u64,
+}
+
+/// The non-empty buckets of a kernel latency histogram.
+pub fn latency_buckets(counts: &[u64]) -> Vec<LatencyBucket> {
+    counts
+        .iter()
+        .enumerate()
+        .filter(|(_, count)| **count > 0)
+        .map(|(i, count)| {
+            let i = i as u32;
+            let upper = latency::bucket_upper_ns(i);
+            LatencyBucket {
+                lower_ns: latency::bucket_lower_ns(i),
+                upper_ns: (upper != u64::MAX).then_some(upper + 1),
+                count: *count,
+            }
+        })
+        .collect()
+}
+
+/// A backend's part of the interval tails (see [`selector_common::blame`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BackendTail {
+    /// Its answered requests in the last interval's tail.
+    pub tail_requests: u64,
+    /// Its share of the last interval's tail; `None` before the first
+    /// interval with a reply.
+    pub tail_blame: Option<f64>,
+    /// Its answered requests in the tails of every interval so far.
+    pub tail_requests_total: u64,
+}
+
+/// One interval's tail: how many of the slowest answered requests (the
+/// p99 bucket over all backends and slower) each backend had.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IntervalTail {
+    pub length: Duration,
+    /// Requests answered in the interval, all backends together.
+    pub answered: u64,
+    /// The interval's p99 over all backends (upper edge of its bucket).
+    pub p99_ns: Option<u64>,
+    /// Per backend, its answered requests in the tail.
+    pub tail_requests: Vec<u64>,
+}
+
+impl IntervalTail {
+    /// The tail of the interval from `before` to `now`.
+    pub fn between(before: &Snapshot, now: &Snapshot) -> Self {
+        let histograms: Vec<Vec<u64>> = now
+            .latency
+            .iter()
+            .zip(&before.latency)
+            .map(|(now, before)| delta(now, before))
+            .collect();
+        let start = blame::tail_start(&histograms, TAIL_QUANTILE);
+        Self {
+            length: now.at.saturating_duration_since(before.at),
+            answered: histograms.iter().flatten().sum(),
+            p99_ns: start.map(|s| latency::bucket_edge_ns(s as u32)),
+            tail_requests: histograms
+                .iter()
+                .map(|h| start.map_or(0, |s| blame::tail_requests(h, s)))
+                .collect(),
+        }
+    }
+
+    /// Backend `i`'s share of the tail; `None` if nothing was answered.
+    pub fn blame(&self, i: usize) -> Option<f64> {
+        blame::share(self.tail_requests[i], self.tail_requests.iter().sum())
+    }
+}
+
+/// The interval tails so far: the last one, and each backend's tail
+/// requests summed over all of them. Kept by the agent whether or not it
+/// prints the table, for `status` and the metrics.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TailHistory {
+    /// Intervals recorded so far.
+    pub intervals: u64,
+    pub last: Option<IntervalTail>,
+    pub tail_requests_total: Vec<u64>,
+}
+
+impl TailHistory {
+    pub fn record(&mut self, tail: IntervalTail) {
+        if self.tail_requests_total.len() < tail.tail_requests.len() {
+            self.tail_requests_total.resize(tail.tail_requests.len(), 0);
+        }
+        for (total, n) in self.tail_requests_total.iter_mut().zip(&tail.tail_requests) {
+            *total += n;
+        }
+        self.intervals += 1;
+        self.last = Some(tail);
+    }
+
+    /// Backend `i`'s part of the tails.
+    pub fn backend(&self, i: usize) -> BackendTail {
+        let last = self.last.as_ref();
+        BackendTail {
+            tail_requests: last
+                .and_then(|t| t.tail_requests.get(i).copied())
+                .unwrap_or(0),
+            tail_blame: last
+                .filter(|t| i < t.tail_requests.len())
+                .and_then(|t| t.blame(i)),
+            tail_requests_total: self.tail_requests_total.get(i).copied().unwrap_or(0),
+        }
+    }
+
+    /// The last interval, as `selector status --json` shows it.
+    pub fn last_interval(&self) -> Option<LastInterval> {
+        self.last.as_ref().map(|t| LastInterval {
+            number: self.intervals,
+            length_ms: t.length.as_millis() as u64,
+            answered: t.answered,
+            p99_ns: t.p99_ns,
+            tail_requests: t.tail_requests.iter().sum(),
+        })
+    }
+}
+
+/// The last completed interval (`last_interval` in `selector status --json`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastInterval {
+    /// Counts from 1; a new number means new blame figures.
+    pub number: u64,
+    pub length_ms: u64,
+    /// Requests answered in it, all backends together.
+    pub answered: u64,
+    /// Its p99 over all backends (upper edge of the bucket); the tail is
+    /// this bucket and slower ones.
+    pub p99_ns: Option<u64>,
+    /// Answered requests in its tail, all backends together.
+    pub tail_requests: u64,
 }
 
 /// Packets of one kind passed untouched.
@@ -85,8 +246,9 @@ pub struct PassedCount {
     pub count: u64,
 }
 
-/// Per-backend totals of a snapshot, in `backends` order.
-pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
+/// Per-backend totals of a snapshot, in `backends` order, with their part
+/// of the interval tails.
+pub fn totals(backends: &[BackendPlan], now: &Snapshot, tails: &TailHistory) -> Vec<BackendTotals> {
     backends
         .iter()
         .enumerate()
@@ -101,6 +263,9 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
             stats: now.stats[i],
             p50_ns: latency::quantile_ns(&now.latency[i], 0.5),
             p99_ns: latency::quantile_ns(&now.latency[i], 0.99),
+            p999_ns: latency::quantile_ns(&now.latency[i], 0.999),
+            latency_buckets: latency_buckets(&now.latency[i]),
+            tail: tails.backend(i),
         })
         .collect()
 }
@@ -125,6 +290,10 @@ fn format_ns(ns: Option<u64>) -> String {
     }
 }
 
+fn format_share(share: Option<f64>) -> String {
+    share.map_or_else(|| "-".into(), |s| format!("{s:.2}"))
+}
+
 fn delta(now: &[u64], before: &[u64]) -> Vec<u64> {
     now.iter()
         .zip(before)
@@ -132,15 +301,21 @@ fn delta(now: &[u64], before: &[u64]) -> Vec<u64> {
         .collect()
 }
 
-/// The live table: rates and latency quantiles over the interval since
-/// `before`, pending as of now; then the footer.
-pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot) -> String {
+/// The live table: rates, latency quantiles and tail blame over the interval
+/// since `before` (the last one `tails` recorded), pending as of now; then
+/// the footer.
+pub fn render_table(
+    backends: &[BackendPlan],
+    before: &Snapshot,
+    now: &Snapshot,
+    tails: &TailHistory,
+) -> String {
     let secs = now.at.duration_since(before.at).as_secs_f64().max(1e-3);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "backend", "group", "pending", "req/s", "away/s", "to/s", "timeouts", "p50", "p99"
+        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}",
+        "backend", "group", "pending", "req/s", "away/s", "to/s", "timeouts", "p50", "p99", "blame"
     );
     for (i, b) in backends.iter().enumerate() {
         let (s, p) = (&now.stats[i], &before.stats[i]);
@@ -148,7 +323,7 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
         let rate = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
         let _ = writeln!(
             out,
-            "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9}",
+            "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9} {:>6}",
             b.addr.to_string(),
             b.group + 1,
             now.pending(i),
@@ -158,11 +333,12 @@ pub fn render_table(backends: &[BackendPlan], before: &Snapshot, now: &Snapshot)
             now.expired(i),
             format_ns(latency::quantile_ns(&hist, 0.5)),
             format_ns(latency::quantile_ns(&hist, 0.99)),
+            format_share(tails.backend(i).tail_blame),
         );
     }
     out += &render_footer(
         now.inflight,
-        &totals(backends, now),
+        &totals(backends, now, tails),
         &passed_counts(&now.passed),
     );
     out
@@ -265,7 +441,10 @@ mod tests {
             1010,
             &[100, 100, 100, 30_000],
         );
-        let table = render_table(&backends, &before, &now);
+        let mut tails = TailHistory::default();
+        tails.record(IntervalTail::between(&before, &now));
+        let table = render_table(&backends, &before, &now, &tails);
+        assert!(table.lines().next().unwrap().ends_with(" blame"), "{table}");
         let row = table.lines().nth(1).unwrap();
         let cols: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(cols[0], "10.0.0.1:11211");
@@ -275,6 +454,7 @@ mod tests {
         assert_eq!(cols[6], "2"); // timeouts
         assert_eq!(cols[7], "112us"); // upper edge of 100 µs bucket [96, 112)
         assert!(cols[8].ends_with("ms"), "{row}");
+        assert_eq!(cols[9], "1.00"); // the only backend has the whole tail
         assert!(table.contains("in flight 7"));
         assert!(
             table.contains("passed untouched: egress not_a_backend 3"),
@@ -303,7 +483,18 @@ mod tests {
         });
         now.accounting.push((5, 5, 0));
         now.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
-        let totals = totals(&backends, &now);
+        let totals = totals(&backends, &now, &TailHistory::default());
+        assert_eq!(
+            totals[0].latency_buckets,
+            [LatencyBucket {
+                lower_ns: 96_000,
+                upper_ns: Some(112_000),
+                count: 1
+            }]
+        );
+        assert_eq!(totals[0].p999_ns, Some(112_000));
+        assert!(totals[1].latency_buckets.is_empty());
+        assert_eq!(totals[1].tail, BackendTail::default());
         assert_eq!((totals[1].issued, totals[1].completed), (5, 5));
         assert_eq!((totals[1].group, totals[1].position), (2, 1));
         assert_eq!(totals[0].p50_ns, Some(112_000));
@@ -326,6 +517,52 @@ mod tests {
         );
         let footer = render_footer(0, &totals, &[]);
         assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
+    }
+
+    /// Two backends; latencies (µs) answered by each.
+    fn two_backends(at: Instant, primary_us: &[u64], replica_us: &[u64]) -> Snapshot {
+        let mut s = snap(at, 0, 0, primary_us);
+        let replica = snap(at, 0, 0, replica_us);
+        s.latency.push(replica.latency[0].clone());
+        s.stats.push(replica.stats[0]);
+        s.accounting.push(replica.accounting[0]);
+        s
+    }
+
+    #[test]
+    fn interval_tails_blame_the_slow_backend_and_add_up() {
+        let t0 = Instant::now();
+        let start = two_backends(t0, &[100], &[100]);
+        let fast = [100u64; 98];
+        let mut slow = vec![100u64; 98];
+        slow.extend([25_000, 26_000]);
+        let first = two_backends(t0 + Duration::from_millis(500), &slow, &fast);
+        let tail = IntervalTail::between(&start, &first);
+        assert_eq!(tail.length, Duration::from_millis(500));
+        assert_eq!(tail.answered, 196); // 198 answered by then, 2 before
+        assert_eq!(tail.tail_requests, [2, 0]);
+        assert_eq!(
+            tail.p99_ns,
+            Some(latency::bucket_edge_ns(latency::bucket(25_000_000)))
+        );
+        assert_eq!((tail.blame(0), tail.blame(1)), (Some(1.0), Some(0.0)));
+
+        let mut tails = TailHistory::default();
+        assert_eq!(tails.backend(0), BackendTail::default());
+        assert_eq!(tails.last_interval(), None);
+        tails.record(tail);
+        // Nothing answered in the next interval: no blame, totals kept.
+        tails.record(IntervalTail::between(&first, &first));
+        assert_eq!(
+            tails.backend(0),
+            BackendTail {
+                tail_requests: 0,
+                tail_blame: None,
+                tail_requests_total: 2
+            }
+        );
+        let last = tails.last_interval().unwrap();
+        assert_eq!((last.number, last.answered, last.p99_ns), (2, 0, None));
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod faults;
 pub mod frames;
 pub mod memcached;
 pub mod netns;
+pub mod prometheus;
 pub mod topology;
 
 pub use memcached::{

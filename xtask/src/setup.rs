@@ -35,6 +35,8 @@ const PACKAGES: &[&str] = &[
     "bind9-dnsutils",
     // The benchmark's plots draw text with a TrueType font.
     "fonts-dejavu-core",
+    // A real Prometheus server and promtool for the metrics test.
+    "prometheus",
 ];
 
 pub fn workspace_root() -> PathBuf {
@@ -102,6 +104,7 @@ fn debian_packages() -> Result<()> {
     let _ = Command::new("pkill").args(["-x", "memcached"]).status();
     let _ = Command::new("pkill").args(["-x", "nginx"]).status();
     let _ = Command::new("pkill").args(["-x", "nsd"]).status();
+    let _ = Command::new("pkill").args(["-x", "prometheus"]).status();
     Ok(())
 }
 

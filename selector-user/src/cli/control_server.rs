@@ -14,7 +14,7 @@ use crate::{
     Selector,
     control::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
     reload::Reloader,
-    telemetry,
+    telemetry::{self, TailHistory},
 };
 
 /// How long a client has to send its request.
@@ -68,15 +68,42 @@ impl ControlServer {
             }
         }
     }
+
+    /// A way for the agent's own tasks (the metrics endpoint) to make
+    /// requests; they are answered in turn with the socket's.
+    pub fn local_caller(&self) -> LocalCaller {
+        LocalCaller(self.calls_tx.clone())
+    }
+}
+
+/// Makes control requests from inside the agent.
+#[derive(Clone, Debug)]
+pub struct LocalCaller(mpsc::Sender<ControlCall>);
+
+impl LocalCaller {
+    /// The status, as `selector status --json` shows it.
+    pub async fn status(&self) -> Result<Status> {
+        match forward(&self.0, Request::Status).await {
+            Reply::Status(status) => Ok(*status),
+            Reply::Error { message } => Err(anyhow!(message)),
+            Reply::Done { message } => Err(anyhow!("unexpected reply to status: {message}")),
+        }
+    }
 }
 
 impl ControlCall {
     /// Applies the request and sends the reply; true if it was a reload
     /// that applied. While the agent is stopping, only `status` is served:
     /// a change could start steering again.
-    pub fn answer(self, selector: &mut Selector, reloader: &mut Reloader, stopping: bool) -> bool {
+    pub fn answer(
+        self,
+        selector: &mut Selector,
+        reloader: &mut Reloader,
+        tails: &TailHistory,
+        stopping: bool,
+    ) -> bool {
         let result = match &self.request {
-            Request::Status => status(selector).map(|s| Reply::Status(Box::new(s))),
+            Request::Status => status(selector, tails).map(|s| Reply::Status(Box::new(s))),
             _ if stopping => Err(anyhow!("the agent is stopping; it takes no changes")),
             Request::Set(change) => set(selector, change),
             Request::Drain { backend, drained } => drain(selector, reloader, *backend, *drained),
@@ -97,15 +124,16 @@ impl ControlCall {
     }
 }
 
-fn status(selector: &Selector) -> Result<Status> {
+fn status(selector: &Selector, tails: &TailHistory) -> Result<Status> {
     let now = selector.snapshot()?;
     Ok(Status {
         iface: selector.settings.iface.clone(),
         settings: SettingsInForce::from(&selector.settings),
         in_flight: now.inflight,
+        last_interval: tails.last_interval(),
         drained: selector.drained()?,
         passed: telemetry::passed_counts(&now.passed),
-        backends: telemetry::totals(&selector.backends, &now),
+        backends: telemetry::totals(&selector.backends, &now, tails),
     })
 }
 
@@ -156,15 +184,7 @@ async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
         error("no request received")
     } else {
         match serde_json::from_str(line.trim_end()) {
-            Ok(request) => {
-                let (reply, answered) = oneshot::channel();
-                match calls.send(ControlCall { request, reply }).await {
-                    Ok(()) => answered
-                        .await
-                        .unwrap_or_else(|_| error("the agent is stopping")),
-                    Err(_) => error("the agent is stopping"),
-                }
-            }
+            Ok(request) => forward(&calls, request).await,
             Err(e) => error(&format!("bad request: {e}")),
         }
     };
@@ -173,6 +193,17 @@ async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
         let _ = write.write_all(text.as_bytes()).await;
     }
     let _ = write.shutdown().await;
+}
+
+/// Passes a request to the main loop and waits for its reply.
+async fn forward(calls: &mpsc::Sender<ControlCall>, request: Request) -> Reply {
+    let (reply, answered) = oneshot::channel();
+    match calls.send(ControlCall { request, reply }).await {
+        Ok(()) => answered
+            .await
+            .unwrap_or_else(|_| error("the agent is stopping")),
+        Err(_) => error("the agent is stopping"),
+    }
 }
 
 fn error(message: &str) -> Reply {

@@ -15,8 +15,8 @@ use super::{
     control_server::{ControlCall, ControlServer},
 };
 use crate::{
-    Selector, config::RunConfig, control::SettingsInForce, neighbours, reload::Reloader, sys,
-    telemetry,
+    Selector, config::RunConfig, control::SettingsInForce, metrics::MetricsServer, neighbours,
+    reload::Reloader, sys, telemetry,
 };
 
 /// How often a stopping agent checks whether the redirected reads are done.
@@ -34,12 +34,28 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
+    let metrics = match args.metrics_addr {
+        Some(addr) => Some(MetricsServer::bind(addr).await?),
+        None => None,
+    };
     let selector = match &args.pin {
         Some(dir) => Selector::attach_pinned(settings, dir)?,
         None => Selector::attach(settings)?,
     };
     let reloader = Reloader::new(args.config.clone(), args.options(), &config);
     let mut agent = Agent::new(selector, reloader, &config)?;
+    if let Some(metrics) = metrics {
+        println!(
+            "selector: metrics at http://{}/metrics",
+            metrics.local_addr()?
+        );
+        let caller = control.local_caller();
+        // Scrapes are answered by the main loop, like `selector status`.
+        tokio::spawn(metrics.serve(move || {
+            let caller = caller.clone();
+            async move { caller.status().await }
+        }));
+    }
     agent
         .steer(&mut signals, &mut hangups, &mut control, config.duration)
         .await;
@@ -83,8 +99,10 @@ struct Agent {
     interval: Duration,
     sweep_every: Duration,
     quiet: bool,
-    /// The snapshot of the last table print, for interval rates.
+    /// The snapshot at the end of the last interval, for interval rates.
     last: telemetry::Snapshot,
+    /// The interval tails so far, for the table, status and metrics.
+    tails: telemetry::TailHistory,
 }
 
 impl Agent {
@@ -128,6 +146,7 @@ impl Agent {
             sweep_every,
             quiet: config.quiet,
             last,
+            tails: telemetry::TailHistory::default(),
         })
     }
 
@@ -140,7 +159,7 @@ impl Agent {
         duration: Option<f64>,
     ) {
         let mut sweep_tick = interval(self.sweep_every);
-        let mut print_tick = ticks_after(self.interval);
+        let mut interval_tick = ticks_after(self.interval);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -168,7 +187,7 @@ impl Agent {
                     }
                     sweep_tick = interval(self.sweep_every);
                 }
-                _ = print_tick.tick() => self.print_table(),
+                _ = interval_tick.tick() => self.end_interval(),
             }
         }
     }
@@ -242,11 +261,12 @@ impl Agent {
         let Self {
             mut selector,
             neighbours,
+            tails,
             ..
         } = self;
         selector.sweep(sys::monotonic_ns())?;
         let end = selector.snapshot()?;
-        let totals = telemetry::totals(&selector.backends, &end);
+        let totals = telemetry::totals(&selector.backends, &end, &tails);
         println!("{headline}");
         print!("{}", telemetry::render_summary(&totals));
         print!(
@@ -274,7 +294,12 @@ impl Agent {
 
     /// Answers a control request; true if it was a reload that applied.
     fn answer(&mut self, call: ControlCall, stopping: bool) -> bool {
-        let reloaded = call.answer(&mut self.selector, &mut self.reloader, stopping);
+        let reloaded = call.answer(
+            &mut self.selector,
+            &mut self.reloader,
+            &self.tails,
+            stopping,
+        );
         if reloaded {
             self.after_reload();
         }
@@ -327,7 +352,8 @@ impl Agent {
         }
     }
 
-    fn print_table(&mut self) {
+    /// Records the interval's tail blame and, unless quiet, prints the table.
+    fn end_interval(&mut self) {
         let now = match self.selector.snapshot() {
             Ok(now) => now,
             Err(e) => {
@@ -335,10 +361,12 @@ impl Agent {
                 return;
             }
         };
+        self.tails
+            .record(telemetry::IntervalTail::between(&self.last, &now));
         if !self.quiet {
             println!(
                 "{}",
-                telemetry::render_table(&self.selector.backends, &self.last, &now)
+                telemetry::render_table(&self.selector.backends, &self.last, &now, &self.tails)
             );
         }
         self.last = now;

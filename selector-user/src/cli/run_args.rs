@@ -1,7 +1,11 @@
 //! The flags of `selector run` and their translation into [`Options`],
 //! laid over the config file's (see [`crate::config`]).
 
-use std::{fmt, net::SocketAddrV4, path::PathBuf};
+use std::{
+    fmt,
+    net::{SocketAddr, SocketAddrV4},
+    path::PathBuf,
+};
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
@@ -150,6 +154,9 @@ pub struct RunArgs {
     /// removes them.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = DEFAULT_PIN_DIR)]
     pub pin: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics.
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl RunArgs {

@@ -1,0 +1,797 @@
+//! The Prometheus endpoint (`selector run --metrics-addr ADDR:PORT`): `GET
+//! /metrics` answers with the agent's [`Status`], the same document
+//! `selector status --json` prints, in the OpenMetrics text format
+//! (encoded with `prometheus-client`), or in the classic Prometheus text
+//! format 0.0.4 when the client does not ask for OpenMetrics (curl,
+//! `promtool check metrics`).
+//!
+//! Per-backend metrics carry the labels `backend` (addr:port) and `group`
+//! (from 1 in `--group` order). Counters are totals since the agent started.
+
+use std::{fmt, future::Future, net::SocketAddr, time::Duration};
+
+use anyhow::{Context as _, Result};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder, NoLabelSet},
+    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
+    registry::{Registry, Unit},
+};
+use selector_common::latency::{self, LATENCY_BUCKETS};
+use tokio::{
+    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    net::{TcpListener, TcpStream},
+};
+
+use crate::{control::Status, telemetry::BackendTotals};
+
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// How long a client has to send its request head.
+const REQUEST_WAIT: Duration = Duration::from_secs(5);
+/// Longest request head read; a scrape's is a few hundred bytes.
+const MAX_REQUEST_HEAD: usize = 16 * 1024;
+
+/// The listening endpoint.
+pub struct MetricsServer {
+    listener: TcpListener,
+}
+
+impl MetricsServer {
+    /// Binds before anything is attached, so a taken address fails the start.
+    pub async fn bind(addr: SocketAddr) -> Result<Self> {
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
+        Ok(Self { listener })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Answers connections until the task is dropped, each in a task of its
+    /// own; `status` fetches the agent's status for a scrape.
+    pub async fn serve<F, Fut>(self, status: F)
+    where
+        F: Fn() -> Fut + Clone + Send + 'static,
+        Fut: Future<Output = Result<Status>> + Send + 'static,
+    {
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, _)) => {
+                    tokio::spawn(answer(stream, status.clone()));
+                }
+                // Out of descriptors, say: wait instead of spinning.
+                Err(e) => {
+                    log::warn!("metrics endpoint: accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+}
+
+/// Reads one request and writes one response, then closes the connection.
+async fn answer<F, Fut>(mut stream: TcpStream, status: F)
+where
+    F: Fn() -> Fut,
+    Fut: Future<Output = Result<Status>>,
+{
+    let head = match tokio::time::timeout(REQUEST_WAIT, read_head(&mut stream)).await {
+        Ok(Ok(head)) => head,
+        _ => return,
+    };
+    let response = match route(&head) {
+        Route::Metrics(format) => match status().await {
+            Ok(status) => Response::ok(format, render(format, &status)),
+            Err(e) => Response::text("503 Service Unavailable", &format!("{e:#}\n")),
+        },
+        Route::NotFound => Response::text("404 Not Found", "only /metrics is served\n"),
+        Route::MethodNotAllowed => Response::text("405 Method Not Allowed", "only GET\n"),
+        Route::BadRequest => Response::text("400 Bad Request", "bad request\n"),
+    };
+    let _ = stream.write_all(&response.into_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
+/// The request head, up to the blank line (or as much as arrived).
+async fn read_head(stream: &mut TcpStream) -> std::io::Result<String> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_HEAD {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    Ok(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Which exposition format a scrape gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    OpenMetrics,
+    PrometheusText,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Metrics(Format),
+    NotFound,
+    MethodNotAllowed,
+    BadRequest,
+}
+
+/// What a request head asks for.
+fn route(head: &str) -> Route {
+    let mut lines = head.split("\r\n");
+    let mut request_line = lines.next().unwrap_or("").split(' ');
+    let (Some(method), Some(target), Some(version)) = (
+        request_line.next(),
+        request_line.next(),
+        request_line.next(),
+    ) else {
+        return Route::BadRequest;
+    };
+    if !version.starts_with("HTTP/1.") {
+        return Route::BadRequest;
+    }
+    if method != "GET" {
+        return Route::MethodNotAllowed;
+    }
+    if target.split('?').next() != Some("/metrics") {
+        return Route::NotFound;
+    }
+    let accept = lines
+        .filter_map(|line| line.split_once(':'))
+        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("accept"))
+        .map(|(_, value)| value.trim())
+        .collect::<Vec<_>>()
+        .join(",");
+    Route::Metrics(negotiate(&accept))
+}
+
+/// OpenMetrics when the Accept header prefers it to the classic text
+/// format (Prometheus asks for it first), the classic format otherwise.
+fn negotiate(accept: &str) -> Format {
+    let (mut openmetrics, mut text) = (0.0f64, 0.0f64);
+    for range in accept.split(',') {
+        let mut params = range.split(';').map(str::trim);
+        let media = params.next().unwrap_or("").to_ascii_lowercase();
+        let q = params
+            .filter_map(|p| p.strip_prefix("q="))
+            .find_map(|q| q.parse::<f64>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => openmetrics = openmetrics.max(q),
+            "text/plain" | "text/*" | "*/*" => text = text.max(q),
+            _ => {}
+        }
+    }
+    if openmetrics > 0.0 && openmetrics >= text {
+        Format::OpenMetrics
+    } else {
+        Format::PrometheusText
+    }
+}
+
+struct Response {
+    status: &'static str,
+    content_type: &'static str,
+    body: String,
+}
+
+impl Response {
+    fn ok(format: Format, body: String) -> Self {
+        let content_type = match format {
+            Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+            Format::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
+        };
+        Self {
+            status: "200 OK",
+            content_type,
+            body,
+        }
+    }
+
+    fn text(status: &'static str, body: &str) -> Self {
+        Self {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: body.into(),
+        }
+    }
+
+    fn into_bytes(self) -> Vec<u8> {
+        let mut out = format!(
+            "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.status,
+            self.content_type,
+            self.body.len()
+        );
+        if self.status.starts_with("405") {
+            out += "Allow: GET\r\n";
+        }
+        out += "\r\n";
+        out += &self.body;
+        out.into_bytes()
+    }
+}
+
+/// The exposition of `status` in `format`.
+pub fn render(format: Format, status: &Status) -> String {
+    let openmetrics = openmetrics(status);
+    match format {
+        Format::OpenMetrics => openmetrics,
+        Format::PrometheusText => prometheus_text(&openmetrics),
+    }
+}
+
+/// `status` in the OpenMetrics text format.
+pub fn openmetrics(status: &Status) -> String {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(StatusCollector(status.clone())));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// The classic Prometheus text format of an OpenMetrics exposition written
+/// by [`openmetrics`]: a counter family is named with its `_total` suffix,
+/// and the `# UNIT` and `# EOF` lines go. (Enough for what this module
+/// writes: no quotes in help texts, no `_created` samples, no exemplars.)
+pub fn prometheus_text(openmetrics: &str) -> String {
+    let counters: Vec<&str> = openmetrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line.starts_with("# UNIT ") || line == "# EOF" {
+            continue;
+        }
+        let descriptor = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|kind| Some((kind, line.strip_prefix(kind)?)));
+        match descriptor {
+            Some((kind, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let suffix = if counters.contains(&name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                out += &format!("{kind}{name}{suffix} {tail}");
+            }
+            None => out += line,
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The metrics of one status, encoded on each scrape.
+#[derive(Debug)]
+struct StatusCollector(Status);
+
+type BackendLabels = [(&'static str, String); 2];
+
+/// A per-backend counter: name (without `_total`), help, and its value.
+type BackendCounter = (&'static str, &'static str, fn(&BackendTotals) -> u64);
+
+fn backend_labels(b: &BackendTotals) -> BackendLabels {
+    [
+        ("backend", b.backend.to_string()),
+        ("group", b.group.to_string()),
+    ]
+}
+
+impl Collector for StatusCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
+        let status = &self.0;
+        let backends = &status.backends;
+        let e = &mut encoder;
+        let counters: [BackendCounter; 9] = [
+            (
+                "selector_requests",
+                "Requests the application addressed to the backend (as primary).",
+                |b| b.stats.requests,
+            ),
+            (
+                "selector_issued",
+                "Requests sent to the backend after steering and tracked.",
+                |b| b.issued,
+            ),
+            (
+                "selector_responses",
+                "Tracked requests the backend answered.",
+                |b| b.stats.responses,
+            ),
+            (
+                "selector_timeouts",
+                "Tracked requests to the backend expired unanswered (--timeout).",
+                |b| b.expired,
+            ),
+            (
+                "selector_untracked",
+                "Requests addressed to the backend passed untracked (in-flight table full).",
+                |b| b.stats.untracked,
+            ),
+            (
+                "selector_no_reply",
+                "Requests addressed to the backend that expect no reply (never tracked).",
+                |b| b.stats.no_reply,
+            ),
+            (
+                "selector_id_collisions",
+                "Requests reusing the id of one in flight to another member (left alone).",
+                |b| b.stats.id_collisions,
+            ),
+            (
+                "selector_unmatched_responses",
+                "Replies from the backend that matched no request in flight.",
+                |b| b.stats.unmatched_responses,
+            ),
+            (
+                "selector_late_responses",
+                "Reply datagrams after their request completed or expired, within --grace.",
+                |b| b.stats.late_responses,
+            ),
+        ];
+        for (name, help, value) in counters {
+            per_backend(
+                e,
+                name,
+                help,
+                None,
+                MetricType::Counter,
+                backends,
+                |b, m| ConstCounter::new(value(b)).encode(m),
+            )?;
+        }
+        let mut family = e.encode_descriptor(
+            "selector_redirected",
+            "Reads redirected away from the backend (their primary) or to it.",
+            None,
+            MetricType::Counter,
+        )?;
+        for b in backends {
+            for (direction, count) in [
+                ("away", b.stats.redirected_away),
+                ("to", b.stats.redirected_to),
+            ] {
+                let labels = (backend_labels(b), [("direction", direction)]);
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        let mut family = e.encode_descriptor(
+            "selector_overloaded",
+            "Reads addressed to the backend over a pending cap, by what was done.",
+            None,
+            MetricType::Counter,
+        )?;
+        for b in backends {
+            for (action, count) in [
+                ("passed", b.stats.overload_passed),
+                ("dropped", b.stats.overload_dropped),
+                ("rejected", b.stats.overload_rejected),
+            ] {
+                let labels = (backend_labels(b), [("action", action)]);
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        per_backend(
+            e,
+            "selector_pending",
+            "Requests pending at the backend now.",
+            None,
+            MetricType::Gauge,
+            backends,
+            |b, m| ConstGauge::new(b.pending).encode(m),
+        )?;
+        per_backend(
+            e,
+            "selector_drained",
+            "1 if the backend is drained (never chosen), else 0.",
+            None,
+            MetricType::Gauge,
+            backends,
+            |b, m| ConstGauge::new(u64::from(status.drained.contains(&b.backend))).encode(m),
+        )?;
+        per_backend(
+            e,
+            "selector_response_latency",
+            "Request-to-reply latency measured in the kernel (bucket edges of its log-linear histogram; the sum estimates each request at its bucket's middle).",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+            backends,
+            encode_latency,
+        )?;
+        per_backend(
+            e,
+            "selector_tail_requests",
+            "The backend's answered requests in the tail (p99 bucket over all backends and slower) of each interval.",
+            None,
+            MetricType::Counter,
+            backends,
+            |b, m| ConstCounter::new(b.tail.tail_requests_total).encode(m),
+        )?;
+        let mut family = e.encode_descriptor(
+            "selector_tail_blame_ratio",
+            "The backend's share of the last interval's tail (absent before an interval with a reply).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for b in backends {
+            if let Some(blame) = b.tail.tail_blame {
+                ConstGauge::new(blame).encode(family.encode_family(&backend_labels(b))?)?;
+            }
+        }
+        let family = e.encode_descriptor(
+            "selector_interval_p99",
+            "The last interval's p99 latency over all backends (upper bucket edge).",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        if let Some(p99) = status.last_interval.as_ref().and_then(|i| i.p99_ns) {
+            ConstGauge::new(p99 as f64 / 1e9).encode(family)?;
+        }
+        let family = e.encode_descriptor(
+            "selector_in_flight",
+            "Entries in the in-flight table now.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(status.in_flight as u64).encode(family)?;
+        let mut family = e.encode_descriptor(
+            "selector_passed",
+            "Packets passed untouched, by direction and reason.",
+            None,
+            MetricType::Counter,
+        )?;
+        for p in &status.passed {
+            let labels = [
+                ("direction", p.direction.as_str()),
+                ("reason", p.reason.as_str()),
+            ];
+            ConstCounter::new(p.count).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// One metric family with a sample per backend.
+fn per_backend(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    metric_type: MetricType,
+    backends: &[BackendTotals],
+    sample: impl Fn(&BackendTotals, MetricEncoder) -> Result<(), fmt::Error>,
+) -> Result<(), fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, unit, metric_type)?;
+    for b in backends {
+        sample(b, family.encode_family(&backend_labels(b))?)?;
+    }
+    Ok(())
+}
+
+/// A backend's kernel histogram as a Prometheus histogram: every bucket,
+/// `le` its inclusive upper edge in seconds (latencies are whole
+/// nanoseconds), the open last bucket `+Inf`.
+fn encode_latency(b: &BackendTotals, mut encoder: MetricEncoder) -> Result<(), fmt::Error> {
+    let mut counts = [0u64; LATENCY_BUCKETS as usize];
+    for bucket in &b.latency_buckets {
+        counts[latency::bucket(bucket.lower_ns) as usize] += bucket.count;
+    }
+    let (buckets, sum) = prometheus_buckets(&counts);
+    let count = counts.iter().sum();
+    encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+}
+
+/// (upper edge in seconds, count) per bucket, and the estimated sum in
+/// seconds (each request at its bucket's middle; the open bucket's at its
+/// lower edge).
+fn prometheus_buckets(counts: &[u64]) -> (Vec<(f64, u64)>, f64) {
+    let mut sum = 0.0;
+    let buckets = counts
+        .iter()
+        .enumerate()
+        .map(|(i, count)| {
+            let i = i as u32;
+            let (lower, upper) = (latency::bucket_lower_ns(i), latency::bucket_upper_ns(i));
+            let (le, middle_ns) = if upper == u64::MAX {
+                (f64::INFINITY, lower as f64)
+            } else {
+                (upper as f64 / 1e9, (lower + upper + 1) as f64 / 2.0)
+            };
+            sum += *count as f64 * middle_ns / 1e9;
+            (le, *count)
+        })
+        .collect();
+    (buckets, sum)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        control::SettingsInForce,
+        settings::Settings,
+        telemetry::{BackendTail, LastInterval, PassedCount, latency_buckets},
+    };
+    use selector_common::BackendStats;
+
+    fn status() -> Status {
+        let primary = "10.0.0.1:11211".parse().unwrap();
+        let replica = "10.0.0.2:11211".parse().unwrap();
+        let mut primary_latency = [0u64; LATENCY_BUCKETS as usize];
+        primary_latency[latency::bucket(100_000) as usize] = 8;
+        primary_latency[latency::bucket(25_000_000) as usize] = 2;
+        let backend = |addr, position, stats: BackendStats, latency: &[u64], tail| BackendTotals {
+            backend: addr,
+            group: 1,
+            position,
+            pending: 3,
+            issued: stats.requests,
+            completed: stats.responses,
+            expired: 1,
+            stats,
+            p50_ns: None,
+            p99_ns: None,
+            p999_ns: None,
+            latency_buckets: latency_buckets(latency),
+            tail,
+        };
+        Status {
+            iface: "eth0".into(),
+            settings: SettingsInForce::from(&Settings::new("eth0", vec![vec![primary, replica]])),
+            in_flight: 3,
+            last_interval: Some(LastInterval {
+                number: 1,
+                length_ms: 1000,
+                answered: 10,
+                p99_ns: Some(25_000_000),
+                tail_requests: 2,
+            }),
+            drained: vec![replica],
+            passed: vec![PassedCount {
+                direction: "egress".into(),
+                reason: "not_a_backend".into(),
+                count: 12,
+            }],
+            backends: vec![
+                backend(
+                    primary,
+                    0,
+                    BackendStats {
+                        requests: 11,
+                        responses: 10,
+                        redirected_away: 4,
+                        ..Default::default()
+                    },
+                    &primary_latency,
+                    BackendTail {
+                        tail_requests: 2,
+                        tail_blame: Some(1.0),
+                        tail_requests_total: 5,
+                    },
+                ),
+                backend(
+                    replica,
+                    1,
+                    BackendStats {
+                        redirected_to: 4,
+                        ..Default::default()
+                    },
+                    &[0; LATENCY_BUCKETS as usize],
+                    BackendTail::default(),
+                ),
+            ],
+        }
+    }
+
+    /// The value of the sample line that starts with `series` (name and labels).
+    fn sample(text: &str, series: &str) -> f64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    }
+
+    const PRIMARY: &str = r#"{backend="10.0.0.1:11211",group="1"}"#;
+
+    #[test]
+    fn counters_and_gauges_carry_backend_and_group() {
+        let text = openmetrics(&status());
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        assert_eq!(
+            sample(&text, &format!("selector_requests_total{PRIMARY}")),
+            11.0
+        );
+        assert_eq!(
+            sample(&text, &format!("selector_responses_total{PRIMARY}")),
+            10.0
+        );
+        assert_eq!(
+            sample(&text, &format!("selector_timeouts_total{PRIMARY}")),
+            1.0
+        );
+        assert_eq!(sample(&text, &format!("selector_pending{PRIMARY}")), 3.0);
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_redirected_total{backend="10.0.0.1:11211",group="1",direction="away"}"#
+            ),
+            4.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_redirected_total{backend="10.0.0.2:11211",group="1",direction="to"}"#
+            ),
+            4.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_drained{backend="10.0.0.2:11211",group="1"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            sample(&text, &format!("selector_tail_blame_ratio{PRIMARY}")),
+            1.0
+        );
+        assert_eq!(
+            sample(&text, &format!("selector_tail_requests_total{PRIMARY}")),
+            5.0
+        );
+        // No blame without tail requests: no sample rather than a made-up one.
+        assert!(!text.contains(r#"selector_tail_blame_ratio{backend="10.0.0.2:11211""#));
+        assert_eq!(sample(&text, "selector_interval_p99_seconds"), 0.025);
+        assert_eq!(sample(&text, "selector_in_flight"), 3.0);
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_passed_total{direction="egress",reason="not_a_backend"}"#
+            ),
+            12.0
+        );
+        assert!(
+            text.contains("# UNIT selector_response_latency_seconds seconds\n"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn the_latency_histogram_is_cumulative_in_seconds() {
+        let text = openmetrics(&status());
+        let bucket_lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("selector_response_latency_seconds_bucket{"))
+            .filter(|l| l.contains(r#"backend="10.0.0.1:11211""#))
+            .collect();
+        assert_eq!(bucket_lines.len(), LATENCY_BUCKETS as usize);
+        // The 100 µs bucket [96, 112) µs: le is its last nanosecond.
+        let fast = bucket_lines
+            .iter()
+            .find(|l| l.contains(r#"le="0.000111999""#))
+            .unwrap_or_else(|| panic!("{bucket_lines:#?}"));
+        assert!(fast.ends_with(" 8"), "{fast}");
+        assert!(bucket_lines.last().unwrap().contains(r#"le="+Inf""#));
+        assert!(bucket_lines.last().unwrap().ends_with(" 10"));
+        let mut last = 0;
+        for line in &bucket_lines {
+            let n: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(n >= last, "not cumulative: {line}");
+            last = n;
+        }
+        let count = sample(
+            &text,
+            &format!("selector_response_latency_seconds_count{PRIMARY}"),
+        );
+        assert_eq!(count, 10.0);
+        let sum = sample(
+            &text,
+            &format!("selector_response_latency_seconds_sum{PRIMARY}"),
+        );
+        // 8 at 104 µs and 2 in [24.576, 28.672) ms, each at its middle.
+        assert!(
+            (sum - (8.0 * 104e-6 + 2.0 * 26.624e-3)).abs() < 1e-9,
+            "{sum}"
+        );
+    }
+
+    #[test]
+    fn the_prometheus_text_format_names_counters_with_total() {
+        let text = prometheus_text(&openmetrics(&status()));
+        assert!(
+            text.contains("# TYPE selector_requests_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# HELP selector_requests_total Requests"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE selector_pending gauge\n"), "{text}");
+        assert!(text.contains("# TYPE selector_response_latency_seconds histogram\n"));
+        assert!(
+            !text.contains("# UNIT") && !text.contains("# EOF"),
+            "{text}"
+        );
+        assert_eq!(
+            sample(&text, &format!("selector_requests_total{PRIMARY}")),
+            11.0
+        );
+    }
+
+    #[test]
+    fn scrapes_are_routed_and_negotiated() {
+        let prometheus = "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n\r\n";
+        assert_eq!(route(prometheus), Route::Metrics(Format::OpenMetrics));
+        let curl = "GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: curl\r\naccept: */*\r\n\r\n";
+        assert_eq!(route(curl), Route::Metrics(Format::PrometheusText));
+        let bare = "GET /metrics?debug=1 HTTP/1.0\r\n\r\n";
+        assert_eq!(route(bare), Route::Metrics(Format::PrometheusText));
+        let text_first = "GET /metrics HTTP/1.1\r\nAccept: text/plain, application/openmetrics-text;q=0.5\r\n\r\n";
+        assert_eq!(route(text_first), Route::Metrics(Format::PrometheusText));
+        let refused = "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;q=0\r\n\r\n";
+        assert_eq!(route(refused), Route::Metrics(Format::PrometheusText));
+        assert_eq!(route("GET / HTTP/1.1\r\n\r\n"), Route::NotFound);
+        assert_eq!(route("GET /metricsx HTTP/1.1\r\n\r\n"), Route::NotFound);
+        assert_eq!(
+            route("POST /metrics HTTP/1.1\r\n\r\n"),
+            Route::MethodNotAllowed
+        );
+        assert_eq!(route("hello\r\n\r\n"), Route::BadRequest);
+        assert_eq!(route(""), Route::BadRequest);
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_answers_over_http() {
+        let server = MetricsServer::bind("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let addr = server.local_addr().unwrap();
+        let serving = tokio::spawn(server.serve(|| async { Ok(status()) }));
+        let get = |request: &'static str| async move {
+            let mut stream = TcpStream::connect(addr).await.unwrap();
+            stream.write_all(request.as_bytes()).await.unwrap();
+            let mut response = String::new();
+            stream.read_to_string(&mut response).await.unwrap();
+            response
+        };
+        let response = get(
+            "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0\r\n\r\n",
+        )
+        .await;
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(
+            head.contains(&format!("Content-Type: {OPENMETRICS_CONTENT_TYPE}\r\n")),
+            "{head}"
+        );
+        assert!(
+            head.contains(&format!("Content-Length: {}", body.len())),
+            "{head}"
+        );
+        assert_eq!(body, openmetrics(&status()));
+        let response = get("GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(
+            response.contains(PROMETHEUS_TEXT_CONTENT_TYPE),
+            "{response}"
+        );
+        let response = get("GET /nothing HTTP/1.1\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.1 404 "), "{response}");
+        serving.abort();
+    }
+}
