@@ -83,6 +83,10 @@ pub struct Options {
     /// Seconds.
     pub duration: Option<f64>,
     pub quiet: Option<bool>,
+    /// The bpffs directory to pin under (`--pin`).
+    pub pin: Option<PathBuf>,
+    /// Where to serve Prometheus metrics (`--metrics-addr`).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// One replica group: members in preference order, each `a.b.c.d:port` or
@@ -104,6 +108,8 @@ pub struct RunConfig {
     pub interval: Duration,
     pub duration: Option<f64>,
     pub quiet: bool,
+    pub pin: Option<PathBuf>,
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 impl Options {
@@ -147,6 +153,8 @@ impl Options {
             ingress: self.ingress.or(file.ingress),
             duration: self.duration.or(file.duration),
             quiet: self.quiet.or(file.quiet),
+            pin: self.pin.or(file.pin),
+            metrics_addr: self.metrics_addr.or(file.metrics_addr),
         }
     }
 
@@ -215,6 +223,8 @@ impl Options {
             interval: Duration::from_millis(interval),
             duration: self.duration,
             quiet: self.quiet.unwrap_or(false),
+            pin: self.pin.clone(),
+            metrics_addr: self.metrics_addr,
         })
     }
 
@@ -631,6 +641,26 @@ members = ["10.0.0.3:1"]
         let c = file.resolve_with(&flags).unwrap();
         assert_eq!(c.settings.groups, vec![vec!["10.0.0.9:1".parse().unwrap()]]);
         assert_eq!(c.group_names, vec![None]);
+    }
+
+    #[test]
+    fn pin_and_metrics_address_come_from_the_file_or_the_flags() {
+        let file = parse(&with(
+            "pin = \"/sys/fs/bpf/sel\"\nmetrics-addr = \"127.0.0.1:9641\"\n",
+        ))
+        .unwrap();
+        let c = file.resolve_with(&Options::default()).unwrap();
+        assert_eq!(c.pin, Some(PathBuf::from("/sys/fs/bpf/sel")));
+        assert_eq!(c.metrics_addr, Some("127.0.0.1:9641".parse().unwrap()));
+        let flags = Options {
+            metrics_addr: Some("0.0.0.0:9000".parse().unwrap()),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&flags).unwrap();
+        assert_eq!(c.metrics_addr, Some("0.0.0.0:9000".parse().unwrap()));
+        assert_eq!(c.pin, Some(PathBuf::from("/sys/fs/bpf/sel")));
+        let e = err(&with("metrics-addr = \"nowhere\"\n"));
+        assert!(e.contains("metrics-addr"), "{e}");
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! it has retired.
 
 use std::{
-    net::SocketAddrV4,
+    net::{SocketAddr, SocketAddrV4},
     path::PathBuf,
     sync::atomic::Ordering,
     time::{Duration, Instant},
@@ -485,6 +485,8 @@ pub struct Reloader {
     interval: Duration,
     duration: Option<f64>,
     pub quiet: bool,
+    pin: Option<PathBuf>,
+    metrics_addr: Option<SocketAddr>,
 }
 
 impl Reloader {
@@ -496,6 +498,8 @@ impl Reloader {
             interval: start.interval,
             duration: start.duration,
             quiet: start.quiet,
+            pin: start.pin.clone(),
+            metrics_addr: start.metrics_addr,
         }
     }
 
@@ -537,6 +541,11 @@ impl Reloader {
     fn check_fixed(&self, running: &Settings, wanted: &RunConfig) -> Result<()> {
         let new = &wanted.settings;
         let seconds = |d: Option<f64>| d.map_or("none".to_string(), |d| d.to_string());
+        let path = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map_or("none".into(), |p| p.display().to_string())
+        };
+        let address = |a: Option<SocketAddr>| a.map_or("none".to_string(), |a| a.to_string());
         let fixed: Vec<String> = [
             ("iface", running.iface.clone(), new.iface.clone()),
             (
@@ -560,6 +569,12 @@ impl Reloader {
                 format!("{:?}", wanted.interval),
             ),
             ("duration", seconds(self.duration), seconds(wanted.duration)),
+            ("pin", path(&self.pin), path(&wanted.pin)),
+            (
+                "metrics-addr",
+                address(self.metrics_addr),
+                address(wanted.metrics_addr),
+            ),
         ]
         .into_iter()
         .filter(|(_, old, new)| old != new)

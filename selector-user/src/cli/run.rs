@@ -34,11 +34,11 @@ pub async fn run(args: RunArgs) -> Result<()> {
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
-    let metrics = match args.metrics_addr {
+    let metrics = match config.metrics_addr {
         Some(addr) => Some(MetricsServer::bind(addr).await?),
         None => None,
     };
-    let selector = match &args.pin {
+    let selector = match &config.pin {
         Some(dir) => Selector::attach_pinned(settings, dir)?,
         None => Selector::attach(settings)?,
     };

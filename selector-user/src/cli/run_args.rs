@@ -200,6 +200,8 @@ impl RunArgs {
             }),
             duration: self.duration,
             quiet: self.quiet.then_some(true),
+            pin: self.pin.clone(),
+            metrics_addr: self.metrics_addr,
         }
     }
 
