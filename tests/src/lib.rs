@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod bench;
+pub mod bpffs;
 pub mod dns;
 pub mod faults;
 pub mod frames;

@@ -1,6 +1,7 @@
 //! The shipped systemd unit: it verifies, and the agent works with exactly
-//! the capabilities it grants (as an unprivileged user, under setpriv),
-//! while any one of them missing is named in one line with nothing attached.
+//! the capabilities it grants and the user it names (under setpriv),
+//! pinning, leaving its programs pinned at exit and detaching them, while
+//! any one capability missing is named in one line with nothing attached.
 
 use std::{
     path::{Path, PathBuf},
@@ -11,6 +12,7 @@ use std::{
 use selector_testbed::{
     LoadSpec, Namespace, Testbed,
     agent::{Attached, attached, selector_binary, totals_rows},
+    bpffs::Bpffs,
     netns::unique_tag,
     run_load,
     topology::CLIENT_IFACE,
@@ -18,24 +20,33 @@ use selector_testbed::{
 
 const UNIT: &str = include_str!("../../deploy/selector.service");
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
-/// nobody
-const UNPRIVILEGED: &str = "65534";
 
 /// A `[Service]` setting of the unit, split on spaces.
-fn unit_setting(key: &str) -> Vec<String> {
+fn unit_setting(key: &str) -> Option<Vec<String>> {
     let prefix = format!("{key}=");
-    let line = UNIT
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no {key} in the unit"));
-    line.split_whitespace().map(str::to_owned).collect()
+    let line = UNIT.lines().find_map(|l| l.strip_prefix(&prefix))?;
+    Some(line.split_whitespace().map(str::to_owned).collect())
+}
+
+/// The uid the unit runs the agent as (root's when it names no `User=`).
+fn unit_uid() -> String {
+    match unit_setting("User") {
+        None => "0".into(),
+        Some(user) => {
+            let out = Command::new("id").args(["-u", &user[0]]).output().unwrap();
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        }
+    }
 }
 
 /// The unit's capabilities as setpriv names them (`CAP_BPF` -> `bpf`).
 fn unit_capabilities() -> Vec<String> {
-    let ambient = unit_setting("AmbientCapabilities");
-    assert_eq!(ambient, unit_setting("CapabilityBoundingSet"));
-    ambient
+    let bounding = unit_setting("CapabilityBoundingSet").expect("a capability bound");
+    assert_eq!(
+        Some(&bounding),
+        unit_setting("AmbientCapabilities").as_ref()
+    );
+    bounding
         .iter()
         .map(|c| c.strip_prefix("CAP_").unwrap().to_lowercase())
         .collect()
@@ -68,16 +79,18 @@ impl Drop for PublicBinary {
     }
 }
 
-/// `selector ARGS` in `ns` as nobody with only `caps` (setpriv names).
-fn as_unprivileged(ns: &Namespace, binary: &Path, caps: &[String], args: &[&str]) -> Command {
+/// `selector ARGS` in `ns` as the unit's user with only `caps` (setpriv
+/// names).
+fn as_the_unit(ns: &Namespace, binary: &Path, caps: &[String], args: &[&str]) -> Command {
+    let uid = unit_uid();
     let set = std::iter::once("-all".to_owned())
         .chain(caps.iter().map(|c| format!("+{c}")))
         .collect::<Vec<_>>()
         .join(",");
     let mut c = ns.command("setpriv");
     c.args([
-        &format!("--reuid={UNPRIVILEGED}"),
-        &format!("--regid={UNPRIVILEGED}"),
+        &format!("--reuid={uid}"),
+        &format!("--regid={uid}"),
         "--clear-groups",
         &format!("--inh-caps={set}"),
         &format!("--ambient-caps={set}"),
@@ -106,12 +119,14 @@ fn the_unit_file_verifies() {
 }
 
 #[test]
-fn the_agent_steers_with_only_the_units_capabilities() {
+fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     let mut tb = Testbed::new("seldp", 3).unwrap();
     tb.start_memcached().unwrap();
     let binary = PublicBinary::new();
     let caps = unit_capabilities();
-    let mut agent = as_unprivileged(
+    let bpffs = Bpffs::mount();
+    let pin = bpffs.arg();
+    let mut agent = as_the_unit(
         &tb.client,
         &binary.path(),
         &caps,
@@ -124,6 +139,8 @@ fn the_agent_steers_with_only_the_units_capabilities() {
             "--threshold",
             "1",
             "--quiet",
+            "--pin",
+            &pin,
         ],
     )
     .stdout(Stdio::piped())
@@ -157,7 +174,7 @@ fn the_agent_steers_with_only_the_units_capabilities() {
     let report = load.join().unwrap().unwrap();
     assert_eq!(report.lost(), 0, "every reply arrives");
 
-    // The root operator's status command talks to the unprivileged agent.
+    // The operator's status command (full root) talks to the agent.
     let out = tb
         .client
         .command(selector_binary().to_str().unwrap())
@@ -169,8 +186,23 @@ fn the_agent_steers_with_only_the_units_capabilities() {
     assert_eq!(rows.iter().map(|r| r.requests).sum::<u64>(), report.sent);
     assert!(rows[0].away > 0, "the stall moved reads: {rows:?}");
 
+    // Pinned: a stop (or a restart) leaves the programs steering.
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
+    let out = as_the_unit(
+        &tb.client,
+        &binary.path(),
+        &caps,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
 }
 
@@ -181,7 +213,7 @@ fn each_missing_capability_is_named_in_one_line() {
     let caps = unit_capabilities();
     for missing in &caps {
         let fewer: Vec<String> = caps.iter().filter(|c| *c != missing).cloned().collect();
-        let out = as_unprivileged(
+        let out = as_the_unit(
             &tb.client,
             &binary.path(),
             &fewer,

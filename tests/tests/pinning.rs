@@ -9,10 +9,9 @@
 //! fresh /sys, so /sys/fs/bpf would not reach it; a mount made here does.
 
 use std::{
-    ffi::CString,
     io::{BufRead as _, BufReader, Read as _},
     net::SocketAddrV4,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, ChildStdout, Stdio},
     sync::{
         Arc,
@@ -23,7 +22,7 @@ use std::{
 };
 
 use selector_testbed::{
-    ClientSocket, LoadReport, LoadSpec, Testbed, agent, netns::unique_tag, preload, run_load_on,
+    ClientSocket, LoadReport, LoadSpec, Testbed, agent, bpffs::Bpffs, preload, run_load_on,
     topology::CLIENT_IFACE,
 };
 use selector_user::control::Status;
@@ -35,50 +34,6 @@ const LOAD: Duration = Duration::from_secs(3);
 /// The primary stalls this long every `STALL_EVERY` while the load runs.
 const STALL: Duration = Duration::from_millis(40);
 const STALL_EVERY: Duration = Duration::from_millis(250);
-
-/// A bpf filesystem mounted on a fresh temporary directory; unmounted and
-/// removed on drop.
-struct Bpffs {
-    path: PathBuf,
-}
-
-impl Bpffs {
-    fn mount() -> Self {
-        let path = std::env::temp_dir().join(format!("selector-pin-{}", unique_tag()));
-        std::fs::create_dir_all(&path).unwrap();
-        let target = CString::new(path.to_str().unwrap()).unwrap();
-        // SAFETY: valid NUL-terminated strings; no data.
-        let rc = unsafe {
-            libc::mount(
-                c"bpf".as_ptr(),
-                target.as_ptr(),
-                c"bpf".as_ptr(),
-                0,
-                std::ptr::null(),
-            )
-        };
-        assert_eq!(rc, 0, "mount bpffs: {}", std::io::Error::last_os_error());
-        Self { path }
-    }
-
-    /// The directory given to `--pin`.
-    fn dir(&self) -> PathBuf {
-        self.path.join("selector")
-    }
-
-    fn arg(&self) -> String {
-        self.dir().to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for Bpffs {
-    fn drop(&mut self) {
-        let target = CString::new(self.path.to_str().unwrap()).unwrap();
-        // SAFETY: valid path; a lazy unmount of our own mount.
-        unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
-        let _ = std::fs::remove_dir(&self.path);
-    }
-}
 
 /// A running agent and its output (kept open: an agent whose stdout is
 /// closed fails when it prints its totals). Killed if a test fails
