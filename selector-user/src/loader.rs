@@ -15,8 +15,7 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, PerCpuArray},
-    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink, tc},
-    util::KernelVersion,
+    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink},
 };
 use log::debug;
 use selector_common::{
@@ -138,6 +137,7 @@ impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
         interface_index(&settings.iface)?;
+        crate::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let selector = Self::load_with(settings, None)?;
         selector.attach_fresh()
@@ -151,9 +151,7 @@ impl Selector {
     /// `--ingress`) must match; see [`PinDir::check_adoptable`].
     pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
         interface_index(&settings.iface)?;
-        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
-            bail!("--pin needs TCX links (Linux 6.6 or later)");
-        }
+        crate::preflight::check_host()?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
             let mut selector = Self::load_with(settings, Some(pins))?;
@@ -388,10 +386,6 @@ impl Selector {
     }
 
     fn attach_programs(&mut self) -> Result<()> {
-        if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
-            // Netlink TC needs clsact; TCX (6.6+) does not. An existing one is fine.
-            let _ = tc::qdisc_add_clsact(&self.settings.iface);
-        }
         self.attach_one(LinkSlot::ingress(self.settings.ingress))?;
         self.attach_one(LinkSlot::Egress)
     }

@@ -229,3 +229,99 @@ fn each_missing_capability_is_named_in_one_line() {
         assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
     }
 }
+
+const MANIFEST: &str = include_str!("../../deploy/kubernetes/selector.yaml");
+
+/// The manifest's documents by kind.
+fn manifest(kind: &str) -> yaml_rust2::Yaml {
+    yaml_rust2::YamlLoader::load_from_str(MANIFEST)
+        .expect("the manifest is YAML")
+        .into_iter()
+        .find(|d| d["kind"].as_str() == Some(kind))
+        .unwrap_or_else(|| panic!("no {kind} in the manifest"))
+}
+
+fn strings(list: &yaml_rust2::Yaml) -> Vec<String> {
+    list.as_vec()
+        .map(|v| {
+            v.iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The DaemonSet cannot run here; what can be checked is that its parts
+/// agree with each other and with the unit: the ConfigMap is a config the
+/// agent accepts, the container gets the unit's capabilities and nothing
+/// else on the host network, it reads the ConfigMap where `--config` says,
+/// the scrape annotations name the metrics port, and the pins land on the
+/// host's bpffs.
+#[test]
+fn the_daemonset_agrees_with_the_unit_and_its_config() {
+    use selector_user::config::{ConfigFile, Options};
+    let config_map = manifest("ConfigMap");
+    let text = config_map["data"]["selector.toml"].as_str().unwrap();
+    let config = ConfigFile::parse(Path::new("selector.toml"), text.to_owned())
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .expect("the ConfigMap's config is valid");
+
+    let daemonset = manifest("DaemonSet");
+    let pod = &daemonset["spec"]["template"];
+    let spec = &pod["spec"];
+    assert_eq!(spec["hostNetwork"].as_bool(), Some(true));
+    let container = &spec["containers"][0];
+    let security = &container["securityContext"];
+    let mut added = strings(&security["capabilities"]["add"]);
+    let mut unit: Vec<String> = unit_capabilities()
+        .iter()
+        .map(|c| c.to_uppercase())
+        .collect();
+    added.sort();
+    unit.sort();
+    assert_eq!(added, unit, "the unit's capabilities");
+    assert_eq!(strings(&security["capabilities"]["drop"]), vec!["ALL"]);
+    assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
+
+    let args = strings(&container["args"]);
+    let config_path = &args[args.iter().position(|a| a == "--config").unwrap() + 1];
+    let mount_of = |volume: &str| {
+        container["volumeMounts"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"].as_str() == Some(volume))
+            .and_then(|m| m["mountPath"].as_str())
+            .unwrap_or_else(|| panic!("no mount of {volume}"))
+            .to_owned()
+    };
+    assert_eq!(
+        Path::new(config_path).parent().unwrap(),
+        Path::new(&mount_of("config"))
+    );
+    let port = config
+        .metrics_addr
+        .expect("metrics-addr")
+        .port()
+        .to_string();
+    assert_eq!(
+        pod["metadata"]["annotations"]["prometheus.io/port"].as_str(),
+        Some(port.as_str())
+    );
+    assert_eq!(
+        container["ports"][0]["containerPort"]
+            .as_i64()
+            .map(|p| p.to_string()),
+        Some(port)
+    );
+    let bpffs = mount_of("bpffs");
+    assert!(config.pin.expect("pin").starts_with(&bpffs));
+    let host_bpffs = spec["volumes"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"].as_str() == Some("bpffs"))
+        .and_then(|v| v["hostPath"]["path"].as_str())
+        .map(str::to_owned);
+    assert_eq!(host_bpffs.as_deref(), Some("/sys/fs/bpf"));
+}
