@@ -58,6 +58,7 @@ pub mod names {
     pub const PASSED: &str = "PASSED";
     pub const LATENCY: &str = "LATENCY";
     pub const FRAGMENTS: &str = "FRAGMENTS";
+    pub const NEXT_HOPS: &str = "NEXT_HOPS";
 }
 
 /// Program names, as the kernel object declares them.
@@ -106,6 +107,18 @@ impl Endpoint {
             None
         }
     }
+}
+
+/// How to send to a backend without a second pass through egress: the
+/// Ethernet addresses of its next hop and of the interface, while the agent
+/// knows them. `ifindex` 0 (or another device's) means unknown: the request
+/// goes through `bpf_redirect_neigh` instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NextHopMac {
+    pub dst: [u8; 6],
+    pub src: [u8; 6],
+    pub ifindex: u32,
 }
 
 /// A replica group: members in preference order, and which may be chosen.
@@ -208,6 +221,11 @@ pub struct BackendStats {
     pub overload_passed: u64,
     pub overload_dropped: u64,
     pub overload_rejected: u64,
+    /// Requests redirected here and sent straight to its next hop's known
+    /// Ethernet address; the rest of `redirected_to` went through
+    /// `bpf_redirect_neigh` (a second pass through egress).
+    #[cfg_attr(feature = "user", serde(default))]
+    pub redirected_direct: u64,
 }
 
 impl BackendStats {
@@ -224,6 +242,7 @@ impl BackendStats {
         self.overload_passed += other.overload_passed;
         self.overload_dropped += other.overload_dropped;
         self.overload_rejected += other.overload_rejected;
+        self.redirected_direct += other.redirected_direct;
     }
 }
 
@@ -361,6 +380,7 @@ mod pod {
     // SAFETY: all are repr(C), Copy, with explicit padding and no pointers.
     unsafe impl aya::Pod for Endpoint {}
     unsafe impl aya::Pod for Group {}
+    unsafe impl aya::Pod for NextHopMac {}
     unsafe impl aya::Pod for GroupCounters {}
     unsafe impl aya::Pod for InflightKey {}
     unsafe impl aya::Pod for crate::inflight::InflightSlot {}

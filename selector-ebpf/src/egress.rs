@@ -152,7 +152,7 @@ fn steer(ctx: &TcContext, config: &Config, dgram: &Datagram, chosen: u32) -> Res
         Side::Destination,
         backend_target(chosen).ok_or(())?,
     )?;
-    Ok(nexthop::redirect(ctx, config.mark))
+    Ok(nexthop::send(ctx, config.mark, chosen))
 }
 
 /// Applies the configured policy to the primary's group.

@@ -11,7 +11,8 @@ use aya_ebpf::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
-    GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, PASS_REASONS, PassReason,
+    GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
+    PassReason,
     inflight::{InflightSlot, slots_for},
     latency::LATENCY_BUCKETS,
     pass_index, split_backend_id,
@@ -78,6 +79,12 @@ pub struct FragmentKey {
 /// Source address to write into the later fragments of a rewritten reply.
 #[map]
 pub static FRAGMENTS: LruHashMap<FragmentKey, [u8; 4]> = LruHashMap::with_max_entries(4096, 0);
+
+/// Backend id -> its next hop's Ethernet addresses, kept by the agent (a
+/// missing or zeroed entry: unknown, so the request takes the
+/// `bpf_redirect_neigh` path).
+#[map]
+pub static NEXT_HOPS: Array<NextHopMac> = Array::with_max_entries(MAX_BACKENDS, 0);
 
 /// Where backend `id` listens, as a rewrite target.
 #[inline(always)]

@@ -1,6 +1,18 @@
-//! What the host says about a network interface, read with getifaddrs(3).
+//! What the host says about a network interface: its index, and its
+//! addresses read with getifaddrs(3).
 
 use std::{ffi::CStr, io, net::Ipv4Addr};
+
+/// The interface index of `iface` in this network namespace.
+pub fn index(iface: &str) -> anyhow::Result<u32> {
+    let name = std::ffi::CString::new(iface).map_err(|_| anyhow::anyhow!("bad interface name"))?;
+    // SAFETY: valid NUL-terminated string.
+    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if index == 0 {
+        anyhow::bail!("interface '{iface}' not found");
+    }
+    Ok(index)
+}
 
 /// The IPv4 addresses of `iface` in this network namespace; `None` if there
 /// is no such interface. getifaddrs lists every interface (an AF_PACKET

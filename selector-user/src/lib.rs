@@ -8,6 +8,7 @@ pub mod interface;
 pub mod loader;
 pub mod metrics;
 pub mod neighbours;
+pub mod next_hops;
 pub mod pinning;
 pub mod plant;
 pub mod preflight;

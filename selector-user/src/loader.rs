@@ -123,20 +123,10 @@ fn share<T>(ebpf: &Ebpf, name: &str, len: u32) -> Result<SharedArray<T>> {
     SharedArray::map(data.fd().as_fd(), len as usize).with_context(|| format!("mapping {name}"))
 }
 
-fn interface_index(iface: &str) -> Result<u32> {
-    let name = std::ffi::CString::new(iface).map_err(|_| anyhow!("bad interface name"))?;
-    // SAFETY: valid NUL-terminated string.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if index == 0 {
-        bail!("interface '{iface}' not found");
-    }
-    Ok(index)
-}
-
 impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
-        interface_index(&settings.iface)?;
+        crate::interface::index(&settings.iface)?;
         crate::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let selector = Self::load_with(settings, None)?;
@@ -150,7 +140,7 @@ impl Selector {
     /// never stops. Settings that shape the maps (groups, `--inflight-max`,
     /// `--ingress`) must match; see [`PinDir::check_adoptable`].
     pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
-        interface_index(&settings.iface)?;
+        crate::interface::index(&settings.iface)?;
         crate::preflight::check_host()?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {

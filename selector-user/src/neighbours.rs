@@ -16,11 +16,12 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_REPLACE, NLM_F_REQUEST, NetlinkHeader,
+    NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
+    link::{LinkAttribute, LinkMessage},
     neighbour::{
         NeighbourAddress, NeighbourAttribute, NeighbourExtFlags, NeighbourMessage, NeighbourState,
     },
@@ -86,8 +87,8 @@ impl Netlink {
         })
     }
 
-    /// Sends one request and collects the replies until its ack (or the
-    /// answer, for a get without NLM_F_ACK).
+    /// Sends one request and collects the replies until its ack or the end
+    /// of the dump (or the answer, for a plain get).
     fn request(
         &mut self,
         message: RouteNetlinkMessage,
@@ -102,7 +103,7 @@ impl Netlink {
         let mut buf = vec![0; packet.buffer_len()];
         packet.serialize(&mut buf);
         self.socket.send(&buf, 0)?;
-        let wants_ack = flags & NLM_F_ACK != 0;
+        let wants_ack = flags & (NLM_F_ACK | NLM_F_DUMP) != 0;
         let mut replies = Vec::new();
         let mut received = Vec::with_capacity(1 << 16);
         loop {
@@ -201,6 +202,44 @@ impl Netlink {
         )
         .with_context(|| format!("marking the neighbour {} managed", hop.via))?;
         Ok(true)
+    }
+
+    /// The interface's own link-layer address.
+    pub fn link_address(&mut self, ifindex: u32) -> Result<Option<[u8; 6]>> {
+        let mut query = LinkMessage::default();
+        query.header.index = ifindex;
+        let replies = self.request(RouteNetlinkMessage::GetLink(query), 0)?;
+        Ok(replies.into_iter().find_map(|r| match r {
+            RouteNetlinkMessage::NewLink(link) => {
+                link.attributes.into_iter().find_map(|a| match a {
+                    LinkAttribute::Address(mac) => mac.try_into().ok(),
+                    _ => None,
+                })
+            }
+            _ => None,
+        }))
+    }
+
+    /// Every IPv4 neighbour entry on `ifindex`, in one dump.
+    pub fn neighbours_on(&mut self, ifindex: u32) -> Result<Vec<(IpAddr, Neighbour)>> {
+        let mut query = NeighbourMessage::default();
+        query.header.family = AddressFamily::Inet;
+        let replies = self.request(RouteNetlinkMessage::GetNeighbour(query), NLM_F_DUMP)?;
+        Ok(replies
+            .into_iter()
+            .filter_map(|r| match r {
+                RouteNetlinkMessage::NewNeighbour(n) if n.header.ifindex == ifindex => {
+                    let addr = n.attributes.iter().find_map(|a| match a {
+                        NeighbourAttribute::Destination(NeighbourAddress::Inet(a)) => {
+                            Some(IpAddr::V4(*a))
+                        }
+                        _ => None,
+                    })?;
+                    Some((addr, parse_neighbour(n)))
+                }
+                _ => None,
+            })
+            .collect())
     }
 
     /// Deletes `hop`'s entry.

@@ -6,7 +6,7 @@
 //! namespaces need different DIRs):
 //!
 //! ```text
-//! DIR/IF/maps/CONFIG ... FRAGMENTS   every map of the object (aya's log map aside)
+//! DIR/IF/maps/CONFIG ... NEXT_HOPS   every map of the object (aya's log map aside)
 //! DIR/IF/links/egress                the TCX egress link
 //! DIR/IF/links/ingress_xdp | ingress_tc
 //! DIR/IF/progs/egress, progs/ingress the programs the links run (for inspection)
@@ -38,7 +38,7 @@ use aya::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, MAX_BACKENDS,
-    MAX_GROUP_MEMBERS, MAX_GROUPS, PASS_REASONS,
+    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
     inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
     latency::LATENCY_BUCKETS,
     names,
@@ -103,7 +103,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 11] {
+fn shapes(inflight_max: u32) -> [Shape; 12] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -175,6 +175,13 @@ fn shapes(inflight_max: u32) -> [Shape; 11] {
         // Key: selector-ebpf's FragmentKey (two IPv4 addresses, an IP id,
         // padding); value: an IPv4 address.
         shape(names::FRAGMENTS, MapType::LruHash, 12, 4, 4096),
+        shape(
+            names::NEXT_HOPS,
+            MapType::Array,
+            u32s,
+            size_of::<NextHopMac>(),
+            MAX_BACKENDS,
+        ),
     ]
 }
 

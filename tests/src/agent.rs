@@ -34,18 +34,18 @@ pub struct Settled {
 }
 
 impl SweptSelector {
-    /// Attaches with `settings` and resolves the replicas' neighbours, as
-    /// the agent does at start.
+    /// Attaches with `settings`, resolves the replicas' next hops and
+    /// publishes their addresses, as the agent does at start.
     pub fn start(tb: &Testbed, settings: Settings) -> Self {
         let selector = tb
             .client
-            .run(move || Selector::attach(&settings))
+            .run(move || {
+                let mut selector = Selector::attach(&settings)?;
+                selector_user::next_hops::publish_once(&mut selector, Duration::from_secs(1));
+                anyhow::Ok(selector)
+            })
             .unwrap()
             .expect("attach");
-        let addrs = tb.replica_endpoints();
-        tb.client
-            .run(move || selector_user::neighbours::warm_up(&addrs, Duration::from_secs(1)))
-            .unwrap();
         let selector = Arc::new(Mutex::new(selector));
         let stop = Arc::new(AtomicBool::new(false));
         let sweeper = {
@@ -255,4 +255,12 @@ pub fn attached(ns: &Namespace, iface: &str) -> Attached {
         tcx_ingress,
         xdp: String::from_utf8_lossy(&link.stdout).contains("prog/xdp"),
     }
+}
+
+/// `selector status --json` of the agent on `iface` in `ns`, as `T`
+/// (`selector_user::control::Status`, or a `serde_json::Value`).
+pub fn status_json<T: serde::de::DeserializeOwned>(ns: &Namespace, iface: &str) -> T {
+    let (code, out) = run_selector(ns, &["status", "--iface", iface, "--json"]);
+    assert_eq!(code, 0, "{out}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
 }

@@ -213,6 +213,8 @@ pub fn stats(sel: &Selector) -> Vec<BackendStats> {
 }
 
 /// Byte offsets in an Ethernet + 20-byte IPv4 + UDP frame.
+/// Destination and source MAC.
+pub const ETH_ADDRS: std::ops::Range<usize> = 0..12;
 pub const IP_CHECK: std::ops::Range<usize> = 24..26;
 pub const IP_SRC: std::ops::Range<usize> = 26..30;
 pub const IP_DST: std::ops::Range<usize> = 30..34;

@@ -120,10 +120,7 @@ impl Output {
 }
 
 fn status(tb: &Testbed) -> Value {
-    let (code, out) =
-        agent::run_selector(&tb.client, &["status", "--iface", CLIENT_IFACE, "--json"]);
-    assert_eq!(code, 0, "{out}");
-    serde_json::from_str(&out).unwrap()
+    agent::status_json(&tb.client, CLIENT_IFACE)
 }
 
 fn backend(status: &Value, addr: SocketAddrV4) -> Option<Value> {

@@ -11,10 +11,11 @@ use selector_common::{
     names, programs,
 };
 use selector_testbed::frames::{
-    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE,
-    TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE, XDP_PASS, assert_only_changed, counters,
-    dns_server, egress, egress_marked, fits_skb_test_run, passed, replica, request, run_tc,
-    run_xdp, set_issued, settings_for, stats, udp, verified_endpoints, verified_ipv4,
+    CLIENT, CLIENT_MAC, CLIENT_PORT, ETH_ADDRS, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET,
+    TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE, XDP_PASS,
+    assert_only_changed, counters, dns_server, egress, egress_marked, fits_skb_test_run, passed,
+    replica, request, run_tc, run_xdp, set_issued, settings_for, stats, udp, verified_endpoints,
+    verified_ipv4,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -101,6 +102,59 @@ fn redirected_copy_is_marked_and_passes_its_second_egress_untouched() {
         assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
         assert_eq!(stats(&sel)[1].requests, 0);
     }
+}
+
+#[test]
+fn a_redirect_to_a_known_next_hop_writes_its_ethernet_addresses_and_continues() {
+    use aya::maps::Array;
+    use selector_common::NextHopMac;
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    // The test run's skb belongs to the loopback device (ifindex 1).
+    let hop = NextHopMac {
+        dst: [0x02, 0, 0, 0, 0, 0x11],
+        src: [0x02, 0, 0, 0, 0, 0x22],
+        ifindex: 1,
+    };
+    let set_next_hop = |sel: &mut Selector, id: u32, hop: NextHopMac| {
+        let mut next_hops: Array<_, NextHopMac> =
+            Array::try_from(sel.ebpf_mut().map_mut(names::NEXT_HOPS).unwrap()).unwrap();
+        next_hops.set(id, hop, 0).unwrap();
+    };
+    set_next_hop(&mut sel, 1, hop);
+    let input = request(GET);
+    let (verdict, out, mark) = egress_marked(&mut sel, &input, 0);
+    assert_eq!(verdict, TC_ACT_PIPE, "continues: no second pass");
+    assert_eq!(mark, 0, "not marked for a second pass");
+    assert_eq!(out[..6], hop.dst);
+    assert_eq!(out[6..12], hop.src);
+    assert_only_changed(
+        &input,
+        &out,
+        &[ETH_ADDRS, IP_CHECK, IP_DST, UDP_DST, UDP_CHECK],
+    );
+    assert_eq!(verified_endpoints(&out).1, replica(1));
+    let s = stats(&sel);
+    assert_eq!((s[1].redirected_to, s[1].redirected_direct), (1, 1));
+
+    // A next hop on another device is not ours to use: the neighbour path.
+    for id in [1, 2] {
+        set_next_hop(&mut sel, id, NextHopMac { ifindex: 99, ..hop });
+    }
+    let mut other = request(GET);
+    other[42..44].copy_from_slice(&0x4321u16.to_be_bytes());
+    let (verdict, out, _) = egress_marked(&mut sel, &other, 0);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(out[..12], other[..12]);
+    let s = stats(&sel);
+    let replicas = |f: fn(&BackendStats) -> u64| s[1..3].iter().map(f).sum::<u64>();
+    assert_eq!(
+        (
+            replicas(|b| b.redirected_to),
+            replicas(|b| b.redirected_direct)
+        ),
+        (2, 1)
+    );
 }
 
 #[test]

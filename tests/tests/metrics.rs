@@ -56,10 +56,7 @@ fn stop_agent(agent: Agent) {
 }
 
 fn status_json(tb: &Testbed) -> serde_json::Value {
-    let (code, out) =
-        agent::run_selector(&tb.client, &["status", "--iface", CLIENT_IFACE, "--json"]);
-    assert_eq!(code, 0, "{out}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    agent::status_json(&tb.client, CLIENT_IFACE)
 }
 
 /// `GET path` from the agent's metrics endpoint in the client namespace.

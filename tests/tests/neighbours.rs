@@ -1,12 +1,18 @@
 //! The agent keeps the backends' next hops resolved through rtnetlink
 //! (managed neighbour entries), sends no traffic of its own to do it,
 //! leaves static entries alone, and deletes what it marked when it exits.
+//! Redirected reads go straight to the known next hop (no second pass) and
+//! follow a neighbour that changes its address.
+
+use std::time::{Duration, Instant};
 
 use selector_testbed::{
-    Testbed,
-    agent::spawn_agent,
+    LoadSpec, Testbed,
+    agent::{spawn_agent, status_json},
+    preload, run_load,
     topology::{CLIENT_IFACE, replica_addr},
 };
+use selector_user::control::Status;
 
 /// `ip neigh show` in the client namespace, one line per entry.
 fn neighbours(tb: &Testbed) -> Vec<String> {
@@ -105,4 +111,100 @@ fn next_hops_are_kept_resolved_without_traffic_of_our_own() {
         entry(&entries, replica_addr(1)).is_some_and(|l| l.contains("PERMANENT")),
         "the static entry stays: {entries:?}"
     );
+}
+
+/// Reads at 2000/s from the primary for `secs`, which stalls for 60 ms in
+/// the middle; returns the reads lost.
+fn stalled_load(tb: &Testbed, secs: f64) -> u64 {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_secs_f64(secs),
+        keys: 100,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    std::thread::sleep(Duration::from_secs_f64(secs / 2.0));
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(60));
+    tb.replicas[0].resume();
+    load.join().unwrap().unwrap().lost()
+}
+
+/// (redirected to, of those sent straight to the next hop), over the replicas.
+fn redirects(tb: &Testbed) -> (u64, u64) {
+    let status: Status = status_json(&tb.client, CLIENT_IFACE);
+    status.backends[1..].iter().fold((0, 0), |(to, direct), b| {
+        (
+            to + b.stats.redirected_to,
+            direct + b.stats.redirected_direct,
+        )
+    })
+}
+
+#[test]
+fn redirects_go_straight_to_the_next_hop_and_follow_its_change() {
+    let mut tb = Testbed::new("selm", 3).unwrap();
+    tb.start_memcached().unwrap();
+    preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let group = tb
+        .replica_endpoints()
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let (mut child, _lines) = spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--threshold",
+            "1",
+            "--quiet",
+        ],
+    );
+    assert_eq!(stalled_load(&tb, 1.0), 0);
+    let (to, direct) = redirects(&tb);
+    assert!(to > 0, "the stall moved reads");
+    assert_eq!(direct, to, "every redirect went straight to its next hop");
+
+    // Replica 1 takes a new Ethernet address and announces it (arp_notify:
+    // a gratuitous ARP); the client's neighbour entry follows, and so must
+    // the selector, or its redirects would go to the old address and be
+    // lost.
+    let replica = &tb.replica_ns[1];
+    replica
+        .exec(
+            "sysctl",
+            &["-qw", &format!("net.ipv4.conf.{CLIENT_IFACE}.arp_notify=1")],
+        )
+        .unwrap();
+    let new_mac = "02:77:00:00:01:01";
+    replica
+        .ip(&["link", "set", CLIENT_IFACE, "address", new_mac])
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !entry(&neighbours(&tb), replica_addr(1)).is_some_and(|l| l.contains(new_mac)) {
+        assert!(
+            Instant::now() < deadline,
+            "the client never learnt {new_mac}: {:?}",
+            neighbours(&tb)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // One refresh period (100 ms) and some slack.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        stalled_load(&tb, 1.0),
+        0,
+        "redirects follow the new address"
+    );
+    let (to_after, direct_after) = redirects(&tb);
+    assert!(to_after > to, "the second stall moved reads too");
+    assert_eq!(direct_after, to_after);
+
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
 }

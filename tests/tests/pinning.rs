@@ -127,10 +127,7 @@ fn spawn(tb: &Testbed, args: &[String]) -> (Running, String) {
 }
 
 fn status(tb: &Testbed) -> Status {
-    let (code, out) =
-        agent::run_selector(&tb.client, &["status", "--iface", CLIENT_IFACE, "--json"]);
-    assert_eq!(code, 0, "{out}");
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+    agent::status_json(&tb.client, CLIENT_IFACE)
 }
 
 /// Selector programs attached through TCX on the client's interface.

@@ -16,8 +16,12 @@ use super::{
 };
 use crate::{
     Selector, config::RunConfig, control::SettingsInForce, metrics::MetricsServer, neighbours,
-    reload::Reloader, sys, telemetry,
+    next_hops::NextHops, reload::Reloader, sys, telemetry,
 };
+
+/// How often the next hops' Ethernet addresses are re-read: a neighbour
+/// that changes is followed within this.
+const NEXT_HOP_REFRESH: Duration = Duration::from_millis(100);
 
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
@@ -94,6 +98,8 @@ struct Agent {
     selector: Selector,
     /// The backends' next hops the agent keeps resolved.
     neighbours: neighbours::ManagedNeighbours,
+    /// Their Ethernet addresses, as published to the kernel.
+    next_hops: NextHops,
     /// The config file, start flags and group tables, for reloads.
     reloader: Reloader,
     interval: Duration,
@@ -138,9 +144,13 @@ impl Agent {
         let interval = config.interval;
         let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
+        let mut selector = selector;
+        let mut next_hops = NextHops::new(&selector.settings.iface)?;
+        next_hops.refresh(&mut selector)?;
         Ok(Self {
             selector,
             neighbours,
+            next_hops,
             reloader,
             interval,
             sweep_every,
@@ -160,6 +170,7 @@ impl Agent {
     ) {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
+        let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -188,6 +199,7 @@ impl Agent {
                     sweep_tick = interval(self.sweep_every);
                 }
                 _ = interval_tick.tick() => self.end_interval(),
+                _ = next_hop_tick.tick() => self.refresh_next_hops(),
             }
         }
     }
@@ -252,7 +264,13 @@ impl Agent {
             dir.unwrap_or_default(),
             s.iface
         );
-        self.exit(&line, false)
+        // No agent will follow neighbour changes: redirects take the
+        // neighbour subsystem until the next agent publishes them again.
+        let mut agent = self;
+        if let Err(e) = agent.next_hops.forget_all(&mut agent.selector) {
+            log::warn!("forgetting the next hops failed: {e:#}");
+        }
+        agent.exit(&line, false)
     }
 
     /// `release_neighbours`: delete the neighbour entries the agent marked
@@ -282,6 +300,13 @@ impl Agent {
             neighbours.release();
         }
         Ok(())
+    }
+
+    fn refresh_next_hops(&mut self) {
+        // On failure the entries stay as they were; the next tick retries.
+        if let Err(e) = self.next_hops.refresh(&mut self.selector) {
+            log::warn!("refreshing the next hops failed: {e:#}");
+        }
     }
 
     fn sweep(&mut self) {
@@ -330,6 +355,7 @@ impl Agent {
             Ok(_) => {}
             Err(e) => log::warn!("resolving the backends' next hops: {e:#}"),
         }
+        self.refresh_next_hops();
     }
 
     /// Forgets removed members whose requests are done.

@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use selector_common::{Policy, programs};
-use selector_user::{IngressMode, Selector, Settings, neighbours};
+use selector_user::{IngressMode, Selector, Settings, next_hops};
 
 use super::{
     client::{
@@ -228,10 +228,11 @@ impl Attached {
         } else {
             Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF run-time stats")?)
         };
-        let selector = tb.client.run(move || Selector::attach(&settings))??;
-        let addrs = tb.replica_endpoints();
-        tb.client
-            .run(move || neighbours::warm_up(&addrs, Duration::from_secs(1)))?;
+        let selector = tb.client.run(move || {
+            let mut selector = Selector::attach(&settings)?;
+            next_hops::publish_once(&mut selector, Duration::from_secs(1));
+            anyhow::Ok(selector)
+        })??;
         let selector = Arc::new(Mutex::new(selector));
         let (stop, stopped) = mpsc::channel::<()>();
         let sweeper = {

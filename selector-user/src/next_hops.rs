@@ -1,0 +1,136 @@
+//! The `NEXT_HOPS` map: for each backend whose next hop is on the
+//! selector's interface and resolved, the Ethernet addresses to write into
+//! a redirected request so that it continues without a second pass through
+//! egress. Refreshed from the kernel's neighbour table (one netlink dump per
+//! call, routes once a second), so a neighbour that changes its address, or
+//! stops being resolved, is followed within one refresh period; an unknown
+//! next hop is written as zero and its requests take `bpf_redirect_neigh`.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, anyhow};
+use aya::maps::Array;
+use selector_common::{NextHopMac, names};
+
+use crate::{
+    Selector,
+    neighbours::{Netlink, NextHop},
+};
+
+/// How often routes are looked up again (neighbours: every refresh).
+const ROUTE_REFRESH: Duration = Duration::from_secs(1);
+
+/// What the agent last wrote to `NEXT_HOPS`, and the routes it came from.
+pub struct NextHops {
+    netlink: Netlink,
+    ifindex: u32,
+    iface_mac: [u8; 6],
+    /// Backend id -> its next hop (None: no route on this interface).
+    routes: Vec<(u32, Option<NextHop>)>,
+    routes_at: Option<Instant>,
+    published: HashMap<u32, NextHopMac>,
+}
+
+impl NextHops {
+    /// For the selector's interface (in the calling thread's namespace).
+    pub fn new(iface: &str) -> Result<Self> {
+        let ifindex = crate::interface::index(iface)?;
+        let mut netlink = Netlink::open()?;
+        let iface_mac = netlink
+            .link_address(ifindex)?
+            .ok_or_else(|| anyhow!("{iface} has no Ethernet address"))?;
+        Ok(Self {
+            netlink,
+            ifindex,
+            iface_mac,
+            routes: Vec::new(),
+            routes_at: None,
+            published: HashMap::new(),
+        })
+    }
+
+    /// Re-reads the neighbour table (and the routes, once a second or when
+    /// the backends changed) and writes the entries that changed. Returns
+    /// how many backends have a known next hop.
+    pub fn refresh(&mut self, selector: &mut Selector) -> Result<usize> {
+        let ids: Vec<u32> = selector.backends.iter().map(|b| b.index).collect();
+        let stale = self
+            .routes_at
+            .is_none_or(|at| at.elapsed() >= ROUTE_REFRESH)
+            || self
+                .routes
+                .iter()
+                .map(|(id, _)| *id)
+                .ne(ids.iter().copied());
+        if stale {
+            self.routes = selector
+                .backends
+                .iter()
+                .map(|b| {
+                    let hop = self.netlink.next_hop(*b.addr.ip()).ok();
+                    (b.index, hop.filter(|h| h.ifindex == self.ifindex))
+                })
+                .collect();
+            self.routes_at = Some(Instant::now());
+        }
+        let neighbours: HashMap<_, _> = self
+            .netlink
+            .neighbours_on(self.ifindex)?
+            .into_iter()
+            .collect();
+        let mut wanted: HashMap<u32, NextHopMac> = HashMap::new();
+        for (id, hop) in &self.routes {
+            let known = hop.and_then(|h| {
+                let n = neighbours.get(&h.via).filter(|n| n.is_resolved())?;
+                let dst: [u8; 6] = n.lladdr.as_deref()?.try_into().ok()?;
+                Some(NextHopMac {
+                    dst,
+                    src: self.iface_mac,
+                    ifindex: self.ifindex,
+                })
+            });
+            wanted.insert(*id, known.unwrap_or_default());
+        }
+        // Backends gone since (a reload removed them) are unknown again.
+        for id in self.published.keys() {
+            wanted.entry(*id).or_default();
+        }
+        let mut map: Array<_, NextHopMac> = Array::try_from(selector.map_mut(names::NEXT_HOPS)?)?;
+        for (id, entry) in &wanted {
+            if self.published.get(id) != Some(entry) {
+                map.set(*id, *entry, 0)
+                    .with_context(|| format!("writing the next hop of backend {id}"))?;
+            }
+        }
+        self.published = wanted;
+        self.published.retain(|_, e| e.ifindex != 0);
+        Ok(self.published.len())
+    }
+
+    /// Forgets every next hop, so that redirects take `bpf_redirect_neigh`
+    /// (for pinned programs left running without an agent to follow
+    /// neighbour changes).
+    pub fn forget_all(&mut self, selector: &mut Selector) -> Result<()> {
+        let mut map: Array<_, NextHopMac> = Array::try_from(selector.map_mut(names::NEXT_HOPS)?)?;
+        for id in self.published.keys() {
+            map.set(*id, NextHopMac::default(), 0)?;
+        }
+        self.published.clear();
+        Ok(())
+    }
+}
+
+/// For callers without an agent loop (tests, benchmarks): marks the
+/// backends' next hops managed, waits up to `wait` for them to resolve, and
+/// publishes their addresses once. Returns the backends still unresolved.
+pub fn publish_once(selector: &mut Selector, wait: Duration) -> Vec<std::net::SocketAddrV4> {
+    let addrs: Vec<_> = selector.backends.iter().map(|b| b.addr).collect();
+    let unresolved = crate::neighbours::warm_up(&addrs, wait);
+    if let Err(e) = NextHops::new(&selector.settings.iface).and_then(|mut n| n.refresh(selector)) {
+        log::warn!("publishing the next hops: {e:#}");
+    }
+    unresolved
+}
