@@ -14,6 +14,26 @@ pub fn index(iface: &str) -> anyhow::Result<u32> {
     Ok(index)
 }
 
+/// What `--ingress auto` picks for a device of `kind` (see
+/// [`crate::neighbours::Netlink::link_kind`]). A virtual device (veth, the
+/// interface of every container; bridge, vlan, macvlan, ...) has no native
+/// XDP worth its cost: XDP there puts the device on an XDP receive path that
+/// costs more than the program, so TC ingress. A device a hardware driver
+/// made gets XDP in native (driver) mode, falling back to TC ingress at
+/// attach if the driver has none.
+pub fn auto_ingress(kind: Option<&str>) -> (crate::IngressMode, String) {
+    match kind {
+        Some(kind) => (
+            crate::IngressMode::Tc,
+            format!("auto: a {kind} device, no native XDP worth its cost"),
+        ),
+        None => (
+            crate::IngressMode::Xdp,
+            "auto: a driver's device, native XDP".into(),
+        ),
+    }
+}
+
 /// The IPv4 addresses of `iface` in this network namespace; `None` if there
 /// is no such interface. getifaddrs lists every interface (an AF_PACKET
 /// entry each) plus one entry per address.
@@ -60,5 +80,15 @@ mod tests {
         // `lo` exists in every namespace (its address only once it is up).
         assert!(ipv4_addresses("lo").unwrap().is_some());
         assert_eq!(ipv4_addresses("nosuch-if0").unwrap(), None);
+    }
+
+    #[test]
+    fn auto_ingress_is_tc_on_virtual_devices_and_native_xdp_on_drivers() {
+        for kind in ["veth", "bridge", "vlan", "macvlan", "dummy"] {
+            let (mode, why) = auto_ingress(Some(kind));
+            assert_eq!(mode, crate::IngressMode::Tc);
+            assert!(why.contains(kind), "{why}");
+        }
+        assert_eq!(auto_ingress(None).0, crate::IngressMode::Xdp);
     }
 }

@@ -28,7 +28,7 @@ use selector_common::{
 use crate::{
     EBPF_OBJECT,
     pinning::{self, LinkSlot, PinDir},
-    settings::{BackendPlan, Settings},
+    settings::{BackendPlan, IngressMode, Settings},
     shared::{SharedArray, load},
 };
 
@@ -53,6 +53,8 @@ pub struct Selector {
     pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
     adopted: bool,
+    /// Why the reply path is where it is, when `--ingress auto` chose it.
+    pub ingress_choice: Option<String>,
 }
 
 /// What `GROUPS` holds for `backends`: per group index, members in order,
@@ -123,13 +125,32 @@ fn share<T>(ebpf: &Ebpf, name: &str, len: u32) -> Result<SharedArray<T>> {
     SharedArray::map(data.fd().as_fd(), len as usize).with_context(|| format!("mapping {name}"))
 }
 
+/// `settings` with `--ingress auto` resolved for the interface, and why.
+fn resolve_ingress(settings: &Settings) -> Result<(Settings, Option<String>)> {
+    if settings.ingress != IngressMode::Auto {
+        return Ok((settings.clone(), None));
+    }
+    let ifindex = crate::interface::index(&settings.iface)?;
+    let kind = crate::neighbours::Netlink::open()?.link_kind(ifindex)?;
+    let (ingress, why) = crate::interface::auto_ingress(kind.as_deref());
+    Ok((
+        Settings {
+            ingress,
+            ..settings.clone()
+        },
+        Some(why),
+    ))
+}
+
 impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
         crate::interface::index(&settings.iface)?;
         crate::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
-        let selector = Self::load_with(settings, None)?;
+        let (settings, choice) = &resolve_ingress(settings)?;
+        let mut selector = Self::load_with(settings, None)?;
+        selector.ingress_choice = choice.clone();
         selector.attach_fresh()
     }
 
@@ -142,14 +163,20 @@ impl Selector {
     pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
         crate::interface::index(&settings.iface)?;
         crate::preflight::check_host()?;
+        let (settings, choice) = &resolve_ingress(settings)?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
             let mut selector = Self::load_with(settings, Some(pins))?;
+            selector.ingress_choice = choice.clone();
             selector.adopt_links()?;
             return Ok(selector);
         }
         let fresh = refuse_if_attached(&settings.iface)
             .and_then(|()| Self::load_with(settings, Some(pins.clone())))
+            .map(|mut s| {
+                s.ingress_choice = choice.clone();
+                s
+            })
             .and_then(Self::attach_fresh);
         if fresh.is_err() {
             // Nothing of a failed start stays pinned (the next agent would
@@ -287,6 +314,7 @@ impl Selector {
             planted: 0,
             pins,
             adopted,
+            ingress_choice: None,
         };
         selector.write_tables()?;
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -305,9 +333,14 @@ impl Selector {
         let pinned = self.pins.is_some();
         let link: Option<FdLink> = match slot {
             LinkSlot::IngressXdp => {
+                // `auto` wants native XDP only; `--ingress xdp`, whatever runs.
+                let mode = match self.ingress_choice {
+                    Some(_) => XdpMode::Driver,
+                    None => XdpMode::Default,
+                };
                 let p: &mut Xdp = self.program_mut(name)?.try_into()?;
                 let id = p
-                    .attach(&iface, XdpMode::Default)
+                    .attach(&iface, mode)
                     .with_context(|| format!("attaching XDP to {iface} (try --ingress tc)"))?;
                 if pinned {
                     Some(p.take_link(id)?.try_into()?)
@@ -376,7 +409,16 @@ impl Selector {
     }
 
     fn attach_programs(&mut self) -> Result<()> {
-        self.attach_one(LinkSlot::ingress(self.settings.ingress))?;
+        if let Err(e) = self.attach_one(LinkSlot::ingress(self.settings.ingress)) {
+            // `auto` chose native XDP for a driver's device; without it,
+            // TC ingress.
+            if self.ingress_choice.is_none() || self.settings.ingress != IngressMode::Xdp {
+                return Err(e);
+            }
+            self.settings.ingress = IngressMode::Tc;
+            self.ingress_choice = Some(format!("auto: no native XDP ({e:#})"));
+            self.attach_one(LinkSlot::IngressTc)?;
+        }
         self.attach_one(LinkSlot::Egress)
     }
 

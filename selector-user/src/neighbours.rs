@@ -21,7 +21,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
-    link::{LinkAttribute, LinkMessage},
+    link::{LinkAttribute, LinkInfo, LinkMessage},
     neighbour::{
         NeighbourAddress, NeighbourAttribute, NeighbourExtFlags, NeighbourMessage, NeighbourState,
     },
@@ -213,6 +213,26 @@ impl Netlink {
             RouteNetlinkMessage::NewLink(link) => {
                 link.attributes.into_iter().find_map(|a| match a {
                     LinkAttribute::Address(mac) => mac.try_into().ok(),
+                    _ => None,
+                })
+            }
+            _ => None,
+        }))
+    }
+
+    /// The device's kind (IFLA_INFO_KIND: `veth`, `bridge`, `vlan`, ...);
+    /// none for a device a hardware driver made.
+    pub fn link_kind(&mut self, ifindex: u32) -> Result<Option<String>> {
+        let mut query = LinkMessage::default();
+        query.header.index = ifindex;
+        let replies = self.request(RouteNetlinkMessage::GetLink(query), 0)?;
+        Ok(replies.into_iter().find_map(|r| match r {
+            RouteNetlinkMessage::NewLink(link) => {
+                link.attributes.into_iter().find_map(|a| match a {
+                    LinkAttribute::LinkInfo(infos) => infos.into_iter().find_map(|i| match i {
+                        LinkInfo::Kind(kind) => Some(kind.to_string()),
+                        _ => None,
+                    }),
                     _ => None,
                 })
             }

@@ -83,7 +83,9 @@ impl LinkSlot {
     pub fn ingress(mode: IngressMode) -> Self {
         match mode {
             IngressMode::Xdp => Self::IngressXdp,
-            IngressMode::Tc => Self::IngressTc,
+            // `auto` is resolved before anything is attached; TC is what it
+            // picks when unsure.
+            IngressMode::Tc | IngressMode::Auto => Self::IngressTc,
         }
     }
 

@@ -38,7 +38,7 @@ use selector_common::{
 };
 
 use crate::{
-    Selector,
+    IngressMode, Selector,
     config::{ConfigFile, Options, RunConfig},
     control::SettingsInForce,
     loader::endpoint,
@@ -487,6 +487,8 @@ pub struct Reloader {
     pub quiet: bool,
     pin: Option<PathBuf>,
     metrics_addr: Option<SocketAddr>,
+    /// `--ingress` as asked (`auto` resolves at attach; the file says `auto`).
+    requested_ingress: IngressMode,
 }
 
 impl Reloader {
@@ -500,6 +502,7 @@ impl Reloader {
             quiet: start.quiet,
             pin: start.pin.clone(),
             metrics_addr: start.metrics_addr,
+            requested_ingress: start.settings.ingress,
         }
     }
 
@@ -518,7 +521,12 @@ impl Reloader {
             &wanted.group_names,
             Instant::now(),
         )?;
-        let previous = std::mem::replace(&mut selector.settings, wanted.settings);
+        // The ingress in force is the resolved one (`auto` never is).
+        let in_force = Settings {
+            ingress: selector.settings.ingress,
+            ..wanted.settings
+        };
+        let previous = std::mem::replace(&mut selector.settings, in_force);
         if let Err(e) = selector.write_config() {
             selector.settings = previous;
             return Err(e);
@@ -555,7 +563,7 @@ impl Reloader {
             ),
             (
                 "ingress",
-                running.ingress.name().into(),
+                self.requested_ingress.name().into(),
                 new.ingress.name().into(),
             ),
             (

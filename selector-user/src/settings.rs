@@ -18,10 +18,13 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IngressMode {
-    /// XDP on the interface (default).
+    /// XDP on the interface.
     Xdp,
     /// TC ingress, for devices where XDP does not fit.
     Tc,
+    /// The default: chosen for the device at attach (see
+    /// [`crate::interface::auto_ingress`]); never in force once attached.
+    Auto,
 }
 
 impl IngressMode {
@@ -29,11 +32,14 @@ impl IngressMode {
         match self {
             Self::Xdp => "xdp",
             Self::Tc => "tc",
+            Self::Auto => "auto",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Xdp, Self::Tc].into_iter().find(|m| m.name() == name)
+        [Self::Xdp, Self::Tc, Self::Auto]
+            .into_iter()
+            .find(|m| m.name() == name)
     }
 }
 
@@ -166,7 +172,7 @@ impl Settings {
             descriptor: Descriptor::memcached(),
             timeout,
             inflight_max: DEFAULT_INFLIGHT_MAX,
-            ingress: IngressMode::Xdp,
+            ingress: IngressMode::Auto,
             max_pending: 0,
             max_pending_client: 0,
             on_overload: OnOverload::Pass,

@@ -275,7 +275,18 @@ fn failed_attach_detaches_what_it_attached() {
         .unwrap();
     assert!(has_xdp(&tb));
     // The second attaches nothing else once XDP fails.
-    let (code, stderr) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);
+    let (code, stderr) = run_ctl(
+        &tb,
+        &[
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--ingress",
+            "xdp",
+        ],
+    );
     assert_ne!(code, 0);
     assert!(stderr.contains("attaching XDP"), "{stderr}");
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
@@ -288,6 +299,7 @@ fn failed_attach_detaches_what_it_attached() {
 #[test]
 fn sigterm_detaches_cleanly_and_prints_totals() {
     let tb = Testbed::new("sels", 3).unwrap();
+    // Default ingress: `auto`, which on a veth is TC.
     let (mut child, mut lines) = spawn_agent(&tb, &["--interval", "100"]);
     // The live table appears.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -299,7 +311,8 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
         assert!(Instant::now() < deadline, "no table printed");
     }
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
-    assert!(has_xdp(&tb));
+    assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 1);
+    assert!(!has_xdp(&tb));
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");

@@ -154,9 +154,10 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
         attached(&tb.client, CLIENT_IFACE),
         Attached {
             tcx_egress: 1,
-            tcx_ingress: 0,
-            xdp: true
-        }
+            tcx_ingress: 1,
+            xdp: false
+        },
+        "`--ingress auto` on a veth: TC"
     );
 
     let spec = LoadSpec {

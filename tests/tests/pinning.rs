@@ -130,7 +130,8 @@ fn status(tb: &Testbed) -> Status {
     agent::status_json(&tb.client, CLIENT_IFACE)
 }
 
-/// Selector programs attached through TCX on the client's interface.
+/// Selector programs attached through TCX on the client's interface (egress,
+/// and ingress: `--ingress auto` on a veth is TC).
 fn attached(tb: &Testbed) -> usize {
     tb.client
         .run(|| selector_user::pinning::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
@@ -192,7 +193,7 @@ fn agent_killed_and_restarted_with_pins_loses_nothing() {
     first.signal(libc::SIGKILL);
     // No agent for a while, stalls going on: the pinned programs steer.
     thread::sleep(Duration::from_millis(400));
-    assert_eq!(attached(&tb), 1, "the pinned egress program stays attached");
+    assert_eq!(attached(&tb), 2, "the pinned programs stay attached");
     let (_second, line) = spawn(&tb, &args);
     assert!(line.contains("adopted the pins"), "{line}");
     let at_restart = status(&tb);
@@ -270,13 +271,13 @@ fn sigterm_leaves_pins_and_detach_removes_them() {
     let pins = bpffs.dir().join(CLIENT_IFACE);
     for link in [
         "links/egress",
-        "links/ingress_xdp",
+        "links/ingress_tc",
         "maps/COUNTERS",
         "progs/egress",
     ] {
         assert!(pins.join(link).exists(), "{link} pinned after SIGTERM");
     }
-    assert_eq!(attached(&tb), 1);
+    assert_eq!(attached(&tb), 2);
 
     let unpinned = [
         "run",
@@ -296,7 +297,7 @@ fn sigterm_leaves_pins_and_detach_removes_them() {
     let (code, out) = agent::run_selector(&tb.client, &detach);
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("unpinned links [egress, ingress_xdp]"),
+        out.contains("unpinned links [egress, ingress_tc]"),
         "{out}"
     );
     assert!(!pins.exists(), "{} removed", pins.display());
@@ -361,7 +362,7 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
         ),
         (run_args(&two, &pin, &[]), "--group differs"),
         (
-            run_args(&group, &pin, &["--ingress", "tc"]),
+            run_args(&group, &pin, &["--ingress", "xdp"]),
             "--ingress differs",
         ),
     ];
@@ -373,7 +374,7 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
         assert_eq!(code, 1, "{out}");
         assert!(out.contains(expected), "{expected}: {out}");
         assert!(out.contains("selector detach --iface eth0 --pin"), "{out}");
-        assert_eq!(attached(&tb), 1, "the pinned programs stay");
+        assert_eq!(attached(&tb), 2, "the pinned programs stay");
     }
     // Other settings may change: they are rewritten in the config map.
     let (second, line) = spawn(&tb, &run_args(&group, &pin, &["--max-pending", "50"]));

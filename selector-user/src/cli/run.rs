@@ -113,11 +113,15 @@ struct Agent {
 
 impl Agent {
     /// Has the backends' next hops kept resolved and prints the attached line.
-    fn new(selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
-        let settings = &selector.settings;
+    fn new(mut selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
         let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
             neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
+        // Published before the agent says it is attached: from then on
+        // every redirect to a resolved next hop takes the direct path.
+        let mut next_hops = NextHops::new(&selector.settings.iface)?;
+        next_hops.refresh(&mut selector)?;
+        let settings = &selector.settings;
         let pinned = match selector.pinned() {
             Some(dir) if selector.adopted() => {
                 format!(", adopted the pins under {}", dir.display())
@@ -125,8 +129,12 @@ impl Agent {
             Some(dir) => format!(", pinned under {}", dir.display()),
             None => String::new(),
         };
+        let why = selector
+            .ingress_choice
+            .as_ref()
+            .map_or(String::new(), |c| format!("; {c}"));
         println!(
-            "selector: attached to {} ({} ingress), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
+            "selector: attached to {} ({} ingress{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             settings.ingress.name(),
             addrs.len(),
@@ -144,9 +152,6 @@ impl Agent {
         let interval = config.interval;
         let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
-        let mut selector = selector;
-        let mut next_hops = NextHops::new(&selector.settings.iface)?;
-        next_hops.refresh(&mut selector)?;
         Ok(Self {
             selector,
             neighbours,

@@ -30,9 +30,12 @@ pub enum ProtoArg {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum IngressArg {
-    /// XDP on the interface.
+    /// TC ingress on virtual devices (veth, bridge, vlan, ...), native XDP
+    /// on a driver's device (TC ingress if the driver has none).
+    Auto,
+    /// XDP on the interface (native, or generic where the driver has none).
     Xdp,
-    /// TC ingress (for devices where XDP does not fit).
+    /// TC ingress.
     Tc,
 }
 
@@ -138,7 +141,7 @@ pub struct RunArgs {
     /// [default: 1000].
     #[arg(long, value_name = "MS")]
     pub interval: Option<u64>,
-    /// [default: xdp]
+    /// Where replies are processed [default: auto].
     #[arg(long, value_enum)]
     pub ingress: Option<IngressArg>,
     /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
@@ -195,6 +198,7 @@ impl RunArgs {
             inflight_max: self.inflight_max,
             interval: self.interval,
             ingress: self.ingress.map(|i| match i {
+                IngressArg::Auto => IngressMode::Auto,
                 IngressArg::Xdp => IngressMode::Xdp,
                 IngressArg::Tc => IngressMode::Tc,
             }),
