@@ -204,40 +204,44 @@ impl Netlink {
         Ok(true)
     }
 
-    /// The interface's own link-layer address.
-    pub fn link_address(&mut self, ifindex: u32) -> Result<Option<[u8; 6]>> {
+    /// The attributes of link `ifindex`.
+    fn link_attributes(&mut self, ifindex: u32) -> Result<Vec<LinkAttribute>> {
         let mut query = LinkMessage::default();
         query.header.index = ifindex;
         let replies = self.request(RouteNetlinkMessage::GetLink(query), 0)?;
-        Ok(replies.into_iter().find_map(|r| match r {
-            RouteNetlinkMessage::NewLink(link) => {
-                link.attributes.into_iter().find_map(|a| match a {
-                    LinkAttribute::Address(mac) => mac.try_into().ok(),
-                    _ => None,
-                })
-            }
-            _ => None,
-        }))
+        Ok(replies
+            .into_iter()
+            .find_map(|r| match r {
+                RouteNetlinkMessage::NewLink(link) => Some(link.attributes),
+                _ => None,
+            })
+            .unwrap_or_default())
+    }
+
+    /// The interface's own link-layer address.
+    pub fn link_address(&mut self, ifindex: u32) -> Result<Option<[u8; 6]>> {
+        Ok(self
+            .link_attributes(ifindex)?
+            .into_iter()
+            .find_map(|a| match a {
+                LinkAttribute::Address(mac) => mac.try_into().ok(),
+                _ => None,
+            }))
     }
 
     /// The device's kind (IFLA_INFO_KIND: `veth`, `bridge`, `vlan`, ...);
     /// none for a device a hardware driver made.
     pub fn link_kind(&mut self, ifindex: u32) -> Result<Option<String>> {
-        let mut query = LinkMessage::default();
-        query.header.index = ifindex;
-        let replies = self.request(RouteNetlinkMessage::GetLink(query), 0)?;
-        Ok(replies.into_iter().find_map(|r| match r {
-            RouteNetlinkMessage::NewLink(link) => {
-                link.attributes.into_iter().find_map(|a| match a {
-                    LinkAttribute::LinkInfo(infos) => infos.into_iter().find_map(|i| match i {
-                        LinkInfo::Kind(kind) => Some(kind.to_string()),
-                        _ => None,
-                    }),
+        Ok(self
+            .link_attributes(ifindex)?
+            .into_iter()
+            .find_map(|a| match a {
+                LinkAttribute::LinkInfo(infos) => infos.into_iter().find_map(|i| match i {
+                    LinkInfo::Kind(kind) => Some(kind.to_string()),
                     _ => None,
-                })
-            }
-            _ => None,
-        }))
+                }),
+                _ => None,
+            }))
     }
 
     /// Every IPv4 neighbour entry on `ifindex`, in one dump.

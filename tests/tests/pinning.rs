@@ -296,10 +296,7 @@ fn sigterm_leaves_pins_and_detach_removes_them() {
     let detach = ["detach", "--iface", CLIENT_IFACE, "--pin", &pin];
     let (code, out) = agent::run_selector(&tb.client, &detach);
     assert_eq!(code, 0, "{out}");
-    assert!(
-        out.contains("unpinned links [egress, ingress_tc]"),
-        "{out}"
-    );
+    assert!(out.contains("unpinned links [egress, ingress_tc]"), "{out}");
     assert!(!pins.exists(), "{} removed", pins.display());
     assert_eq!(attached(&tb), 0, "unpinning detached the programs");
     let (code, out) = agent::run_selector(&tb.client, &detach);
