@@ -87,6 +87,8 @@ pub struct Options {
     pub pin: Option<PathBuf>,
     /// Where to serve Prometheus metrics (`--metrics-addr`).
     pub metrics_addr: Option<SocketAddr>,
+    /// A resolv.conf whose nameservers form one more group (`--resolv-conf`).
+    pub resolv_conf: Option<PathBuf>,
 }
 
 /// One replica group: members in preference order, each `a.b.c.d:port` or
@@ -155,6 +157,7 @@ impl Options {
             quiet: self.quiet.or(file.quiet),
             pin: self.pin.or(file.pin),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
+            resolv_conf: self.resolv_conf.or(file.resolv_conf),
         }
     }
 
@@ -176,7 +179,10 @@ impl Options {
                 "must be a positive number of seconds",
             );
         }
-        let specs = self.groups.as_deref().unwrap_or_default();
+        let mut specs = self.groups.clone().unwrap_or_default();
+        if let Some(path) = &self.resolv_conf {
+            specs.push(self.resolv_conf_group(path)?);
+        }
         let mut names = HashSet::new();
         for (g, spec) in specs.iter().enumerate() {
             if let Some(name) = &spec.name
@@ -228,10 +234,38 @@ impl Options {
         })
     }
 
+    /// The nameservers of `path` as a group named `resolv.conf`.
+    fn resolv_conf_group(&self, path: &Path) -> Result<GroupSpec> {
+        let key = SettingKey::Flag("resolv-conf");
+        if self.proto.is_some_and(|p| p != Protocol::Dns) {
+            return invalid(key, "nameservers speak DNS: --proto must be dns");
+        }
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) => return invalid(key, format!("reading {}: {e}", path.display())),
+        };
+        let (servers, skipped) = crate::resolv_conf::nameservers(&text);
+        if servers.is_empty() {
+            return invalid(key, format!("{} names no IPv4 nameserver", path.display()));
+        }
+        if !skipped.is_empty() {
+            log::info!("{}: not used: {skipped:?}", path.display());
+        }
+        Ok(GroupSpec {
+            name: Some("resolv.conf".into()),
+            members: servers.iter().map(ToString::to_string).collect(),
+        })
+    }
+
     fn descriptor(&self) -> Result<Descriptor> {
         let descriptor_error = |problem: &str| invalid(SettingKey::Descriptor, problem);
         let custom_options = DESCRIPTOR_KEYS[1..].iter().any(|key| self.gives(key));
-        match self.proto.unwrap_or(Protocol::Memcached) {
+        // The nameservers of --resolv-conf speak DNS.
+        let default = match self.resolv_conf {
+            Some(_) => Protocol::Dns,
+            None => Protocol::Memcached,
+        };
+        match self.proto.unwrap_or(default) {
             Protocol::Memcached | Protocol::Dns if custom_options => descriptor_error(
                 "--req-id-offset, --req-id-len, --read-prefix[-offset] and --no-reply-* need --proto custom",
             ),
@@ -661,6 +695,43 @@ members = ["10.0.0.3:1"]
         assert_eq!(c.pin, Some(PathBuf::from("/sys/fs/bpf/sel")));
         let e = err(&with("metrics-addr = \"nowhere\"\n"));
         assert!(e.contains("metrics-addr"), "{e}");
+    }
+
+    #[test]
+    fn resolv_conf_adds_the_nameservers_as_a_dns_group() {
+        let path = std::env::temp_dir().join(format!("selector-resolv-{}", std::process::id()));
+        std::fs::write(&path, "nameserver 10.0.0.53\nnameserver 10.0.1.53\n").unwrap();
+        let flags = Options {
+            resolv_conf: Some(path.clone()),
+            groups: Some(vec![]),
+            ..Options::default()
+        };
+        let c = parse(BASE)
+            .unwrap()
+            .resolve_with(&Options {
+                iface: Some("eth0".into()),
+                ..flags.clone()
+            })
+            .unwrap();
+        assert_eq!(
+            c.settings.groups,
+            vec![vec![
+                "10.0.0.53:53".parse().unwrap(),
+                "10.0.1.53:53".parse().unwrap()
+            ]]
+        );
+        assert_eq!(c.group_names, vec![Some("resolv.conf".to_string())]);
+        assert_eq!(c.settings.protocol(), Protocol::Dns);
+        let memcached = Options {
+            proto: Some(Protocol::Memcached),
+            ..flags
+        };
+        let e = format!(
+            "{:#}",
+            parse(BASE).unwrap().resolve_with(&memcached).unwrap_err()
+        );
+        assert!(e.contains("resolv-conf") && e.contains("dns"), "{e}");
+        std::fs::remove_file(path).unwrap();
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod pinning;
 pub mod plant;
 pub mod preflight;
 pub mod reload;
+pub mod resolv_conf;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

@@ -160,6 +160,11 @@ pub struct RunArgs {
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Add a group of the IPv4 nameservers in PATH (default
+    /// /etc/resolv.conf), in file order, port 53: the stub resolver's, whose
+    /// primary is the first. Implies --proto dns; re-read on reload.
+    #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "/etc/resolv.conf")]
+    pub resolv_conf: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -206,6 +211,7 @@ impl RunArgs {
             quiet: self.quiet.then_some(true),
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
+            resolv_conf: self.resolv_conf.clone(),
         }
     }
 
