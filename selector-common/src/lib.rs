@@ -5,6 +5,7 @@
 
 pub mod checksum;
 pub mod descriptor;
+pub mod hedge;
 pub mod inflight;
 pub mod latency;
 pub mod maps;

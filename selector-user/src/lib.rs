@@ -3,6 +3,7 @@
 
 pub mod cli;
 pub mod control;
+pub mod hedging;
 pub mod interface;
 pub mod loader;
 pub mod neighbours;

@@ -42,6 +42,8 @@ pub struct Selector {
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
     pub(crate) planted: u64,
+    /// The hedge thread and its settings.
+    pub(crate) hedging: crate::hedging::Hedging,
 }
 
 pub(crate) fn endpoint(addr: SocketAddrV4) -> Endpoint {
@@ -115,6 +117,7 @@ impl Selector {
             clients,
             steering_off: false,
             planted: 0,
+            hedging: Default::default(),
         };
         selector.write_tables()?;
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -210,6 +213,7 @@ impl Selector {
     /// Writes the tunables in `settings` (and the shutdown flag) to the
     /// kernel's config; the programs read it on every packet.
     pub fn write_config(&mut self) -> Result<()> {
+        self.write_hedge_config(self.steering_off)?;
         let s = &self.settings;
         let value = Config {
             policy: s.policy as u32,

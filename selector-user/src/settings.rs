@@ -80,6 +80,8 @@ pub struct Settings {
     /// How long after a request completed or expired a late reply to a
     /// redirected read is still rewritten.
     pub grace: Duration,
+    /// `--hedge-after`, `--hedge-budget`.
+    pub hedging: crate::hedging::HedgeSettings,
 }
 
 /// One backend as the maps will hold it.
@@ -116,6 +118,7 @@ impl Settings {
             on_overload: OnOverload::Pass,
             mark: MARK_REDIRECTED,
             grace: timeout,
+            hedging: Default::default(),
         }
     }
 
@@ -174,6 +177,7 @@ impl Settings {
                 "--on-overload reject needs --proto memcached or dns (a custom protocol has no error reply)"
             );
         }
+        self.hedging.check(self.timeout)?;
         Ok(())
     }
 

@@ -20,6 +20,8 @@ pub struct Snapshot {
     pub inflight: usize,
     /// Packets passed untouched: (direction, reason, count).
     pub passed: Vec<(String, String, u64)>,
+    /// Hedging counters per backend.
+    pub hedges: Vec<crate::hedging::HedgeCounts>,
 }
 
 impl Snapshot {
@@ -48,6 +50,7 @@ impl Selector {
                 .into_iter()
                 .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
                 .collect(),
+            hedges: self.hedge_counts()?,
         })
     }
 }
@@ -74,6 +77,9 @@ pub struct BackendTotals {
     /// Latency quantiles since start: upper edge of the histogram bucket.
     pub p50_ns: Option<u64>,
     pub p99_ns: Option<u64>,
+    /// Hedging counters, as fields of this object.
+    #[serde(flatten)]
+    pub hedges: crate::hedging::HedgeCounts,
 }
 
 /// Packets of one kind passed untouched.
@@ -101,6 +107,7 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot) -> Vec<BackendTotals> {
             stats: now.stats[i],
             p50_ns: latency::quantile_ns(&now.latency[i], 0.5),
             p99_ns: latency::quantile_ns(&now.latency[i], 0.99),
+            hedges: now.hedges.get(i).copied().unwrap_or_default(),
         })
         .collect()
 }
@@ -247,6 +254,7 @@ mod tests {
             latency: vec![hist],
             inflight: 7,
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
+            hedges: vec![],
         }
     }
 

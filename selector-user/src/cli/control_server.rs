@@ -98,6 +98,7 @@ fn status(selector: &Selector) -> Result<Status> {
         drained: selector.drained()?,
         passed: telemetry::passed_counts(&now.passed),
         backends: telemetry::totals(&selector.backends, &now),
+        hedges: crate::hedging::total(&now.hedges),
     })
 }
 

@@ -140,7 +140,7 @@ impl Agent {
     /// a reply from a replica it did not ask. A second signal cuts it short.
     async fn stop(&mut self, signals: &mut StopSignals, control: &mut ControlServer) -> Result<()> {
         self.selector.stop_steering()?;
-        let mut waiting = self.selector.redirected_in_flight()?;
+        let mut waiting = self.selector.redirected_in_flight()? + self.selector.hedges_in_flight();
         print_stopping(waiting);
         if waiting == 0 {
             return Ok(());
@@ -163,7 +163,7 @@ impl Agent {
                 }
                 _ = sweep_tick.tick() => self.sweep(),
                 _ = poll_tick.tick() => {
-                    waiting = self.selector.redirected_in_flight()?;
+                    waiting = self.selector.redirected_in_flight()? + self.selector.hedges_in_flight();
                     if waiting == 0 {
                         return Ok(());
                     }
@@ -197,6 +197,13 @@ impl Agent {
                 &telemetry::passed_counts(&end.passed)
             )
         );
+        if selector.settings.hedging.enabled() {
+            let counts: Vec<_> = totals.iter().map(|t| (t.backend, t.hedges)).collect();
+            print!(
+                "{}",
+                crate::hedging::render(&selector.settings.hedging, &counts)
+            );
+        }
         drop(selector);
         neighbours.release();
         Ok(())
@@ -206,6 +213,9 @@ impl Agent {
         // A failed sweep is retried next tick; the data path goes on.
         if let Err(e) = self.selector.sweep(sys::monotonic_ns()) {
             log::warn!("sweep failed: {e:#}");
+        }
+        if let Err(e) = self.selector.refresh_hedge_delays() {
+            log::warn!("reading latencies for --hedge-after auto failed: {e:#}");
         }
         self.selector.flush_kernel_logs();
     }
@@ -223,10 +233,12 @@ impl Agent {
             }
         };
         if !self.quiet {
-            println!(
-                "{}",
-                telemetry::render_table(&self.selector.backends, &self.last, &now)
-            );
+            let mut table = telemetry::render_table(&self.selector.backends, &self.last, &now);
+            if self.selector.settings.hedging.enabled() {
+                table +=
+                    &crate::hedging::render_interval(&self.selector.backends, &self.last, &now);
+            }
+            println!("{table}");
         }
         self.last = now;
     }

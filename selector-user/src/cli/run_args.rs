@@ -7,6 +7,7 @@ use clap::{Args, ValueEnum};
 use selector_common::{DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED};
 
 use super::{OnOverloadArg, PolicyArg};
+use crate::hedging::{DEFAULT_BUDGET_PERCENT, HedgeAfter, HedgeSettings};
 use crate::settings::{
     DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Settings, parse_group, parse_u32,
 };
@@ -114,6 +115,16 @@ pub struct RunArgs {
     /// Exactly one bit, decimal or 0x hex; pick one no fwmark rule matches.
     #[arg(long, value_name = "BIT", value_parser = mark_arg, default_value_t = Mark(MARK_REDIRECTED))]
     pub mark: Mark,
+    /// Hedged reads: a read still pending after MS milliseconds (decimals
+    /// allowed; at most half of --timeout) gets one copy, sent to the least
+    /// pending other replica of its group; the first reply reaches the
+    /// application, the later one is dropped. `auto`: after the primary's
+    /// recent p95 latency. `off`: never.
+    #[arg(long, value_name = "MS|auto|off", default_value = "off")]
+    pub hedge_after: HedgeAfter,
+    /// Hedges at most this percentage of reads (1-100; plus a burst of 10).
+    #[arg(long, value_name = "PERCENT", default_value_t = DEFAULT_BUDGET_PERCENT)]
+    pub hedge_budget: u32,
     /// Capacity of the in-flight table; requests beyond it pass untracked.
     #[arg(long, default_value_t = DEFAULT_INFLIGHT_MAX)]
     pub inflight_max: u32,
@@ -157,6 +168,10 @@ impl RunArgs {
             on_overload: self.on_overload.into(),
             mark: self.mark.0,
             grace: self.grace.map_or(timeout, Duration::from_millis),
+            hedging: HedgeSettings {
+                after: self.hedge_after,
+                budget_percent: self.hedge_budget,
+            },
         };
         settings.plan()?;
         Ok(settings)
@@ -359,6 +374,22 @@ mod tests {
                 .policy,
             Policy::Observe
         );
+    }
+
+    #[test]
+    fn hedge_flags_are_taken_and_checked() {
+        let s = parse(&["--hedge-after", "2", "--hedge-budget", "10"]).unwrap();
+        assert_eq!(s.hedging.after, HedgeAfter::Fixed(Duration::from_millis(2)));
+        assert_eq!(s.hedging.budget_percent, 10);
+        assert_eq!(
+            parse(&["--hedge-after", "auto"]).unwrap().hedging.after,
+            HedgeAfter::Auto
+        );
+        let d = parse(&[]).unwrap().hedging;
+        assert_eq!((d.after, d.budget_percent), (HedgeAfter::Off, 5));
+        assert!(parse(&["--hedge-after", "soon"]).is_err());
+        assert!(parse_err(&["--hedge-after", "600"]).contains("half of --timeout"));
+        assert!(parse_err(&["--hedge-budget", "0"]).contains("--hedge-budget"));
     }
 
     #[test]
