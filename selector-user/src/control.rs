@@ -374,6 +374,8 @@ mod tests {
                 max_pending: Some(5),
                 max_pending_client: Some(2),
                 on_overload: Some(OnOverload::Reject),
+                hedge_after: Some("0.5".parse().unwrap()),
+                hedge_budget: Some(10),
             }),
             Request::Set(SettingsChange {
                 threshold: Some(3),
@@ -494,6 +496,7 @@ mod tests {
             r#"{"request":"set","policy":"fastest"}"#,
             r#"{"request":"set","on_overload":"throttle"}"#,
             r#"{"request":"set","colour":"blue"}"#,
+            r#"{"request":"set","hedge_after":"soon"}"#,
             r#"{"request":"drain"}"#,
             r#"{"request":"drain","backend":"10.0.0.1","drained":true}"#,
             r#"{"request":"reboot"}"#,
