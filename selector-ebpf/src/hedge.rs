@@ -9,7 +9,7 @@ use core::{
     ptr::read_volatile,
 };
 
-use aya_ebpf::{helpers::bpf_skb_load_bytes, programs::TcContext};
+use aya_ebpf::{bindings::BPF_RB_NO_WAKEUP, helpers::bpf_skb_load_bytes, programs::TcContext};
 use selector_common::hedge::{
     AnswerStep, HedgeEvent, HedgeStats, PAYLOAD_MAX, answer_step, open_word, same_instance,
     settling_word,
@@ -79,7 +79,9 @@ pub fn offer(
         count(primary, |s| &mut s.too_large);
         return 0;
     }
-    entry.submit(0);
+    // No wakeup: the agent drains the ring on its own timer, at least twice
+    // per hedge delay, so a read costs no wakeup of a sleeping reader.
+    entry.submit(u64::from(BPF_RB_NO_WAKEUP));
     open_word(state)
 }
 

@@ -589,15 +589,32 @@ impl HedgeLoop {
     fn run(&mut self) {
         while !self.control.stop.load(Ordering::SeqCst) {
             let now = sys::monotonic_ns();
+            // The kernel does not wake this thread per event: it drains the
+            // ring at least twice per the shortest delay, so every read is
+            // queued before it is due.
             let wait = self
                 .queue
                 .peek()
                 .map_or(IDLE_WAIT_NS, |Reverse(d)| d.at_ns.saturating_sub(now))
-                .min(IDLE_WAIT_NS);
+                .min(self.drain_every_ns());
             self.wait_readable(wait);
             self.drain_ring();
             self.fire_due();
         }
+    }
+
+    /// Half the shortest hedge delay in force (at most `IDLE_WAIT_NS`).
+    fn drain_every_ns(&self) -> u64 {
+        let shortest = self
+            .targets
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_some())
+            .map(|(id, _)| self.control.delay_ns[id].load(Ordering::Relaxed))
+            .filter(|d| *d > 0)
+            .min()
+            .unwrap_or(IDLE_WAIT_NS);
+        (shortest / 2).clamp(1, IDLE_WAIT_NS)
     }
 
     /// Sleeps until the ring has events or `wait_ns` passes (nanosecond
