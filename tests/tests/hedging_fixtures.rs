@@ -162,3 +162,68 @@ fn an_unhedged_read_is_answered_as_before() {
     assert_eq!(sel.hedge_counts().unwrap()[0].hedge_replies_dropped, 0);
     balanced(&sel);
 }
+
+/// With hedging on in the kernel (set here directly: no hedge thread), a
+/// tracked read is handed over whole; a read longer than the event holds is
+/// not, and is counted.
+#[test]
+fn a_read_is_offered_with_its_bytes_and_a_long_one_is_counted_instead() {
+    use aya::maps::{Array, RingBuf};
+    use selector_common::hedge::{self, HedgeConfig, HedgeEvent, PAYLOAD_MAX, open_word};
+
+    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
+    let mut config: Array<_, HedgeConfig> =
+        Array::try_from(sel.ebpf_mut().map_mut(hedge::names::CONFIG).unwrap()).unwrap();
+    config
+        .set(
+            0,
+            HedgeConfig {
+                enabled: 1,
+                _pad: 0,
+            },
+            0,
+        )
+        .unwrap();
+    let (verdict, _) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_PIPE);
+    let mut long = b"\x12\x35\0\0\0\x01\0\0get ".to_vec();
+    long.resize(PAYLOAD_MAX + 1 - 2, b'k');
+    long.extend_from_slice(b"\r\n");
+    // (Steered elsewhere, maybe: the first read is pending at the primary.)
+    egress(&mut sel, &request(&long));
+    // Exactly the longest that fits is offered.
+    let mut longest = long.clone();
+    longest[1] = 0x36;
+    longest.remove(20);
+    assert_eq!(longest.len(), PAYLOAD_MAX);
+    egress(&mut sel, &request(&longest));
+
+    let slots = sel.inflight().unwrap();
+    assert_eq!(slots.len(), 3, "all three tracked");
+    let slot_of = |id: u64| *slots.iter().find(|s| s.request_id == id).unwrap();
+    let mut events = Vec::new();
+    {
+        let mut ring =
+            RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
+        while let Some(item) = ring.next() {
+            assert_eq!(item.len(), size_of::<HedgeEvent>());
+            // SAFETY: the kernel wrote a HedgeEvent.
+            events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<HedgeEvent>()) });
+        }
+    }
+    assert_eq!(events.len(), 2, "the short and the longest read");
+    for (event, payload, id) in [
+        (&events[0], GET, 0x1234),
+        (&events[1], &longest[..], 0x1236),
+    ] {
+        let slot = slot_of(id);
+        assert_eq!(event.state, slot.state);
+        assert_eq!(event.sent_ns, slot.sent_ns);
+        assert_eq!((event.primary, event.chosen), (slot.primary, slot.chosen));
+        assert_eq!(&event.payload[..event.len as usize], payload);
+        assert_eq!(slot.hedge, open_word(slot.state), "hedgeable");
+    }
+    assert_eq!(slot_of(0x1235).hedge, 0, "never hedgeable");
+    let h = sel.hedge_counts().unwrap();
+    assert_eq!((h[0].hedge_too_large, h[0].hedge_ring_full), (1, 0));
+}
