@@ -82,7 +82,10 @@ pub struct InflightSlot {
     /// Bit `min(seq, 63)` set for each reply datagram seen (multi-datagram
     /// replies complete when every datagram has arrived).
     pub datagrams_seen: u64,
-    pub _pad: u64,
+    /// The hedge word (`crate::hedge`): 0 if the read may never be hedged,
+    /// else its instance tag and the hedge's progress bits. The one field
+    /// that changes while the slot is `LIVE`, only by compare-and-swap.
+    pub hedge: u64,
 }
 
 impl InflightSlot {

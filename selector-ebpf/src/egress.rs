@@ -1,7 +1,7 @@
 //! Request path (TC egress): count, choose a replica, apply the pending
 //! bounds, steer.
 
-use aya_ebpf::programs::TcContext;
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
 use aya_log_ebpf::debug;
 use selector_common::{
     BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, OnOverload, PassReason, Policy,
@@ -12,7 +12,7 @@ use selector_common::{
 };
 
 use crate::{
-    TC_CONTINUE, TC_DROP, accounting,
+    TC_CONTINUE, TC_DROP, accounting, hedge,
     inflight::{self, NewRequest},
     maps::{BACKENDS, backend_target, config, count_pass},
     nexthop,
@@ -102,10 +102,20 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     // its issue.
     accounting::add_issued(chosen);
     accounting::client_add(hashes.client_slot, true);
+    let sent_ns = unsafe { bpf_ktime_get_ns() };
+    // Only a read may be hedged; the event goes out before the slot is
+    // live, and the agent acts on it only after the hedge delay.
+    let hedge = if is_read {
+        hedge::offer(ctx, &dgram, &slot, primary, chosen, sent_ns)
+    } else {
+        0
+    };
     slot.publish(&NewRequest {
         key,
         primary,
         chosen,
+        sent_ns,
+        hedge,
     });
     if chosen == primary {
         return Ok(TC_CONTINUE);

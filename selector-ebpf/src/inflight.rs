@@ -12,7 +12,7 @@ use core::{
     ptr::{read_volatile, write_volatile},
 };
 
-use aya_ebpf::helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns};
+use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
@@ -32,6 +32,8 @@ pub struct Seen {
     pub primary: u32,
     pub chosen: u32,
     pub sent_ns: u64,
+    /// The hedge word as read (it may gain bits later; see `crate::hedge`).
+    pub hedge: u64,
 }
 
 /// Reads slot `index` if it is occupied by a published request holding
@@ -60,6 +62,7 @@ fn read_if_holds(index: u32, key: &InflightKey) -> Option<Seen> {
             primary: u32::from(read_volatile(&raw const (*p).primary)),
             chosen: u32::from(read_volatile(&raw const (*p).chosen)),
             sent_ns: read_volatile(&raw const (*p).sent_ns),
+            hedge: read_volatile(&raw const (*p).hedge),
         }
     };
     let after = unsafe { read_volatile(&raw const (*p).state) };
@@ -122,6 +125,17 @@ pub struct Reserved {
     seq: u64,
 }
 
+impl Reserved {
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The state word the request will have once published.
+    pub fn live_state(&self) -> u64 {
+        state(self.seq, PHASE_LIVE)
+    }
+}
+
 /// Takes the first free slot in the key's window.
 #[inline(always)]
 pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
@@ -143,6 +157,9 @@ pub struct NewRequest {
     pub key: InflightKey,
     pub primary: u32,
     pub chosen: u32,
+    pub sent_ns: u64,
+    /// The initial hedge word: 0, or the open word of this instance.
+    pub hedge: u64,
 }
 
 impl Reserved {
@@ -159,8 +176,9 @@ impl Reserved {
             write_volatile(&raw mut (*p).group, req.key.group as u16);
             write_volatile(&raw mut (*p).primary, req.primary as u16);
             write_volatile(&raw mut (*p).chosen, req.chosen as u16);
-            write_volatile(&raw mut (*p).sent_ns, bpf_ktime_get_ns());
+            write_volatile(&raw mut (*p).sent_ns, req.sent_ns);
             write_volatile(&raw mut (*p).datagrams_seen, 0);
+            write_volatile(&raw mut (*p).hedge, req.hedge);
             atomic_xchg::<u64, { AtomicOrdering::SeqCst }>(
                 &raw mut (*p).state,
                 state(self.seq, PHASE_LIVE),
@@ -193,10 +211,12 @@ pub fn datagram_arrived(index: u32, seq: u16, total: u16) -> bool {
 }
 
 /// The state a claimed request moves to: a redirected read lingers so its
-/// late datagrams are still rewritten; any other request frees its slot.
+/// late datagrams are still rewritten, and so does a hedged one (`hedged`:
+/// the hedge word's SENT, final once a reply won), so that the other reply
+/// is still matched, dropped and settled; any other request frees its slot.
 #[inline(always)]
-pub fn claimed_state(seen: &Seen) -> u64 {
-    if seen.primary != seen.chosen {
+pub fn claimed_state(seen: &Seen, hedged: bool) -> u64 {
+    if seen.primary != seen.chosen || hedged {
         with_phase(seen.state, PHASE_LINGER)
     } else {
         FREE

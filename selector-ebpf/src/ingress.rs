@@ -3,20 +3,31 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use selector_common::{
-    BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason,
+    BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason, backend_id,
+    hedge::{WON_CHOSEN, WON_HEDGE, is_sent, target},
     inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
     split_backend_id,
 };
 
 use crate::{
     accounting,
+    hedge::{self, Answer},
     inflight::{self, Seen},
     maps::{BACKENDS, FRAGMENTS, FragmentKey, backend_target, config, count_pass},
     packet::{self, Datagram, Ipv4, Packet},
     rewrite::{Rewrite, Side},
 };
 
-pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
+/// What becomes of a reply datagram.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// On to the application (rewritten or untouched).
+    Pass,
+    /// The later reply of a hedged read: dropped, counted.
+    Drop,
+}
+
+pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     let ip = match packet::parse_ipv4(ctx) {
         Ok(ip) => ip,
         Err(reason) => return pass(reason),
@@ -42,17 +53,20 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
     let (group, _) = split_backend_id(backend);
     // The reply is addressed to the client that asked.
     let key = InflightKey::ipv4(dgram.ip.dst, dgram.dst_port, group, request_id);
-    // Only the backend the request went to can complete it.
+    // Only the backend the request went to, or its hedge was sent to, can
+    // complete it.
     let hashes = key_hashes(&key);
-    let went_here = |s: &Seen| s.chosen == backend;
-    let seen = if let Some(live) = inflight::find(
+    let went_here = |s: &Seen| {
+        s.chosen == backend || (is_sent(s.hedge) && backend_id(group, target(s.hedge)) == backend)
+    };
+    let (seen, live) = if let Some(live) = inflight::find(
         &key,
         hashes.home,
         config.inflight_mask,
         PHASE_LIVE,
         went_here,
     ) {
-        complete(ctx, config, &dgram, hashes.client_slot, &live, backend)
+        (live, true)
     } else if let Some(linger) = inflight::find(
         &key,
         hashes.home,
@@ -60,13 +74,27 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
         PHASE_LINGER,
         went_here,
     ) {
-        // Completed or expired, within the grace period: rewrite only.
-        accounting::count(backend, |s| &mut s.late_responses);
-        linger
+        (linger, false)
     } else {
         accounting::count(backend, |s| &mut s.unmatched_responses);
-        return Ok(());
+        return Ok(Verdict::Pass);
     };
+    let verdict = if seen.chosen == backend {
+        chosen_reply(
+            ctx,
+            config,
+            &dgram,
+            hashes.client_slot,
+            &seen,
+            live,
+            backend,
+        )
+    } else {
+        hedge_reply(&seen, backend)
+    };
+    if verdict == Verdict::Drop {
+        return Ok(Verdict::Drop);
+    }
     let primary = seen.primary;
     if primary != backend {
         let target = backend_target(primary).ok_or(())?;
@@ -75,13 +103,79 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<(), ()> {
             remember_fragments(&dgram, target.addr);
         }
     }
-    Ok(())
+    Ok(Verdict::Pass)
 }
 
 #[inline(always)]
-fn pass(reason: PassReason) -> Result<(), ()> {
+fn pass(reason: PassReason) -> Result<Verdict, ()> {
     count_pass(Direction::Ingress, reason);
-    Ok(())
+    Ok(Verdict::Pass)
+}
+
+/// A reply from the member the read went to. On a hedgeable read it first
+/// decides, on the hedge word, whether it is the first reply; then it
+/// completes the request as any reply does (a loser too: its own pending
+/// count must end); a loser is dropped.
+#[inline(always)]
+fn chosen_reply<C: Packet>(
+    ctx: &C,
+    config: &selector_common::Config,
+    dgram: &Datagram,
+    client_slot: u32,
+    seen: &Seen,
+    live: bool,
+    backend: u32,
+) -> Verdict {
+    let answer = if seen.hedge != 0 {
+        hedge::answer(seen.index, seen.state, WON_CHOSEN)
+    } else {
+        Answer::Gone
+    };
+    let hedged = match answer {
+        Answer::Mine { first, word } => {
+            if first && is_sent(word) {
+                let (group, _) = split_backend_id(backend);
+                hedge::count(backend_id(group, target(word)), |s| &mut s.lost);
+            }
+            is_sent(word)
+        }
+        Answer::Theirs => true,
+        Answer::Gone => false,
+    };
+    if live {
+        complete(ctx, config, dgram, client_slot, seen, backend, hedged);
+    } else {
+        // Completed or expired, within the grace period: rewrite only.
+        accounting::count(backend, |s| &mut s.late_responses);
+    }
+    if answer == Answer::Theirs {
+        hedge::count(backend, |s| &mut s.replies_dropped);
+        return Verdict::Drop;
+    }
+    Verdict::Pass
+}
+
+/// A reply from the hedge target: settles the target's own pending count
+/// (once), then passes if it is the first reply and drops it if not.
+#[inline(always)]
+fn hedge_reply(seen: &Seen, backend: u32) -> Verdict {
+    if hedge::settle_target(seen.index, seen.state) {
+        accounting::add_completed(backend);
+        accounting::count(backend, |s| &mut s.responses);
+    }
+    match hedge::answer(seen.index, seen.state, WON_HEDGE) {
+        Answer::Mine { first, .. } => {
+            if first {
+                hedge::count(backend, |s| &mut s.won);
+            }
+            Verdict::Pass
+        }
+        Answer::Theirs => {
+            hedge::count(backend, |s| &mut s.replies_dropped);
+            Verdict::Drop
+        }
+        Answer::Gone => Verdict::Pass,
+    }
 }
 
 /// A reply datagram for a live request: completes it once every datagram
@@ -95,15 +189,20 @@ fn complete<C: Packet>(
     client_slot: u32,
     live: &Seen,
     backend: u32,
-) -> Seen {
+    hedged: bool,
+) {
     let (seq, total) = config
         .descriptor
         .reply_datagram(|i| dgram.payload_byte(ctx, i));
     if !inflight::datagram_arrived(live.index, seq, total) {
         // More datagrams to come: the request stays pending.
-        return *live;
+        return;
     }
-    if inflight::cas(live.index, live.state, inflight::claimed_state(live)) {
+    if inflight::cas(
+        live.index,
+        live.state,
+        inflight::claimed_state(live, hedged),
+    ) {
         accounting::add_completed(backend);
         accounting::client_add(client_slot, false);
         accounting::count(backend, |s| &mut s.responses);
@@ -113,7 +212,6 @@ fn complete<C: Packet>(
         // The sweep expired it a moment ago: a late reply, still rewritten.
         accounting::count(backend, |s| &mut s.late_responses);
     }
-    *live
 }
 
 /// The later fragments of a rewritten reply carry no UDP header: they are
@@ -135,9 +233,10 @@ fn fragment_key(ip: &Ipv4) -> FragmentKey {
 }
 
 #[inline(always)]
-fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ipv4) -> Result<(), ()> {
+fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ipv4) -> Result<Verdict, ()> {
     let Some(primary_addr) = (unsafe { FRAGMENTS.get(fragment_key(ip)) }).copied() else {
         return pass(PassReason::Fragment);
     };
-    ctx.rewrite_fragment_source(ip.layout, primary_addr)
+    ctx.rewrite_fragment_source(ip.layout, primary_addr)?;
+    Ok(Verdict::Pass)
 }

@@ -7,6 +7,7 @@
 
 mod accounting;
 mod egress;
+mod hedge;
 mod inflight;
 mod ingress;
 mod maps;
@@ -33,8 +34,10 @@ pub fn selector_egress(ctx: TcContext) -> i32 {
 
 #[xdp]
 pub fn selector_ingress(ctx: XdpContext) -> u32 {
-    let _ = ingress::try_ingress(&ctx);
-    xdp_action::XDP_PASS
+    match ingress::try_ingress(&ctx) {
+        Ok(ingress::Verdict::Drop) => xdp_action::XDP_DROP,
+        _ => xdp_action::XDP_PASS,
+    }
 }
 
 #[classifier]
@@ -49,8 +52,10 @@ pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
         }
     }
     packet::pull_headers(&ctx);
-    let _ = ingress::try_ingress(&ctx);
-    TC_CONTINUE
+    match ingress::try_ingress(&ctx) {
+        Ok(ingress::Verdict::Drop) => TC_DROP,
+        _ => TC_CONTINUE,
+    }
 }
 
 /// Does nothing: the baseline that per-packet costs are measured against.

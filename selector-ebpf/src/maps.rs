@@ -3,16 +3,19 @@
 //!   passes untracked and is counted;
 //! - `FRAGMENTS` (LRU): the oldest fragment series is forgotten; its later
 //!   fragments then pass unrewritten, as any lost fragment would;
+//! - `HEDGE_EVENTS` (ring buffer): no room, the read is not hedged, counted
+//!   (`ring_full`);
 //! - the arrays are indexed by ids the agent bounds at configuration.
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
     GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
     PassReason,
+    hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, slots_for},
     latency::LATENCY_BUCKETS,
     pass_index, split_backend_id,
@@ -109,3 +112,16 @@ pub fn count_pass(direction: Direction, reason: PassReason) {
         unsafe { *c += 1 };
     }
 }
+
+/// The hedging switch the agent writes.
+#[map]
+pub static HEDGE_CONFIG: Array<HedgeConfig> = Array::with_max_entries(1, 0);
+
+/// Tracked reads handed to the agent's hedge timer (`selector_common::hedge`).
+#[map]
+pub static HEDGE_EVENTS: RingBuf = RingBuf::with_byte_size(hedge::RING_BYTES, 0);
+
+/// Per backend id: hedges won and lost, loser replies dropped, reads not
+/// handed over.
+#[map]
+pub static HEDGE_STATS: PerCpuArray<HedgeStats> = PerCpuArray::with_max_entries(MAX_BACKENDS, 0);

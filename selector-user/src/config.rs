@@ -26,6 +26,7 @@ use toml::de::{DeTable, DeValue};
 
 use crate::{
     control::{Named, by_name},
+    hedging::{HedgeAfter, HedgeSettings},
     settings::{
         DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol, SettingKey,
         Settings, invalid,
@@ -89,6 +90,10 @@ pub struct Options {
     pub metrics_addr: Option<SocketAddr>,
     /// A resolv.conf whose nameservers form one more group (`--resolv-conf`).
     pub resolv_conf: Option<PathBuf>,
+    /// Milliseconds, `auto` or `off` (`--hedge-after`).
+    pub hedge_after: Option<HedgeAfter>,
+    /// Percent of reads (`--hedge-budget`).
+    pub hedge_budget: Option<u32>,
 }
 
 /// One replica group: members in preference order, each `a.b.c.d:port` or
@@ -158,6 +163,8 @@ impl Options {
             pin: self.pin.or(file.pin),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
             resolv_conf: self.resolv_conf.or(file.resolv_conf),
+            hedge_after: self.hedge_after.or(file.hedge_after),
+            hedge_budget: self.hedge_budget.or(file.hedge_budget),
         }
     }
 
@@ -221,6 +228,10 @@ impl Options {
             on_overload: self.on_overload.unwrap_or(defaults.on_overload),
             mark: self.mark.unwrap_or(defaults.mark),
             grace: self.grace.map_or(timeout, Duration::from_millis),
+            hedging: HedgeSettings {
+                after: self.hedge_after.unwrap_or(defaults.hedging.after),
+                budget_percent: self.hedge_budget.unwrap_or(defaults.hedging.budget_percent),
+            },
         };
         settings.plan()?;
         Ok(RunConfig {

@@ -73,6 +73,11 @@ pub struct SettingsChange {
     pub max_pending_client: Option<u32>,
     #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
     pub on_overload: Option<OnOverload>,
+    /// `"off"`, `"auto"` or milliseconds as a string (`"2"`, `"0.5"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hedge_after: Option<crate::hedging::HedgeAfter>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hedge_budget: Option<u32>,
 }
 
 impl SettingsChange {
@@ -90,6 +95,10 @@ impl SettingsChange {
                 .max_pending_client
                 .unwrap_or(settings.max_pending_client),
             on_overload: self.on_overload.unwrap_or(settings.on_overload),
+            hedging: crate::hedging::HedgeSettings {
+                after: self.hedge_after.unwrap_or(settings.hedging.after),
+                budget_percent: self.hedge_budget.unwrap_or(settings.hedging.budget_percent),
+            },
             ..settings.clone()
         };
         changed.check_tunables()?;
@@ -133,7 +142,9 @@ pub enum Reply {
 ///     "grace_ms": 1000,
 ///     "mark": 16777216,            the skb mark bit, as a number
 ///     "inflight_max": 65536,
-///     "ingress": "xdp"             xdp | tc
+///     "ingress": "xdp",            xdp | tc
+///     "hedge_after": "off",        off | auto | milliseconds ("2", "0.5")
+///     "hedge_budget_percent": 5
 ///   },
 ///   "in_flight": 3,                entries in the in-flight table now
 ///   "last_interval": {             the last interval ended; null before
@@ -168,8 +179,17 @@ pub enum Reply {
 ///         "count": 860}, ...],     for the open last bucket (29.4 s up)
 ///      "tail_requests": 24,        its requests in the last interval's tail
 ///      "tail_blame": 0.96,         its share of that tail; null if empty
-///      "tail_requests_total": 310} its tail requests over all intervals
-///   ]
+///      "tail_requests_total": 310, its tail requests over all intervals
+///      "hedges_sent": 3,           copies sent to this backend
+///      "hedges_won": 2,            ... whose reply reached the application first
+///      "hedges_lost": 1,           ... beaten by the first member's reply
+///      "hedge_replies_dropped": 2, later replies from it dropped in the kernel
+///      "hedge_over_budget": 0, "hedge_no_target": 0, "hedge_queue_full": 0,
+///      "hedge_ring_full": 0, "hedge_too_large": 0,   reads to it (as primary) not hedged
+///      "hedge_send_failed": 0,     copies to it the socket refused
+///      "hedge_delay_ns": 2000000}  delay for reads to it; null when off
+///   ],
+///   "hedges": {...}                the hedge fields above, summed (delay null)
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -182,6 +202,9 @@ pub struct Status {
     pub drained: Vec<SocketAddrV4>,
     pub passed: Vec<PassedCount>,
     pub backends: Vec<BackendTotals>,
+    /// Hedging totals over all backends.
+    #[serde(default)]
+    pub hedges: crate::hedging::HedgeCounts,
 }
 
 /// The settings part of [`Status`].
@@ -198,6 +221,10 @@ pub struct SettingsInForce {
     pub mark: u32,
     pub inflight_max: u32,
     pub ingress: String,
+    #[serde(default)]
+    pub hedge_after: crate::hedging::HedgeAfter,
+    #[serde(default)]
+    pub hedge_budget_percent: u32,
 }
 
 impl From<&Settings> for SettingsInForce {
@@ -214,6 +241,8 @@ impl From<&Settings> for SettingsInForce {
             mark: s.mark,
             inflight_max: s.inflight_max,
             ingress: s.ingress.name().into(),
+            hedge_after: s.hedging.after,
+            hedge_budget_percent: s.hedging.budget_percent,
         }
     }
 }
@@ -255,6 +284,20 @@ impl Status {
         );
         out += &telemetry::render_summary(&self.backends);
         out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
+        if s.hedge_after != crate::hedging::HedgeAfter::Off || self.hedges.hedges_sent > 0 {
+            let counts: Vec<_> = self
+                .backends
+                .iter()
+                .map(|b| (b.backend, b.hedges))
+                .collect();
+            out += &crate::hedging::render(
+                &crate::hedging::HedgeSettings {
+                    after: s.hedge_after,
+                    budget_percent: s.hedge_budget_percent,
+                },
+                &counts,
+            );
+        }
         out
     }
 }
@@ -357,6 +400,8 @@ mod tests {
                 max_pending: Some(5),
                 max_pending_client: Some(2),
                 on_overload: Some(OnOverload::Reject),
+                hedge_after: Some("0.5".parse().unwrap()),
+                hedge_budget: Some(10),
             }),
             Request::Set(SettingsChange {
                 threshold: Some(3),
@@ -455,7 +500,13 @@ mod tests {
                     tail_blame: Some(1.0),
                     tail_requests_total: 7,
                 },
+                hedges: crate::hedging::HedgeCounts {
+                    hedges_sent: 2,
+                    hedges_won: 1,
+                    ..Default::default()
+                },
             }],
+            hedges: Default::default(),
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -476,6 +527,9 @@ mod tests {
             112_000
         );
         assert_eq!(json["last_interval"]["length_ms"], 1000);
+        assert_eq!(json["backends"][0]["hedges_sent"], 2);
+        assert_eq!(json["backends"][0]["hedges_won"], 1);
+        assert_eq!(json["settings"]["hedge_after"], "off");
         let text = status.render();
         assert!(
             text.contains(
@@ -523,6 +577,7 @@ mod tests {
             r#"{"request":"set","policy":"fastest"}"#,
             r#"{"request":"set","on_overload":"throttle"}"#,
             r#"{"request":"set","colour":"blue"}"#,
+            r#"{"request":"set","hedge_after":"soon"}"#,
             r#"{"request":"drain"}"#,
             r#"{"request":"drain","backend":"10.0.0.1","drained":true}"#,
             r#"{"request":"reboot"}"#,

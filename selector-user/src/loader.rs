@@ -55,6 +55,8 @@ pub struct Selector {
     adopted: bool,
     /// Why the reply path is where it is, when `--ingress auto` chose it.
     pub ingress_choice: Option<String>,
+    /// The hedge thread and its settings.
+    pub(crate) hedging: crate::hedging::Hedging,
 }
 
 /// What `GROUPS` holds for `backends`: per group index, members in order,
@@ -315,6 +317,7 @@ impl Selector {
             pins,
             adopted,
             ingress_choice: None,
+            hedging: Default::default(),
         };
         selector.write_tables()?;
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -443,6 +446,7 @@ impl Selector {
     /// Writes the tunables in `settings` (and the shutdown flag) to the
     /// kernel's config; the programs read it on every packet.
     pub fn write_config(&mut self) -> Result<()> {
+        self.write_hedge_config(self.steering_off)?;
         let s = &self.settings;
         let value = Config {
             policy: s.policy as u32,

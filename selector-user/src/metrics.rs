@@ -549,6 +549,7 @@ mod tests {
             p999_ns: None,
             latency_buckets: latency_buckets(latency),
             tail,
+            hedges: Default::default(),
         };
         Status {
             iface: "eth0".into(),
@@ -562,6 +563,7 @@ mod tests {
                 tail_requests: 2,
             }),
             drained: vec![replica],
+            hedges: Default::default(),
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),

@@ -38,7 +38,7 @@ use aya::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, MAX_BACKENDS,
-    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
+    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS, hedge,
     inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
     latency::LATENCY_BUCKETS,
     names,
@@ -105,7 +105,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 12] {
+fn shapes(inflight_max: u32) -> [Shape; 15] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -182,6 +182,28 @@ fn shapes(inflight_max: u32) -> [Shape; 12] {
             MapType::Array,
             u32s,
             size_of::<NextHopMac>(),
+            MAX_BACKENDS,
+        ),
+        shape(
+            hedge::names::CONFIG,
+            MapType::Array,
+            u32s,
+            size_of::<hedge::HedgeConfig>(),
+            1,
+        ),
+        // A ring buffer has no keys or values; its size is its entries.
+        shape(
+            hedge::names::EVENTS,
+            MapType::RingBuf,
+            0,
+            0,
+            hedge::RING_BYTES,
+        ),
+        shape(
+            hedge::names::STATS,
+            MapType::PerCpuArray,
+            u32s,
+            size_of::<hedge::HedgeStats>(),
             MAX_BACKENDS,
         ),
     ]

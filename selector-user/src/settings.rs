@@ -96,6 +96,8 @@ pub struct Settings {
     /// How long after a request completed or expired a late reply to a
     /// redirected read is still rewritten.
     pub grace: Duration,
+    /// `--hedge-after`, `--hedge-budget`.
+    pub hedging: crate::hedging::HedgeSettings,
 }
 
 /// What a validation error is about, so that a caller can point at where
@@ -178,6 +180,7 @@ impl Settings {
             on_overload: OnOverload::Pass,
             mark: MARK_REDIRECTED,
             grace: timeout,
+            hedging: Default::default(),
         }
     }
 
@@ -246,6 +249,7 @@ impl Settings {
                 "reject needs --proto memcached or dns (a custom protocol has no error reply)",
             );
         }
+        self.hedging.check(self.timeout)?;
         Ok(())
     }
 

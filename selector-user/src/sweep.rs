@@ -28,6 +28,9 @@ pub struct SweepReport {
     pub lost_race: u64,
     /// Lingering slots of redirected reads freed after their grace period.
     pub freed: u64,
+    /// Hedge targets of this sweep's or earlier expired reads whose reply
+    /// never came (their count expired here).
+    pub hedges_expired: u64,
 }
 
 /// The fields of a slot the sweep decides on, read consistently.
@@ -78,14 +81,29 @@ impl Selector {
                         report.lost_race += 1;
                         continue;
                     };
-                    if self.expire(i, &stale) {
+                    // No hedge may start once the read expires; one already
+                    // sent keeps the slot lingering for the target's reply.
+                    let hedged = self.close_hedge(i, state);
+                    if self.expire(i, &stale, hedged) {
                         report.expired += 1;
                     } else {
                         report.lost_race += 1;
                     }
+                    if hedged && self.expire_hedge(i, state, u32::from(stale.slot.group)) {
+                        report.hedges_expired += 1;
+                    }
                 }
-                PHASE_LINGER if age_over(linger_ns) && cas(&self.slots, i, state, FREE) => {
-                    report.freed += 1;
+                PHASE_LINGER if age_over(timeout_ns) => {
+                    // A hedge target that never answered: its count ends
+                    // at the timeout, before the slot may be freed.
+                    if let Some(stale) = read_consistent(&self.slots, i, state)
+                        && self.expire_hedge(i, state, u32::from(stale.slot.group))
+                    {
+                        report.hedges_expired += 1;
+                    }
+                    if age_over(linger_ns) && cas(&self.slots, i, state, FREE) {
+                        report.freed += 1;
+                    }
                 }
                 _ => {}
             }
@@ -95,10 +113,11 @@ impl Selector {
 
     /// Claims a stale request; if the claim wins, counts it expired at its
     /// backend and releases its client's pending count.
-    fn expire(&mut self, i: usize, stale: &Stale) -> bool {
+    fn expire(&mut self, i: usize, stale: &Stale, hedged: bool) -> bool {
         let s = &stale.slot;
-        let next = if s.primary != s.chosen {
-            // A redirected read: a late reply must still be rewritten.
+        let next = if s.primary != s.chosen || hedged {
+            // A redirected read: a late reply must still be rewritten; a
+            // hedged one: the target's reply must still be matched.
             with_phase(stale.state, PHASE_LINGER)
         } else {
             FREE

@@ -28,6 +28,8 @@ pub struct Snapshot {
     pub inflight: usize,
     /// Packets passed untouched: (direction, reason, count).
     pub passed: Vec<(String, String, u64)>,
+    /// Hedging counters per backend.
+    pub hedges: Vec<crate::hedging::HedgeCounts>,
 }
 
 impl Snapshot {
@@ -56,6 +58,7 @@ impl Selector {
                 .into_iter()
                 .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
                 .collect(),
+            hedges: self.hedge_counts()?,
         })
     }
 }
@@ -91,6 +94,9 @@ pub struct BackendTotals {
     pub latency_buckets: Vec<LatencyBucket>,
     #[serde(flatten)]
     pub tail: BackendTail,
+    /// Hedging counters, as fields of this object.
+    #[serde(flatten)]
+    pub hedges: crate::hedging::HedgeCounts,
 }
 
 /// One bucket of a latency histogram: `count` requests answered after at
@@ -266,6 +272,7 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot, tails: &TailHistory) -> 
             p999_ns: latency::quantile_ns(&now.latency[i], 0.999),
             latency_buckets: latency_buckets(&now.latency[i]),
             tail: tails.backend(i),
+            hedges: now.hedges.get(i).copied().unwrap_or_default(),
         })
         .collect()
 }
@@ -423,6 +430,7 @@ mod tests {
             latency: vec![hist],
             inflight: 7,
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
+            hedges: vec![],
         }
     }
 

@@ -59,6 +59,7 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
         on_overload: selector_common::OnOverload::Pass,
         mark: selector_common::MARK_REDIRECTED,
         grace: Duration::from_secs(1),
+        hedging: Default::default(),
     }
 }
 

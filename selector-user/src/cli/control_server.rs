@@ -134,6 +134,7 @@ fn status(selector: &Selector, tails: &TailHistory) -> Result<Status> {
         drained: selector.drained()?,
         passed: telemetry::passed_counts(&now.passed),
         backends: telemetry::totals(&selector.backends, &now, tails),
+        hedges: crate::hedging::total(&now.hedges),
     })
 }
 

@@ -95,6 +95,12 @@ pub struct SetArgs {
     /// Pending requests per client socket (0: no bound).
     #[arg(long, value_name = "N")]
     pub max_pending_client: Option<u32>,
+    /// Hedge reads still pending after MS milliseconds, `auto` or `off`.
+    #[arg(long, value_name = "MS|auto|off")]
+    pub hedge_after: Option<crate::hedging::HedgeAfter>,
+    /// Hedges at most this percentage of reads.
+    #[arg(long, value_name = "PERCENT")]
+    pub hedge_budget: Option<u32>,
 }
 
 #[derive(Debug, Args)]
@@ -154,6 +160,8 @@ impl SetArgs {
             max_pending: self.max_pending,
             max_pending_client: self.max_pending_client,
             on_overload: self.on_overload.map(OnOverload::from),
+            hedge_after: self.hedge_after,
+            hedge_budget: self.hedge_budget,
         }
     }
 }
@@ -170,7 +178,7 @@ pub fn control(command: Command) -> Result<()> {
             let change = a.change();
             if change.is_empty() {
                 bail!(
-                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client"
+                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client, --hedge-after, --hedge-budget"
                 );
             }
             (a.iface, Request::Set(change), false)

@@ -215,7 +215,7 @@ impl Agent {
     /// a reply from a replica it did not ask. A second signal cuts it short.
     async fn stop(&mut self, signals: &mut StopSignals, control: &mut ControlServer) -> Result<()> {
         self.selector.stop_steering()?;
-        let mut waiting = self.selector.redirected_in_flight()?;
+        let mut waiting = self.selector.redirected_in_flight()? + self.selector.hedges_in_flight();
         print_stopping(waiting);
         if waiting == 0 {
             return Ok(());
@@ -238,7 +238,7 @@ impl Agent {
                 }
                 _ = sweep_tick.tick() => self.sweep(),
                 _ = poll_tick.tick() => {
-                    waiting = self.selector.redirected_in_flight()?;
+                    waiting = self.selector.redirected_in_flight()? + self.selector.hedges_in_flight();
                     if waiting == 0 {
                         return Ok(());
                     }
@@ -300,6 +300,13 @@ impl Agent {
                 &telemetry::passed_counts(&end.passed)
             )
         );
+        if selector.settings.hedging.enabled() {
+            let counts: Vec<_> = totals.iter().map(|t| (t.backend, t.hedges)).collect();
+            print!(
+                "{}",
+                crate::hedging::render(&selector.settings.hedging, &counts)
+            );
+        }
         drop(selector);
         if release_neighbours {
             neighbours.release();
@@ -318,6 +325,9 @@ impl Agent {
         // A failed sweep is retried next tick; the data path goes on.
         if let Err(e) = self.selector.sweep(sys::monotonic_ns()) {
             log::warn!("sweep failed: {e:#}");
+        }
+        if let Err(e) = self.selector.refresh_hedge_delays() {
+            log::warn!("reading latencies for --hedge-after auto failed: {e:#}");
         }
         self.selector.flush_kernel_logs();
     }
@@ -395,10 +405,13 @@ impl Agent {
         self.tails
             .record(telemetry::IntervalTail::between(&self.last, &now));
         if !self.quiet {
-            println!(
-                "{}",
-                telemetry::render_table(&self.selector.backends, &self.last, &now, &self.tails)
-            );
+            let mut table =
+                telemetry::render_table(&self.selector.backends, &self.last, &now, &self.tails);
+            if self.selector.settings.hedging.enabled() {
+                table +=
+                    &crate::hedging::render_interval(&self.selector.backends, &self.last, &now);
+            }
+            println!("{table}");
         }
         self.last = now;
     }

@@ -14,6 +14,7 @@ use selector_common::Policy;
 use super::{OnOverloadArg, PolicyArg};
 use crate::{
     config::{ConfigFile, GroupSpec, Options, RunConfig},
+    hedging::HedgeAfter,
     pinning::DEFAULT_PIN_DIR,
     settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
 };
@@ -133,6 +134,17 @@ pub struct RunArgs {
     /// [default: 0x01000000].
     #[arg(long, value_name = "BIT", value_parser = mark_arg)]
     pub mark: Option<Mark>,
+    /// Hedged reads: a read still pending after MS milliseconds (decimals
+    /// allowed; at most half of --timeout) gets one copy, sent to the least
+    /// pending other replica of its group; the first reply reaches the
+    /// application, the later one is dropped. `auto`: after the primary's
+    /// recent p95 latency. `off`: never [default: off].
+    #[arg(long, value_name = "MS|auto|off")]
+    pub hedge_after: Option<HedgeAfter>,
+    /// Hedges at most this percentage of reads (1-100; plus a burst of 10)
+    /// [default: 5].
+    #[arg(long, value_name = "PERCENT")]
+    pub hedge_budget: Option<u32>,
     /// Capacity of the in-flight table; requests beyond it pass untracked
     /// [default: 65536].
     #[arg(long)]
@@ -212,6 +224,8 @@ impl RunArgs {
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
             resolv_conf: self.resolv_conf.clone(),
+            hedge_after: self.hedge_after,
+            hedge_budget: self.hedge_budget,
         }
     }
 
@@ -393,6 +407,22 @@ mod tests {
                 .policy,
             Policy::Observe
         );
+    }
+
+    #[test]
+    fn hedge_flags_are_taken_and_checked() {
+        let s = parse(&["--hedge-after", "2", "--hedge-budget", "10"]).unwrap();
+        assert_eq!(s.hedging.after, HedgeAfter::Fixed(Duration::from_millis(2)));
+        assert_eq!(s.hedging.budget_percent, 10);
+        assert_eq!(
+            parse(&["--hedge-after", "auto"]).unwrap().hedging.after,
+            HedgeAfter::Auto
+        );
+        let d = parse(&[]).unwrap().hedging;
+        assert_eq!((d.after, d.budget_percent), (HedgeAfter::Off, 5));
+        assert!(parse(&["--hedge-after", "soon"]).is_err());
+        assert!(parse_err(&["--hedge-after", "600"]).contains("half of --timeout"));
+        assert!(parse_err(&["--hedge-budget", "0"]).contains("--hedge-budget"));
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct KernelCounts {
     pub overload_passed: u64,
     pub overload_dropped: u64,
     pub overload_rejected: u64,
+    /// Hedged reads: copies sent, and copies whose reply came first.
+    pub hedges_sent: u64,
+    pub hedges_won: u64,
     /// Runs and kernel-measured run time of the programs on the live
     /// traffic (BPF run-time statistics; zero where they were off).
     pub egress_runs: u64,
@@ -42,6 +45,8 @@ impl KernelCounts {
         self.overload_passed += o.overload_passed;
         self.overload_dropped += o.overload_dropped;
         self.overload_rejected += o.overload_rejected;
+        self.hedges_sent += o.hedges_sent;
+        self.hedges_won += o.hedges_won;
         self.egress_runs += o.egress_runs;
         self.egress_ns += o.egress_ns;
         self.ingress_runs += o.ingress_runs;
@@ -205,9 +210,16 @@ impl RowResult {
             .collect()
     }
 
-    /// p50, p90, p99, p99.9 and max, formatted.
-    pub fn latencies(&self) -> [String; 5] {
-        [0.5, 0.9, 0.99, 0.999, 1.0].map(|q| format_us(self.us(q)))
+    /// p50, p90, p99, p99.9, p99.99 and max, formatted.
+    pub fn latencies(&self) -> [String; 6] {
+        [0.5, 0.9, 0.99, 0.999, 0.9999, 1.0].map(|q| format_us(self.us(q)))
+    }
+
+    /// Hedge copies sent, as a share of the reads sent ("-" without the
+    /// selector).
+    pub fn extra_reads(&self) -> Option<f64> {
+        self.kernel
+            .map(|k| k.hedges_sent as f64 / self.counts.sent.max(1) as f64)
     }
 
     /// Replies that carried a value (not a `SERVER_ERROR`, not wrong).
@@ -240,12 +252,14 @@ impl RowResult {
                 self.counts.lost
             );
         }
-        let [p50, _, p99, p999, max] = self.latencies();
+        let [p50, _, p99, p999, p9999, max] = self.latencies();
         format!(
-            "{:<32} {:>7.0}/s p50 {p50:>8} p99 {p99:>8} p99.9 {p999:>8} max {max:>8} redirected {:>5.1}% lost {}",
+            "{:<32} {:>7.0}/s p50 {p50:>8} p99 {p99:>8} p99.9 {p999:>8} p99.99 {p9999:>8} max {max:>8} \
+             redirected {:>5.1}% hedged {:>4.2}% lost {}",
             self.row.label(),
             self.rate(),
             100.0 * self.redirected(),
+            100.0 * self.extra_reads().unwrap_or(0.0),
             self.counts.lost
         )
     }
@@ -267,6 +281,22 @@ pub struct Target {
     pub name: String,
     pub measured: String,
     pub met: bool,
+}
+
+impl Target {
+    /// `mine` (µs) at most `factor` times `base`.
+    fn at_most(name: String, prefix: &str, mine: u64, base: u64, factor: f64) -> Self {
+        Self {
+            name,
+            measured: format!(
+                "{prefix}{} vs {} = {:.2}x",
+                format_us(mine),
+                format_us(base),
+                ratio(mine, base)
+            ),
+            met: mine as f64 <= factor * base as f64,
+        }
+    }
 }
 
 /// The machine the run was on.
@@ -372,6 +402,68 @@ impl Report {
     }
 
     pub fn targets(&self) -> Vec<Target> {
+        let mut t = self.stall_targets();
+        t.extend(self.hedge_targets());
+        t
+    }
+
+    /// Issue 8's targets for each hedged row, against threshold 1 without
+    /// hedging (the same policy), primary only and no stall, in this run.
+    pub fn hedge_targets(&self) -> Vec<Target> {
+        let mut t = Vec::new();
+        let (Some(plain), Some(nostall), Some(primary)) = (
+            self.row(&Row::Threshold(1)),
+            self.row(&Row::NoStall),
+            self.row(&Row::PrimaryOnly),
+        ) else {
+            return t;
+        };
+        for r in self.rows.iter().filter(|r| matches!(r.row, Row::Hedged(_))) {
+            let who = r.row.label();
+            let p999 = r.us(0.999);
+            t.push(Target::at_most(
+                format!("{who}: p99.9 at most 2x the no-stall p99.9"),
+                "",
+                p999,
+                nostall.us(0.999),
+                2.0,
+            ));
+            for (base, q, what, factor) in [
+                (primary, 0.999, "p99.9", 5.0),
+                (plain, 0.999, "p99.9", 5.0),
+                (plain, 0.9999, "p99.99", 3.0),
+            ] {
+                let mine = r.us(q);
+                t.push(Target {
+                    name: format!(
+                        "{who}: {what} at least {factor}x lower than {}",
+                        base.row.label()
+                    ),
+                    measured: format!(
+                        "{} vs {} = {:.1}x lower",
+                        format_us(mine),
+                        format_us(base.us(q)),
+                        ratio(base.us(q), mine)
+                    ),
+                    met: base.us(q) as f64 >= factor * mine as f64,
+                });
+            }
+            let extra = r.extra_reads().unwrap_or(0.0);
+            let budget = f64::from(selector_user::hedging::DEFAULT_BUDGET_PERCENT) / 100.0;
+            t.push(Target {
+                name: format!("{who}: extra reads at most the budget"),
+                measured: format!(
+                    "{:.2}% of reads (budget {:.0}%)",
+                    100.0 * extra,
+                    100.0 * budget
+                ),
+                met: extra <= budget,
+            });
+        }
+        t
+    }
+
+    fn stall_targets(&self) -> Vec<Target> {
         let mut t = Vec::new();
         let (Some(best), Some(nostall), Some(primary)) = (
             self.best_selector(),
@@ -382,16 +474,13 @@ impl Report {
         };
         let b99 = best.us(0.99);
         let who = best.row.label();
-        t.push(Target {
-            name: "selector p99 (best threshold) within 1.2x of the no-stall p99".into(),
-            measured: format!(
-                "{who}: {} vs {} = {:.2}x",
-                format_us(b99),
-                format_us(nostall.us(0.99)),
-                ratio(b99, nostall.us(0.99))
-            ),
-            met: b99 as f64 <= 1.2 * nostall.us(0.99) as f64,
-        });
+        t.push(Target::at_most(
+            "selector p99 (best threshold) within 1.2x of the no-stall p99".into(),
+            &format!("{who}: "),
+            b99,
+            nostall.us(0.99),
+            1.2,
+        ));
         let lower = |q: f64, what: &str, factor: f64| Target {
             name: format!("selector {what} at least {factor}x lower than primary only"),
             measured: format!(
@@ -504,11 +593,11 @@ impl Report {
             .join("/");
         let _ = writeln!(
             md,
-            "| policy | reads/s | p50 | p90 | p99 | p99.9 | max | redirected | reads {names} (%) | gap {names} (ms) | lost |"
+            "| policy | reads/s | p50 | p90 | p99 | p99.9 | p99.99 | max | redirected | hedged | reads {names} (%) | gap {names} (ms) | lost |"
         );
         let _ = writeln!(
             md,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.rows {
             let shares = r
@@ -525,11 +614,13 @@ impl Report {
                 .join("/");
             let _ = writeln!(
                 md,
-                "| {} | {:.0} | {} | {:.1}% | {} | {} | {} |",
+                "| {} | {:.0} | {} | {:.1}% | {} | {} | {} | {} |",
                 r.row.label(),
                 r.rate(),
                 r.latencies().join(" | "),
                 100.0 * r.redirected(),
+                r.extra_reads()
+                    .map_or("-".into(), |x| format!("{:.2}%", 100.0 * x)),
                 shares,
                 gaps,
                 r.counts.lost
@@ -699,7 +790,7 @@ impl Report {
              share_r0,share_r1,share_r2,gap_r0_ms,gap_r1_ms,gap_r2_ms,\
              p99_vs_primary,p999_vs_primary,p99_vs_no_stall,p999_vs_no_stall,\
              sent,received,lost,wrong,late,retries,max_send_lag_us,stalls,\
-             kernel_requests,kernel_redirected\n",
+             kernel_requests,kernel_redirected,p9999_us,kernel_hedges_sent,kernel_hedges_won\n",
         );
         let (primary, nostall) = (self.row(&Row::PrimaryOnly), self.row(&Row::NoStall));
         for r in &self.rows {
@@ -713,7 +804,7 @@ impl Report {
             let k = r.kernel.unwrap_or_default();
             let _ = writeln!(
                 out,
-                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 r.row.id(),
                 r.row.label(),
                 r.rate(),
@@ -742,7 +833,10 @@ impl Report {
                 r.counts.max_send_lag_us,
                 r.stalls.len(),
                 k.requests,
-                k.redirected
+                k.redirected,
+                r.us(0.9999),
+                k.hedges_sent,
+                k.hedges_won
             );
         }
         out

@@ -1,6 +1,9 @@
 //! The rows of the benchmark: every policy compared, in the order they run.
 
+use std::time::Duration;
+
 use selector_common::{OnOverload, Policy};
+use selector_user::hedging::HedgeAfter;
 
 use super::client::ClientPolicy;
 
@@ -23,6 +26,9 @@ pub enum Row {
     Threshold(u32),
     /// The selector, absolute policy.
     Absolute(u32),
+    /// The selector, threshold 1, with hedged reads after this delay (the
+    /// row to compare with is `Threshold(1)`).
+    Hedged(HedgeAfter),
     /// The overload scenario (every replica stopped at once): the selector
     /// at its defaults with `max_pending` (0: no bound) and `on_overload`.
     Overload { on: OnOverload, cap: u32 },
@@ -36,7 +42,16 @@ impl Row {
         rows.extend([Row::Nginx, Row::Observe]);
         rows.extend(thresholds.iter().map(|t| Row::Threshold(*t)));
         rows.push(Row::Absolute(absolute));
+        rows.extend(Self::hedged());
         rows
+    }
+
+    /// The hedged-read rows: a fixed 2 ms delay and `auto`.
+    pub fn hedged() -> [Row; 2] {
+        [
+            Row::Hedged(HedgeAfter::Fixed(Duration::from_millis(2))),
+            Row::Hedged(HedgeAfter::Auto),
+        ]
     }
 
     /// The overload scenario's rows, in run order: no cap (reads pass, as
@@ -79,6 +94,9 @@ impl Row {
             Row::Observe => "selector_observe".into(),
             Row::Threshold(t) => format!("selector_t{t}"),
             Row::Absolute(t) => format!("selector_abs{t}"),
+            Row::Hedged(HedgeAfter::Fixed(d)) => format!("hedge_{}ms", d.as_millis()),
+            Row::Hedged(HedgeAfter::Auto) => "hedge_auto".into(),
+            Row::Hedged(HedgeAfter::Off) => "hedge_off".into(),
             Row::Overload { on, .. } => format!("overload_{}", on.name()),
         }
     }
@@ -94,6 +112,11 @@ impl Row {
             Row::Observe => "selector observe".into(),
             Row::Threshold(t) => format!("selector threshold {t}"),
             Row::Absolute(t) => format!("selector absolute {t}"),
+            Row::Hedged(HedgeAfter::Fixed(d)) => {
+                format!("selector threshold 1, hedge after {} ms", d.as_millis())
+            }
+            Row::Hedged(HedgeAfter::Auto) => "selector threshold 1, hedge auto".into(),
+            Row::Hedged(HedgeAfter::Off) => "selector threshold 1, hedge off".into(),
             Row::Overload { on, cap: 0 } => format!("overload {}, no cap", on.name()),
             Row::Overload { on, cap } => format!("overload {}, max_pending {cap}", on.name()),
         }
@@ -109,7 +132,16 @@ impl Row {
             Row::Observe => Some((Policy::Observe, 1)),
             Row::Threshold(t) => Some((Policy::Threshold, *t)),
             Row::Absolute(t) => Some((Policy::Absolute, *t)),
+            Row::Hedged(_) => Some((Policy::Threshold, 1)),
             _ => None,
+        }
+    }
+
+    /// When the selector hedges reads in this row.
+    pub fn hedge_after(&self) -> HedgeAfter {
+        match self {
+            Row::Hedged(after) => *after,
+            _ => HedgeAfter::Off,
         }
     }
 
@@ -143,7 +175,12 @@ mod tests {
     #[test]
     fn every_policy_has_a_row_with_a_unique_id() {
         let rows = Row::all(&[1, 10, 100], 10);
-        assert_eq!(rows.len(), 12);
+        assert_eq!(rows.len(), 14);
+        assert_eq!(
+            Row::hedged().map(|r| r.id()),
+            ["hedge_2ms".to_string(), "hedge_auto".into()]
+        );
+        assert_eq!(Row::hedged()[1].selector(), Some((Policy::Threshold, 1)));
         let mut ids: Vec<String> = rows.iter().map(Row::id).collect();
         ids.sort();
         ids.dedup();

@@ -18,7 +18,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use selector_common::{Policy, programs};
-use selector_user::{IngressMode, Selector, Settings, next_hops};
+use selector_user::{IngressMode, Selector, Settings, hedging::HedgeSettings, next_hops};
 
 use super::{
     client::{
@@ -243,6 +243,9 @@ impl Attached {
                 {
                     let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
                     s.sweep(monotonic_ns())?;
+                    // `--hedge-after auto`: the delays follow the latencies
+                    // (a no-op otherwise), as in the agent's loop.
+                    s.refresh_hedge_delays()?;
                 }
                 Ok(())
             })
@@ -262,6 +265,7 @@ impl Attached {
             let info = s.ebpf().program(name).context("program")?.info()?;
             Ok((info.run_count(), info.run_time().as_nanos() as u64))
         };
+        let hedges = s.hedge_counts()?;
         let (egress_runs, egress_ns) = run(programs::EGRESS)?;
         let (ingress_runs, ingress_ns) = run(programs::INGRESS_XDP)?;
         Ok(KernelCounts {
@@ -272,6 +276,8 @@ impl Attached {
             overload_passed: stats.iter().map(|b| b.overload_passed).sum(),
             overload_dropped: stats.iter().map(|b| b.overload_dropped).sum(),
             overload_rejected: stats.iter().map(|b| b.overload_rejected).sum(),
+            hedges_sent: hedges.iter().map(|h| h.hedges_sent).sum(),
+            hedges_won: hedges.iter().map(|h| h.hedges_won).sum(),
             egress_runs,
             egress_ns,
             ingress_runs,
@@ -411,6 +417,10 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
                 threshold,
                 timeout: opts.drain,
                 ingress: opts.ingress,
+                hedging: HedgeSettings {
+                    after: row.hedge_after(),
+                    ..Default::default()
+                },
                 ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
             },
         )?),

@@ -1,0 +1,47 @@
+//! Loads the embedded kernel programs and prints, for each, how many
+//! instructions the verifier checked and how long its load took (run as
+//! root: `cargo run -p selector-user --example verifier_cost`).
+
+use std::time::Instant;
+
+use anyhow::{Context as _, Result};
+use aya::{
+    EbpfLoader,
+    programs::{SchedClassifier, Xdp},
+};
+use selector_common::programs;
+use selector_user::EBPF_OBJECT;
+
+fn main() -> Result<()> {
+    let start = Instant::now();
+    let mut ebpf = EbpfLoader::new()
+        .load(EBPF_OBJECT)
+        .context("loading the object")?;
+    println!("object and maps: {:?}", start.elapsed());
+    let mut total = 0;
+    for name in [
+        programs::EGRESS,
+        programs::INGRESS_TC,
+        programs::INGRESS_XDP,
+    ] {
+        let program = ebpf.program_mut(name).context(name)?;
+        let began = Instant::now();
+        if name == programs::INGRESS_XDP {
+            let p: &mut Xdp = program.try_into()?;
+            p.load()?;
+        } else {
+            let p: &mut SchedClassifier = program.try_into()?;
+            p.load()?;
+        }
+        let took = began.elapsed();
+        let info = ebpf.program(name).context(name)?.info()?;
+        let insns = info.verified_instruction_count().unwrap_or(0);
+        total += insns;
+        println!("{name}: {insns} verified instructions, loaded in {took:?}");
+    }
+    println!(
+        "total: {total} verified instructions, {:?}",
+        start.elapsed()
+    );
+    Ok(())
+}

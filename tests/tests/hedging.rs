@@ -1,0 +1,261 @@
+//! Hedged reads end to end, in network namespaces with real memcached
+//! replicas and an application on a connected UDP socket to the primary:
+//! with the primary stopped (SIGSTOP), a read is hedged after the delay and
+//! answered by the second replica; the primary's late reply is dropped in
+//! the kernel and counted; counts are exact on every replica; the budget
+//! holds with many stuck reads; with hedging off no copy is sent.
+
+use std::{
+    thread,
+    time::{Duration, Instant},
+};
+
+use selector_common::{Policy, hedge::BURST};
+use selector_testbed::{
+    LoadSpec, Testbed,
+    agent::SweptSelector,
+    memcached::{MemcachedClient, key_for, parse_get_response, value_for},
+    preload, run_load,
+    topology::CLIENT_IFACE,
+};
+use selector_user::{
+    IngressMode, Settings,
+    hedging::{HedgeAfter, HedgeSettings},
+};
+
+const KEYS: usize = 50;
+const TIMEOUT: Duration = Duration::from_millis(500);
+
+fn testbed(prefix: &str) -> Testbed {
+    let mut tb = Testbed::new(prefix, 3).expect("testbed");
+    tb.start_memcached().expect("memcached");
+    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
+    tb
+}
+
+fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMode) -> Settings {
+    Settings {
+        policy,
+        threshold: 2,
+        timeout: TIMEOUT,
+        ingress,
+        hedging: HedgeSettings {
+            after,
+            budget_percent: 5,
+        },
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+    }
+}
+
+/// One get of key 7 on a connected socket to the primary; returns every
+/// reply body received within `wait` and the time to the first.
+fn get_and_listen(tb: &Testbed, wait: Duration) -> (Vec<Vec<u8>>, Option<Duration>) {
+    let primary = tb.replica_endpoints()[0];
+    tb.client
+        .run(move || {
+            let client = MemcachedClient::connect(primary).unwrap();
+            let start = Instant::now();
+            client
+                .socket
+                .send(&selector_testbed::memcached::frame(
+                    0x4242,
+                    format!("get {}\r\n", key_for(7)).as_bytes(),
+                ))
+                .unwrap();
+            let mut replies = Vec::new();
+            let mut first = None;
+            let mut buf = [0u8; 2048];
+            while start.elapsed() < wait {
+                let left = wait
+                    .saturating_sub(start.elapsed())
+                    .max(Duration::from_millis(1));
+                client.socket.set_read_timeout(Some(left)).unwrap();
+                if let Ok(n) = client.socket.recv(&mut buf) {
+                    first.get_or_insert(start.elapsed());
+                    replies.push(buf[8..n].to_vec());
+                }
+            }
+            (replies, first)
+        })
+        .unwrap()
+}
+
+fn assert_balanced(running: &SweptSelector) {
+    let settled = running.settle(TIMEOUT);
+    for (i, (issued, completed, expired)) in settled.accounting.iter().enumerate() {
+        assert_eq!(*issued, completed + expired, "backend {i} drifted");
+    }
+    assert_eq!(settled.pending, vec![0, 0, 0]);
+}
+
+fn stalled_read_is_hedged_and_the_late_reply_dropped(ingress: IngressMode, prefix: &str) {
+    let tb = testbed(prefix);
+    let running = SweptSelector::start(
+        &tb,
+        settings(
+            &tb,
+            Policy::Threshold,
+            HedgeAfter::Fixed(Duration::from_millis(20)),
+            ingress,
+        ),
+    );
+    tb.replicas[0].stop();
+    // The application waits 300 ms: the hedge answers long before, and
+    // the primary resumes in the middle, so its late reply arrives too.
+    let resume = {
+        let pid = tb.replicas[0].pid();
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(120));
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        })
+    };
+    let (replies, first) = get_and_listen(&tb, Duration::from_millis(300));
+    resume.join().unwrap();
+    assert_eq!(replies.len(), 1, "exactly one reply: {replies:?}");
+    assert_eq!(
+        parse_get_response(&replies[0]),
+        Some(value_for(7).as_bytes())
+    );
+    let first = first.unwrap();
+    assert!(
+        first >= Duration::from_millis(20) && first < Duration::from_millis(120),
+        "answered by the hedge, after the delay: {first:?}"
+    );
+    thread::sleep(Duration::from_millis(100));
+    let sel = running.selector.lock().unwrap();
+    let h = sel.hedge_counts().unwrap();
+    assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
+    assert_eq!(
+        h[2].hedges_sent, 0,
+        "one copy, to the first least pending replica"
+    );
+    assert_eq!(
+        h[0].hedge_replies_dropped, 1,
+        "the primary's late reply: {h:?}"
+    );
+    let acc = sel.accounting().unwrap();
+    assert_eq!((acc[0].0, acc[1].0, acc[2].0), (1, 1, 0), "{acc:?}");
+    drop(sel);
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+    assert_balanced(&running);
+}
+
+#[test]
+fn stalled_read_is_hedged_and_the_late_reply_dropped_xdp() {
+    stalled_read_is_hedged_and_the_late_reply_dropped(IngressMode::Xdp, "hgx");
+}
+
+#[test]
+fn stalled_read_is_hedged_and_the_late_reply_dropped_tc() {
+    stalled_read_is_hedged_and_the_late_reply_dropped(IngressMode::Tc, "hgt");
+}
+
+#[test]
+fn both_stalled_counts_expire_exactly_and_one_late_reply_passes() {
+    let tb = testbed("hge");
+    let running = SweptSelector::start(
+        &tb,
+        settings(
+            &tb,
+            Policy::Threshold,
+            HedgeAfter::Fixed(Duration::from_millis(20)),
+            IngressMode::Xdp,
+        ),
+    );
+    // The hedge target stalls too: neither reply comes before the timeout.
+    tb.replicas[0].stop();
+    tb.replicas[1].stop();
+    let resume = {
+        let (p0, p1) = (tb.replicas[0].pid(), tb.replicas[1].pid());
+        thread::spawn(move || {
+            thread::sleep(TIMEOUT + Duration::from_millis(300));
+            unsafe { libc::kill(p1, libc::SIGCONT) };
+            thread::sleep(Duration::from_millis(50));
+            unsafe { libc::kill(p0, libc::SIGCONT) };
+        })
+    };
+    let (replies, _) = get_and_listen(&tb, TIMEOUT + Duration::from_millis(600));
+    resume.join().unwrap();
+    assert_eq!(replies.len(), 1, "one late reply, the other dropped");
+    let sel = running.selector.lock().unwrap();
+    let acc = sel.accounting().unwrap();
+    assert_eq!(acc[0], (1, 0, 1), "primary expired: {acc:?}");
+    assert_eq!(acc[1], (1, 0, 1), "hedge target expired: {acc:?}");
+    let h = sel.hedge_counts().unwrap();
+    assert_eq!(
+        h[0].hedge_replies_dropped + h[1].hedge_replies_dropped,
+        1,
+        "{h:?}"
+    );
+    drop(sel);
+    assert_balanced(&running);
+}
+
+#[test]
+fn the_budget_caps_hedges_with_many_stuck_reads() {
+    let tb = testbed("hgb");
+    // Observe: every read stays on the stopped primary and wants a hedge.
+    let running = SweptSelector::start(
+        &tb,
+        settings(
+            &tb,
+            Policy::Observe,
+            HedgeAfter::Fixed(Duration::from_millis(5)),
+            IngressMode::Xdp,
+        ),
+    );
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0],
+        rate: 2000,
+        duration: Duration::from_millis(400),
+        keys: KEYS,
+        drain: TIMEOUT + Duration::from_millis(200),
+    };
+    tb.replicas[0].stop();
+    let resume = {
+        let pid = tb.replicas[0].pid();
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(450));
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        })
+    };
+    let report = tb.client.run(move || run_load(&spec)).unwrap().unwrap();
+    resume.join().unwrap();
+    let sel = running.selector.lock().unwrap();
+    let h = sel.hedge_counts().unwrap();
+    let sent: u64 = h.iter().map(|c| c.hedges_sent).sum();
+    let over: u64 = h.iter().map(|c| c.hedge_over_budget).sum();
+    let reads = report.sent;
+    let cap = reads * 5 / 100 + BURST;
+    assert!(sent <= cap, "{sent} hedges for {reads} reads (cap {cap})");
+    assert!(
+        sent + 1 >= reads * 5 / 100,
+        "the budget is used: {sent} of {cap}"
+    );
+    assert!(over > 0, "reads beyond the budget are counted: {h:?}");
+    assert_eq!(report.wrong_values, 0);
+    drop(sel);
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+    assert_balanced(&running);
+}
+
+#[test]
+fn hedging_off_sends_no_copies() {
+    let tb = testbed("hgo");
+    let running = SweptSelector::start(
+        &tb,
+        settings(&tb, Policy::Threshold, HedgeAfter::Off, IngressMode::Xdp),
+    );
+    tb.replicas[0].stop();
+    let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));
+    tb.replicas[0].resume();
+    assert!(replies.is_empty(), "nobody answers a stopped primary");
+    thread::sleep(Duration::from_millis(100));
+    let sel = running.selector.lock().unwrap();
+    let h = sel.hedge_counts().unwrap();
+    assert!(h.iter().all(|c| c.hedges_sent == 0), "{h:?}");
+    let acc = sel.accounting().unwrap();
+    assert_eq!((acc[1].0, acc[2].0), (0, 0), "no copy reached a replica");
+    drop(sel);
+    assert_balanced(&running);
+}
