@@ -122,7 +122,33 @@ pub fn selector_binary() -> PathBuf {
 }
 
 /// A running `selector run` and the lines it prints after "attached".
-pub type Agent = (Child, Lines<BufReader<ChildStdout>>);
+pub type Agent = (AgentProcess, Lines<BufReader<ChildStdout>>);
+
+/// The agent's process, killed on drop if it still runs: a test that fails
+/// half-way must not leave an agent that keeps the test binary waiting.
+pub struct AgentProcess(pub Child);
+
+impl std::ops::Deref for AgentProcess {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for AgentProcess {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
 
 /// Starts `selector run ARGS` in `ns` and waits for its "attached" line.
 pub fn spawn_agent(ns: &Namespace, args: &[&str]) -> Agent {
@@ -137,7 +163,7 @@ pub fn spawn_agent(ns: &Namespace, args: &[&str]) -> Agent {
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
     assert!(first.starts_with("selector: attached to"), "{first}");
-    (child, lines)
+    (AgentProcess(child), lines)
 }
 
 /// Runs a `selector` command in `ns`; (exit code, stdout + stderr).

@@ -92,7 +92,7 @@ fn config(top: &str, members: &[&str]) -> String {
 struct Output(mpsc::Receiver<String>);
 
 impl Output {
-    fn of(lines: agent::Agent) -> (std::process::Child, Self) {
+    fn of(lines: agent::Agent) -> (agent::AgentProcess, Self) {
         let (child, lines) = lines;
         let (tx, rx) = mpsc::channel();
         thread::spawn(move || {
