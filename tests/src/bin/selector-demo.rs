@@ -89,12 +89,29 @@ fn main() -> Result<()> {
             "--timeout",
             "500",
         ])
+        .stdout(std::process::Stdio::piped())
         .spawn()
         .context("starting the agent")?;
-    thread::sleep(Duration::from_millis(700));
-    if let Some(status) = agent.try_wait()? {
-        bail!("the agent exited early: {status}");
+    // The load starts once the agent says it is attached (a read sent
+    // earlier would go uncounted); its output is passed through.
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(
+        agent.stdout.take().context("agent stdout")?,
+    ));
+    loop {
+        let Some(line) = lines.next().transpose()? else {
+            let status = agent.wait()?;
+            bail!("the agent exited early: {status}");
+        };
+        println!("{line}");
+        if line.starts_with("selector: attached to") {
+            break;
+        }
     }
+    thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            println!("{line}");
+        }
+    });
 
     let spec = LoadSpec {
         target: replicas[0],
