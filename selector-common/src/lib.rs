@@ -12,7 +12,8 @@ pub mod latency;
 pub mod maps;
 pub mod policy;
 pub mod reject;
+pub mod service;
 
 pub use descriptor::Descriptor;
 pub use maps::*;
-pub use policy::Policy;
+pub use policy::{Policy, TieBreak};

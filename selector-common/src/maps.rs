@@ -59,6 +59,8 @@ pub mod names {
     pub const LATENCY: &str = "LATENCY";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const NEXT_HOPS: &str = "NEXT_HOPS";
+    pub const SERVICE: &str = "SERVICE";
+    pub const SCRATCH: &str = "SCRATCH";
 }
 
 /// Program names, as the kernel object declares them.
@@ -144,6 +146,17 @@ pub struct GroupCounters {
     pub issued: [u64; MAX_GROUP_MEMBERS],
     pub completed: [u64; MAX_GROUP_MEMBERS],
     pub expired: [u64; MAX_GROUP_MEMBERS],
+}
+
+/// The service time of each member of a group (`crate::service`), kept by
+/// the reply path; the agent reads it through mmap for `status`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupService {
+    /// Recent time per completed request, ns (0: not measured yet).
+    pub service_ns: [u64; MAX_GROUP_MEMBERS],
+    /// CLOCK_MONOTONIC of the member's last completion (0: none yet).
+    pub last_completion_ns: [u64; MAX_GROUP_MEMBERS],
 }
 
 /// Pending requests of member `position`. The three counters are read
@@ -371,6 +384,11 @@ pub struct Config {
     /// 0: steer as the policy says. 1: draining for shutdown: no new
     /// redirects (retransmits of redirected reads still follow their first copy).
     pub steering_off: u32,
+    /// `TieBreak as u32`: how every policy picks among equal members.
+    pub tie_break: u32,
+    /// Latency policy: microseconds of expected wait over the best member
+    /// at which a read leaves its primary.
+    pub budget_us: u32,
     pub descriptor: crate::Descriptor,
 }
 
@@ -382,6 +400,7 @@ mod pod {
     unsafe impl aya::Pod for Group {}
     unsafe impl aya::Pod for NextHopMac {}
     unsafe impl aya::Pod for GroupCounters {}
+    unsafe impl aya::Pod for GroupService {}
     unsafe impl aya::Pod for InflightKey {}
     unsafe impl aya::Pod for crate::inflight::InflightSlot {}
     unsafe impl aya::Pod for BackendStats {}
@@ -399,7 +418,8 @@ mod tests {
         assert_eq!(size_of::<Group>(), 20 * 8 + 8);
         assert_eq!(size_of::<GroupCounters>(), 192);
         assert_eq!(size_of::<InflightKey>(), 32);
-        assert_eq!(size_of::<Config>(), 32 + size_of::<crate::Descriptor>());
+        assert_eq!(size_of::<GroupService>(), 128);
+        assert_eq!(size_of::<Config>(), 40 + size_of::<crate::Descriptor>());
     }
 
     #[test]

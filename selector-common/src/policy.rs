@@ -1,6 +1,9 @@
 //! The replica selection policy (BookKeeper issue 1489 / PR 1504).
 
-use crate::maps::{Group, GroupCounters, MAX_GROUP_MEMBERS, pending};
+use crate::{
+    maps::{Group, GroupCounters, MAX_GROUP_MEMBERS, pending},
+    service,
+};
 
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -11,6 +14,9 @@ pub enum Policy {
     Absolute = 1,
     /// Count, never redirect.
     Observe = 2,
+    /// Redirect when the primary's expected wait (pending x service time)
+    /// is at least the budget over the least expected wait (`choose_by_wait`).
+    Latency = 3,
 }
 
 impl Policy {
@@ -20,13 +26,19 @@ impl Policy {
             Self::Threshold => "threshold",
             Self::Absolute => "absolute",
             Self::Observe => "observe",
+            Self::Latency => "latency",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [Self::Threshold, Self::Absolute, Self::Observe]
-            .into_iter()
-            .find(|p| p.name() == name)
+        [
+            Self::Threshold,
+            Self::Absolute,
+            Self::Observe,
+            Self::Latency,
+        ]
+        .into_iter()
+        .find(|p| p.name() == name)
     }
 
     pub fn from_u32(v: u32) -> Option<Self> {
@@ -34,18 +46,59 @@ impl Policy {
             0 => Some(Self::Threshold),
             1 => Some(Self::Absolute),
             2 => Some(Self::Observe),
+            3 => Some(Self::Latency),
+            _ => None,
+        }
+    }
+}
+
+/// Which of several equally good members is the "best".
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TieBreak {
+    /// The first in group order (BookKeeper's first strict minimum).
+    #[default]
+    First = 0,
+    /// One of them uniformly at random, so independent clients seeing the
+    /// same counts do not all pick the same member (herding).
+    Random = 1,
+}
+
+impl TieBreak {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::First => "first",
+            Self::Random => "random",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::First, Self::Random]
+            .into_iter()
+            .find(|t| t.name() == name)
+    }
+
+    pub fn from_u32(v: u32) -> Option<Self> {
+        match v {
+            0 => Some(Self::First),
+            1 => Some(Self::Random),
             _ => None,
         }
     }
 }
 
 /// The group as the policy sees it: pending counts by member position and a
-/// bit per position that may be chosen (active, next hop known).
+/// bit per position that may be chosen (active, next hop known), and how a
+/// tie for the least loaded is broken.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GroupLoad {
     pub pending: [u64; MAX_GROUP_MEMBERS],
     pub usable: u8,
     pub len: usize,
+    pub tie_break: TieBreak,
+    /// A random number for `TieBreak::Random` (the caller draws it, so the
+    /// choice is a pure function of its inputs).
+    pub random: u32,
 }
 
 impl GroupLoad {
@@ -76,31 +129,132 @@ impl GroupLoad {
         pos < self.len && pos < MAX_GROUP_MEMBERS && self.usable & (1 << pos) != 0
     }
 
-    /// First usable member with the strict minimum pending count.
+    /// Usable member with the least pending count (ties: `tie_break`).
     #[inline(always)]
     pub fn least_pending(&self) -> Option<usize> {
-        let mut best: Option<usize> = None;
-        let mut best_pending = u64::MAX;
+        self.least(|pos| self.pending[pos % MAX_GROUP_MEMBERS])
+            .map(|(pos, _)| pos)
+    }
+
+    /// Usable member with the least `cost(position)`, and that cost. Ties go
+    /// to the first in group order, or with `TieBreak::Random` to one of
+    /// them uniformly: reservoir sampling, the k-th tied member replacing
+    /// the choice when the next mixed-radix digit of `random` (base k) is 0.
+    /// Costs at or above 2^62 count as 2^62 - 1.
+    ///
+    /// Written without a branch per member (masks instead of `if`): the
+    /// kernel verifier walks every path through the program, and eight
+    /// members with a branch or two each multiplied its work past its
+    /// limit. Costs are computed, not stored: the kernel's stack has no
+    /// room for another array.
+    #[inline(always)]
+    pub fn least(&self, cost: impl Fn(usize) -> u64) -> Option<(usize, u64)> {
+        let usable = u64::from(self.usable) & ((1u64 << (self.len % (MAX_GROUP_MEMBERS + 1))) - 1);
+        let random_ties = u64::from(self.tie_break == TieBreak::Random);
+        let mut digits = u64::from(self.random);
+        let mut best = 0u64;
+        let mut best_cost = NO_COST;
+        let mut ties = 0u64;
         let mut pos = 0;
         while pos < MAX_GROUP_MEMBERS {
-            if self.is_usable(pos) && (best.is_none() || self.pending[pos] < best_pending) {
-                best = Some(pos);
-                best_pending = self.pending[pos];
-            }
+            let unusable = 1 - ((usable >> pos) & 1);
+            let c = clamp_cost(cost(pos)) | (unusable << 62);
+            let less = is_less(c, best_cost);
+            let equal = is_zero(c ^ best_cost) & (1 - unusable);
+            ties = select(less, 1, ties + equal);
+            // Only a tie consumes a digit (k is then at least 2).
+            let k = ties + is_zero(ties);
+            // SAFETY: k is ties, or 1 when ties is 0. Said so the compiler
+            // leaves out a division-by-zero panic the kernel cannot load.
+            unsafe { core::hint::assert_unchecked(k != 0) };
+            let quotient = digits / k;
+            let drawn = is_zero(digits - quotient * k) & equal & random_ties;
+            digits = select(equal, quotient, digits);
+            let take = less | drawn;
+            best = select(take, pos as u64, best);
+            best_cost = select(take, c, best_cost);
             pos += 1;
         }
-        best
+        if best_cost >= NO_COST {
+            return None;
+        }
+        Some((best as usize % MAX_GROUP_MEMBERS, best_cost))
     }
 }
 
-/// Picks the member position a request for `primary` goes to. Returns
-/// `primary` whenever no other usable member is better; a drained primary is
-/// left for the least pending usable member when there is one.
-pub fn choose(policy: Policy, threshold: u32, primary: usize, load: &GroupLoad) -> usize {
+/// The cost of a member that cannot be chosen: above every clamped cost.
+const NO_COST: u64 = 1 << 62;
+
+#[inline(always)]
+pub(crate) fn clamp_cost(c: u64) -> u64 {
+    let over = 1 - is_zero(c >> 62);
+    (c | (over.wrapping_neg() >> 2)) & (NO_COST - 1)
+}
+
+/// 1 if `a < b`, else 0; both below 2^63. The difference goes through
+/// `black_box`, or the compiler recognises a comparison and emits a branch
+/// (the BPF instruction set has no conditional move): each such branch
+/// splits the kernel verifier's walk into two states with an exact flag
+/// (0 or 1), which no longer merge, eight times per loop.
+#[inline(always)]
+pub(crate) fn is_less(a: u64, b: u64) -> u64 {
+    core::hint::black_box(a.wrapping_sub(b)) >> 63
+}
+
+/// 1 if `x == 0`, else 0 (through `black_box`, as `is_less`).
+#[inline(always)]
+pub(crate) fn is_zero(x: u64) -> u64 {
+    1 - (core::hint::black_box(x | x.wrapping_neg()) >> 63)
+}
+
+/// `a` if `flag` is 1, `b` if it is 0. The mask goes through `black_box`
+/// so the compiler cannot turn it back into a branch.
+#[inline(always)]
+pub(crate) fn select(flag: u64, a: u64, b: u64) -> u64 {
+    let mask = core::hint::black_box(flag.wrapping_neg());
+    (a & mask) | (b & !mask)
+}
+
+/// The best member for a read to `primary` under `policy`, and its cost:
+/// the least expected wait under the latency policy (see
+/// `service::expected_wait_at`), the least pending count otherwise. One
+/// pass with the cost picked by a mask, so the kernel verifier walks it
+/// once whatever the policy.
+#[inline(always)]
+pub fn best_member(
+    policy: Policy,
+    primary: usize,
+    load: &GroupLoad,
+    service_ns: &[u64; MAX_GROUP_MEMBERS],
+    budget_ns: u64,
+) -> Option<(usize, u64)> {
+    let by_wait = u64::from(policy == Policy::Latency);
+    let primary_ns = service::primary_service_ns(primary, service_ns, budget_ns);
+    load.least(|pos| {
+        let pending = load.pending[pos % MAX_GROUP_MEMBERS];
+        let wait = service::expected_wait_at(pos, &load.pending, service_ns, primary_ns);
+        select(by_wait, wait, pending)
+    })
+}
+
+/// Picks the member position a read for `primary` goes to, given the best
+/// member (`best_member`). Returns `primary` whenever no other usable
+/// member is better by the policy's margin; a drained primary is left for
+/// the best usable member when there is one.
+#[inline(always)]
+pub fn choose_given(
+    policy: Policy,
+    threshold: u32,
+    budget_ns: u64,
+    primary: usize,
+    load: &GroupLoad,
+    service_ns: &[u64; MAX_GROUP_MEMBERS],
+    best: Option<(usize, u64)>,
+) -> usize {
     if policy == Policy::Observe || primary >= load.len || primary >= MAX_GROUP_MEMBERS {
         return primary;
     }
-    let Some(best) = load.least_pending() else {
+    let Some((best, best_cost)) = best else {
         return primary;
     };
     if !load.is_usable(primary) {
@@ -108,18 +262,50 @@ pub fn choose(policy: Policy, threshold: u32, primary: usize, load: &GroupLoad) 
     }
     let primary_pending = load.pending[primary];
     let over = match policy {
-        Policy::Threshold => {
-            primary_pending
-                >= load.pending[best % MAX_GROUP_MEMBERS].saturating_add(u64::from(threshold))
-        }
+        Policy::Threshold => primary_pending >= best_cost.saturating_add(u64::from(threshold)),
         Policy::Absolute => primary_pending >= u64::from(threshold),
+        Policy::Latency => {
+            let primary_ns = service::primary_service_ns(primary, service_ns, budget_ns);
+            service::expected_wait_at(primary, &load.pending, service_ns, primary_ns)
+                >= best_cost.saturating_add(budget_ns)
+        }
         Policy::Observe => false,
     };
     if over { best } else { primary }
 }
 
+/// `choose_given` for the count policies (threshold, absolute, observe).
+pub fn choose(policy: Policy, threshold: u32, primary: usize, load: &GroupLoad) -> usize {
+    if policy == Policy::Latency {
+        return primary;
+    }
+    let none = [0; MAX_GROUP_MEMBERS];
+    let best = best_member(policy, primary, load, &none, 0);
+    choose_given(policy, threshold, 0, primary, load, &none, best)
+}
+
+/// The latency policy: a read leaves `primary` when its expected wait is at
+/// least `budget_ns` over the least expected wait of a usable member.
+pub fn choose_by_wait(
+    primary: usize,
+    load: &GroupLoad,
+    service_ns: &[u64; MAX_GROUP_MEMBERS],
+    budget_ns: u64,
+) -> usize {
+    let best = best_member(Policy::Latency, primary, load, service_ns, budget_ns);
+    choose_given(
+        Policy::Latency,
+        0,
+        budget_ns,
+        primary,
+        load,
+        service_ns,
+        best,
+    )
+}
+
 /// Where a request goes once the pending bounds are applied.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Admission {
     /// Send it to this member.
     Send(usize),
@@ -129,15 +315,22 @@ pub enum Admission {
 }
 
 /// Applies `max_pending` (per backend; 0: no bound) to the policy's choice.
-/// A full member is swapped for the least pending usable member when the
+/// A full member is swapped for the policy's `best` member when the
 /// request `may_move` (a read, with steering on) and that member has room.
-pub fn admit(chosen: usize, max_pending: u32, may_move: bool, load: &GroupLoad) -> Admission {
+#[inline(always)]
+pub fn admit(
+    chosen: usize,
+    best: Option<usize>,
+    max_pending: u32,
+    may_move: bool,
+    load: &GroupLoad,
+) -> Admission {
     let cap = u64::from(max_pending);
     if cap == 0 || chosen >= MAX_GROUP_MEMBERS || load.pending[chosen] < cap {
         return Admission::Send(chosen);
     }
     if may_move
-        && let Some(best) = load.least_pending()
+        && let Some(best) = best
         && load.pending[best % MAX_GROUP_MEMBERS] < cap
     {
         return Admission::Send(best);
@@ -265,23 +458,209 @@ mod tests {
     #[test]
     fn admission_moves_off_a_full_member_or_reports_overload() {
         let l = load(&[5, 2, 5]);
-        assert_eq!(admit(0, 0, true, &l), Admission::Send(0));
-        assert_eq!(admit(0, 6, true, &l), Admission::Send(0));
-        assert_eq!(admit(0, 5, true, &l), Admission::Send(1));
-        assert_eq!(admit(0, 5, false, &l), Admission::Overloaded);
-        assert_eq!(admit(0, 2, true, &l), Admission::Overloaded);
+        assert_eq!(admit(0, l.least_pending(), 0, true, &l), Admission::Send(0));
+        assert_eq!(admit(0, l.least_pending(), 6, true, &l), Admission::Send(0));
+        assert_eq!(admit(0, l.least_pending(), 5, true, &l), Admission::Send(1));
+        assert_eq!(
+            admit(0, l.least_pending(), 5, false, &l),
+            Admission::Overloaded
+        );
+        assert_eq!(
+            admit(0, l.least_pending(), 2, true, &l),
+            Admission::Overloaded
+        );
         let mut drained = l;
         drained.usable &= !(1 << 1);
-        assert_eq!(admit(0, 5, true, &drained), Admission::Overloaded);
+        assert_eq!(
+            admit(0, drained.least_pending(), 5, true, &drained),
+            Admission::Overloaded
+        );
+    }
+
+    fn random(l: GroupLoad, random: u32) -> GroupLoad {
+        GroupLoad {
+            tie_break: TieBreak::Random,
+            random,
+            ..l
+        }
+    }
+
+    #[test]
+    fn random_tie_break_spreads_over_every_tied_usable_member() {
+        // Members 1, 2 and 4 tie at the minimum; 3 is drained.
+        let mut l = load(&[9, 1, 1, 1, 1]);
+        l.usable &= !(1 << 3);
+        let mut seen = [0u32; 5];
+        for r in 0..300 {
+            seen[choose(Policy::Threshold, 1, 0, &random(l, r))] += 1;
+        }
+        assert_eq!(seen, [0, 100, 100, 0, 100]);
+        // `first` keeps BookKeeper's first strict minimum whatever the number.
+        assert_eq!(
+            choose(Policy::Threshold, 1, 0, &GroupLoad { random: 2, ..l }),
+            1
+        );
+        // No tie: the minimum, whatever the number.
+        let l = random(load(&[9, 3, 1, 2]), 7);
+        assert_eq!(l.least_pending(), Some(2));
+    }
+
+    #[test]
+    fn random_tie_break_applies_to_admission_and_to_a_drained_primary() {
+        let l = load(&[5, 2, 2]);
+        let admitted: std::collections::BTreeSet<_> = (0..16)
+            .map(|r| admit(0, random(l, r).least_pending(), 5, true, &random(l, r)))
+            .collect();
+        assert_eq!(
+            admitted.into_iter().collect::<std::vec::Vec<_>>(),
+            [Admission::Send(1), Admission::Send(2)]
+        );
+        let mut drained = load(&[0, 3, 3]);
+        drained.usable &= !1;
+        let chosen: std::collections::BTreeSet<_> = (0..16)
+            .map(|r| choose(Policy::Absolute, 100, 0, &random(drained, r)))
+            .collect();
+        assert_eq!(chosen.into_iter().collect::<std::vec::Vec<_>>(), [1, 2]);
+    }
+
+    #[test]
+    fn the_branch_free_helpers_compare_and_select() {
+        assert_eq!((is_less(1, 2), is_less(2, 2), is_less(3, 2)), (1, 0, 0));
+        assert_eq!(is_less(0, NO_COST), 1);
+        assert_eq!((is_zero(0), is_zero(1), is_zero(1 << 63)), (1, 0, 0));
+        assert_eq!((select(1, 7, 9), select(0, 7, 9)), (7, 9));
+        assert_eq!(clamp_cost(5), 5);
+        assert_eq!(clamp_cost(u64::MAX), NO_COST - 1);
+        assert_eq!(clamp_cost(NO_COST), NO_COST - 1);
+        // Huge costs still lose to small ones and tie among themselves.
+        let l = load(&[u64::MAX, u64::MAX - 1, 3]);
+        assert_eq!(l.least_pending(), Some(2));
+        assert_eq!(load(&[u64::MAX, u64::MAX]).least_pending(), Some(0));
+        assert_eq!(load(&[]).least_pending(), None);
+    }
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn latency_policy_moves_when_the_expected_wait_exceeds_the_budget() {
+        let service = [MS, MS, MS, 0, 0, 0, 0, 0];
+        // 2 ms over the best: moves; 1 ms over: stays.
+        assert_eq!(choose_by_wait(0, &load(&[3, 1, 2]), &service, 2 * MS), 1);
+        assert_eq!(choose_by_wait(0, &load(&[2, 1, 2]), &service, 2 * MS), 0);
+        // The same counts at a tenth of the service time: stays.
+        let fast = [MS / 10, MS / 10, MS / 10, 0, 0, 0, 0, 0];
+        assert_eq!(choose_by_wait(0, &load(&[3, 1, 2]), &fast, 2 * MS), 0);
+        assert_eq!(choose_by_wait(0, &load(&[21, 1, 2]), &fast, 2 * MS), 1);
+        // A faster replica with more pending can be the better one.
+        let service = [MS, MS, MS / 4, 0, 0, 0, 0, 0];
+        assert_eq!(choose_by_wait(0, &load(&[6, 3, 4]), &service, 2 * MS), 2);
+        // The policy never moves on counts alone.
+        assert_eq!(choose(Policy::Latency, 1, 0, &load(&[100, 0, 0])), 0);
+    }
+
+    #[test]
+    fn latency_policy_keeps_drained_members_out_and_ties_random() {
+        let service = [MS; 8];
+        let mut l = load(&[9, 0, 0, 0]);
+        l.usable &= !(1 << 1);
+        assert_eq!(choose_by_wait(0, &l, &service, 2 * MS), 2);
+        let chosen: std::collections::BTreeSet<_> = (0..16)
+            .map(|r| choose_by_wait(0, &random(l, r), &service, 2 * MS))
+            .collect();
+        assert_eq!(chosen.into_iter().collect::<std::vec::Vec<_>>(), [2, 3]);
+        let mut drained_primary = load(&[0, 2, 1]);
+        drained_primary.usable &= !1;
+        assert_eq!(choose_by_wait(0, &drained_primary, &service, 2 * MS), 2);
+        assert_eq!(choose_by_wait(7, &load(&[1, 0]), &service, MS), 7);
+    }
+
+    /// What a stall of the primary looks like to a policy: reads to the
+    /// primary every `1/rate`, each answered `LATENCY` later by whoever it
+    /// went to, except that the primary answers nothing from `STALL_AT`
+    /// for `STALL`, then everything it holds at once. Service times come
+    /// from `service::next_service_ns` on every completion, as in the
+    /// kernel. Returns how long after the stall began the first read left
+    /// the primary.
+    fn first_move_after_stall(
+        rate: u64,
+        mut choose_at: impl FnMut(&GroupLoad, &[u64; 8]) -> usize,
+    ) -> Option<u64> {
+        use crate::service::next_service_ns;
+        const LATENCY: u64 = MS / 10;
+        const STALL_AT: u64 = 500 * MS;
+        const STALL: u64 = 25 * MS;
+        let gap = 1_000_000_000 / rate;
+        let mut l = load(&[0, 0, 0]);
+        let mut service = [0u64; 8];
+        let mut last = [0u64; 8];
+        // (completion time, member), kept sorted by time.
+        let mut outstanding: std::vec::Vec<(u64, usize)> = std::vec::Vec::new();
+        let mut now = gap;
+        while now < STALL_AT + STALL {
+            outstanding.sort();
+            while let Some(&(done, member)) = outstanding.first() {
+                if done > now {
+                    break;
+                }
+                outstanding.remove(0);
+                l.pending[member] -= 1;
+                service[member] = next_service_ns(service[member], last[member], done);
+                last[member] = done;
+            }
+            let to = choose_at(&l, &service);
+            if to != 0 && now >= STALL_AT {
+                return Some(now - STALL_AT);
+            }
+            let stalled = to == 0 && now + LATENCY > STALL_AT;
+            let done = if stalled {
+                (now + LATENCY).max(STALL_AT + STALL)
+            } else {
+                now + LATENCY
+            };
+            l.pending[to] += 1;
+            outstanding.push((done, to));
+            now += gap;
+        }
+        None
+    }
+
+    extern crate std;
+
+    #[test]
+    fn a_time_budget_moves_reads_after_the_same_time_at_any_rate() {
+        let budget = 2 * MS;
+        for rate in [1000, 8000] {
+            let moved = first_move_after_stall(rate, |l, s| choose_by_wait(0, l, s, budget))
+                .unwrap_or_else(|| panic!("never moved at {rate}/s"));
+            // Within one inter-arrival gap of the budget.
+            assert!(
+                (budget..=budget + 1_000_000_000 / rate).contains(&moved),
+                "{rate}/s: moved {moved} ns after the stall began"
+            );
+        }
+        // A count threshold of 16 (2 ms at 8000/s) waits 16 ms at 1000/s.
+        let at = |rate| first_move_after_stall(rate, |l, _| choose(Policy::Threshold, 16, 0, l));
+        assert!(at(8000).unwrap() <= 2 * MS + MS / 8, "{:?}", at(8000));
+        assert!(at(1000).unwrap() >= 15 * MS, "{:?}", at(1000));
     }
 
     #[test]
     fn policy_round_trips_through_u32() {
-        for p in [Policy::Threshold, Policy::Absolute, Policy::Observe] {
+        for p in [
+            Policy::Threshold,
+            Policy::Absolute,
+            Policy::Observe,
+            Policy::Latency,
+        ] {
             assert_eq!(Policy::from_u32(p as u32), Some(p));
             assert_eq!(Policy::from_name(p.name()), Some(p));
         }
         assert_eq!(Policy::from_name("fastest"), None);
-        assert_eq!(Policy::from_u32(3), None);
+        assert_eq!(Policy::from_u32(4), None);
+        for t in [TieBreak::First, TieBreak::Random] {
+            assert_eq!(TieBreak::from_u32(t as u32), Some(t));
+            assert_eq!(TieBreak::from_name(t.name()), Some(t));
+        }
+        assert_eq!(TieBreak::from_u32(2), None);
     }
 }

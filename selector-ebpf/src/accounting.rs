@@ -5,10 +5,10 @@
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use selector_common::{
-    BackendStats, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, split_backend_id,
+    BackendStats, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, service, split_backend_id,
 };
 
-use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, STATS};
+use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS};
 
 /// The load of group `group`: one lookup per map, no branch per member.
 #[inline(always)]
@@ -75,4 +75,27 @@ pub fn record_latency(backend: u32, latency_ns: u64) {
     if let Some(c) = LATENCY.get_ptr_mut(index) {
         unsafe { *c += 1 };
     }
+}
+
+/// Folds a completion at `now_ns` into `backend`'s service time. Plain
+/// loads and stores: completions on two CPUs at once may lose one sample,
+/// which an average over many does not notice.
+#[inline(always)]
+pub fn record_service(backend: u32, now_ns: u64) {
+    let (group, position) = split_backend_id(backend);
+    if let Some(s) = SERVICE.get_ptr_mut(group) {
+        let position = position % MAX_GROUP_MEMBERS;
+        unsafe {
+            let last = (*s).last_completion_ns[position];
+            (*s).service_ns[position] =
+                service::next_service_ns((*s).service_ns[position], last, now_ns);
+            (*s).last_completion_ns[position] = now_ns;
+        }
+    }
+}
+
+/// Service times of group `group`'s members.
+#[inline(always)]
+pub fn group_service(group: u32) -> Option<&'static [u64; MAX_GROUP_MEMBERS]> {
+    SERVICE.get(group).map(|s| &s.service_ns)
 }

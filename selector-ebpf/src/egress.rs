@@ -1,11 +1,14 @@
 //! Request path (TC egress): count, choose a replica, apply the pending
 //! bounds, steer.
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::TcContext};
+use aya_ebpf::{
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
+    programs::TcContext,
+};
 use aya_log_ebpf::debug;
 use selector_common::{
-    BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, OnOverload, PassReason, Policy,
-    backend_id,
+    BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, MAX_GROUP_MEMBERS, OnOverload,
+    PassReason, Policy, TieBreak, backend_id,
     inflight::{PHASE_LIVE, key_hashes},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
@@ -14,7 +17,7 @@ use selector_common::{
 use crate::{
     TC_CONTINUE, TC_DROP, accounting, hedge,
     inflight::{self, NewRequest},
-    maps::{BACKENDS, backend_target, config, count_pass},
+    maps::{BACKENDS, SCRATCH, backend_target, config, count_pass},
     nexthop,
     packet::{self, Datagram},
     reject,
@@ -44,12 +47,15 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         // Removed by a reload: only its requests in flight are still served.
         return pass(PassReason::NotBackend);
     }
+    let (group, primary_pos) = split_backend_id(primary);
+    // Chosen before the payload is parsed, where the verifier has few
+    // paths to walk it on; used only if this is a new read.
+    let proposal = forget(propose(config, group, primary_pos).ok_or(())?).ok_or(())?;
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {
         return pass(PassReason::NoRequestId);
     };
     let is_read = config.descriptor.is_read(byte);
-    let (group, primary_pos) = split_backend_id(primary);
     let key = InflightKey::ipv4(dgram.ip.src, dgram.src_port, group, request_id);
     let hashes = key_hashes(&key);
     if let Some(first) = inflight::find(&key, hashes.home, config.inflight_mask, PHASE_LIVE, |_| {
@@ -69,9 +75,16 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         let load = accounting::group_load(group).ok_or(())?;
         let may_move = config.steering_off == 0;
         if may_move {
-            chosen_pos = choose_position(config, primary_pos, &load);
+            chosen_pos = proposal.chosen;
         }
-        match admit(config, chosen_pos, may_move, &load, hashes.client_slot) {
+        match admit(
+            config,
+            chosen_pos,
+            proposal.best,
+            may_move,
+            &load,
+            hashes.client_slot,
+        ) {
             Admission::Send(pos) => chosen_pos = pos,
             Admission::Overloaded => {
                 match OnOverload::from_u32(config.on_overload).unwrap_or(OnOverload::Pass) {
@@ -165,18 +178,66 @@ fn steer(ctx: &TcContext, config: &Config, dgram: &Datagram, chosen: u32) -> Res
     Ok(nexthop::send(ctx, config.mark, chosen))
 }
 
-/// Applies the configured policy to the primary's group.
+/// What the policy would do with a read for `primary_pos` of `group`.
+struct Proposal {
+    /// Where the policy sends it.
+    chosen: usize,
+    /// The best member, where a read leaves a full one for.
+    best: Option<usize>,
+}
+
+/// Applies the configured policy and tie-break to the group's counts and
+/// service times.
 #[inline(always)]
-fn choose_position(config: &Config, primary_pos: usize, load: &GroupLoad) -> usize {
-    let Some(policy) = Policy::from_u32(config.policy) else {
-        return primary_pos;
-    };
-    let chosen = policy::choose(policy, config.threshold, primary_pos, load);
-    if chosen < load.len {
-        chosen
-    } else {
-        primary_pos
+fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> {
+    let mut load = accounting::group_load(group)?;
+    if config.tie_break == TieBreak::Random as u32 {
+        load.tie_break = TieBreak::Random;
+        load.random = unsafe { bpf_get_prandom_u32() };
     }
+    let service = accounting::group_service(group)?;
+    let policy = Policy::from_u32(config.policy).unwrap_or(Policy::Observe);
+    let budget_ns = u64::from(config.budget_us) * 1000;
+    let best = policy::best_member(policy, primary_pos, &load, service, budget_ns);
+    let chosen = policy::choose_given(
+        policy,
+        config.threshold,
+        budget_ns,
+        primary_pos,
+        &load,
+        service,
+        best,
+    );
+    Some(Proposal {
+        chosen: if chosen < load.len {
+            chosen
+        } else {
+            primary_pos
+        },
+        best: best.map(|(pos, _)| pos),
+    })
+}
+
+/// Writes `proposal` to per-CPU map memory and reads it back. The kernel
+/// verifier does not track what map memory holds, so the values come back
+/// as unknowns within their bounds: the paths through the selection (by
+/// policy, by which member won, by the random draw) all continue in one
+/// state instead of each walking the rest of the program again. Without
+/// this the egress program's check went past the verifier's 1M-instruction
+/// limit.
+#[inline(always)]
+fn forget(proposal: Proposal) -> Option<Proposal> {
+    let slot = SCRATCH.get_ptr_mut(0)?;
+    let best = proposal.best.map_or(MAX_GROUP_MEMBERS as u64, |b| b as u64);
+    // SAFETY: a per-CPU slot of this map, not shared while the program runs.
+    let [chosen, best] = unsafe {
+        core::ptr::write_volatile(slot, [proposal.chosen as u64, best]);
+        core::ptr::read_volatile(slot)
+    };
+    Some(Proposal {
+        chosen: chosen as usize % MAX_GROUP_MEMBERS,
+        best: (best < MAX_GROUP_MEMBERS as u64).then_some(best as usize % MAX_GROUP_MEMBERS),
+    })
 }
 
 /// The per-client bound first (moving elsewhere does not help it), then the
@@ -185,6 +246,7 @@ fn choose_position(config: &Config, primary_pos: usize, load: &GroupLoad) -> usi
 fn admit(
     config: &Config,
     chosen_pos: usize,
+    best: Option<usize>,
     may_move: bool,
     load: &GroupLoad,
     client: u32,
@@ -194,7 +256,7 @@ fn admit(
         return Admission::Overloaded;
     }
     let may_move = may_move && config.policy != Policy::Observe as u32;
-    match policy::admit(chosen_pos, config.max_pending, may_move, load) {
+    match policy::admit(chosen_pos, best, config.max_pending, may_move, load) {
         Admission::Send(pos) if pos < load.len => Admission::Send(pos),
         Admission::Send(_) => Admission::Send(chosen_pos),
         Admission::Overloaded => Admission::Overloaded,

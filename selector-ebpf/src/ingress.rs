@@ -208,6 +208,7 @@ fn complete<C: Packet>(
         accounting::count(backend, |s| &mut s.responses);
         let now = unsafe { bpf_ktime_get_ns() };
         accounting::record_latency(backend, now.saturating_sub(live.sent_ns));
+        accounting::record_service(backend, now);
     } else if phase(live.state) == PHASE_LIVE {
         // The sweep expired it a moment ago: a late reply, still rewritten.
         accounting::count(backend, |s| &mut s.late_responses);

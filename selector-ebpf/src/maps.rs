@@ -13,8 +13,8 @@ use aya_ebpf::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
-    GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
-    PassReason,
+    GroupCounters, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac,
+    PASS_REASONS, PassReason,
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, slots_for},
     latency::LATENCY_BUCKETS,
@@ -41,6 +41,11 @@ pub static GROUPS: Array<Group> = Array::with_max_entries(MAX_GROUPS, 0);
 #[map]
 pub static COUNTERS: Array<GroupCounters> = Array::with_max_entries(MAX_GROUPS, BPF_F_MMAPABLE);
 
+/// Service time per group member (`selector_common::service`), updated on
+/// every completion; read by egress under the latency policy.
+#[map]
+pub static SERVICE: Array<GroupService> = Array::with_max_entries(MAX_GROUPS, BPF_F_MMAPABLE);
+
 /// Pending requests per client socket, hashed into `CLIENT_SLOTS` slots.
 #[map]
 pub static CLIENT_PENDING: Array<u64> = Array::with_max_entries(CLIENT_SLOTS, BPF_F_MMAPABLE);
@@ -50,6 +55,11 @@ pub static CLIENT_PENDING: Array<u64> = Array::with_max_entries(CLIENT_SLOTS, BP
 #[map]
 pub static INFLIGHT: Array<InflightSlot> =
     Array::with_max_entries(slots_for(DEFAULT_INFLIGHT_MAX), BPF_F_MMAPABLE);
+
+/// Per-CPU scratch words the request path writes and reads back so the
+/// verifier forgets what it knew of them (see `egress::forget`).
+#[map]
+pub static SCRATCH: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU request counter: with the CPU id, a unique request instance number.
 #[map]

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context as _, Result};
 use aya::{
-    EbpfLoader,
+    EbpfLoader, VerifierLogLevel,
     programs::{SchedClassifier, Xdp},
 };
 use selector_common::programs;
@@ -14,9 +14,13 @@ use selector_user::EBPF_OBJECT;
 
 fn main() -> Result<()> {
     let start = Instant::now();
-    let mut ebpf = EbpfLoader::new()
-        .load(EBPF_OBJECT)
-        .context("loading the object")?;
+    // VERIFIER_LOG=1: the verbose verifier log of every program, on stderr.
+    let verbose = std::env::var_os("VERIFIER_LOG").is_some();
+    let mut loader = EbpfLoader::new();
+    if verbose {
+        loader.verifier_log_level(VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS);
+    }
+    let mut ebpf = loader.load(EBPF_OBJECT).context("loading the object")?;
     println!("object and maps: {:?}", start.elapsed());
     let mut total = 0;
     for name in [

@@ -20,7 +20,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, anyhow};
-use selector_common::{Descriptor, OnOverload, Policy};
+use selector_common::{Descriptor, OnOverload, Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 use toml::de::{DeTable, DeValue};
 
@@ -28,8 +28,8 @@ use crate::{
     control::{Named, by_name},
     hedging::{HedgeAfter, HedgeSettings},
     settings::{
-        DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol, SettingKey,
-        Settings, invalid,
+        DEFAULT_BUDGET, DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol,
+        SettingKey, Settings, invalid, millis,
     },
 };
 
@@ -94,6 +94,10 @@ pub struct Options {
     pub hedge_after: Option<HedgeAfter>,
     /// Percent of reads (`--hedge-budget`).
     pub hedge_budget: Option<u32>,
+    /// Milliseconds, fractions allowed (`--budget`).
+    pub budget: Option<f64>,
+    #[serde(default, with = "by_name")]
+    pub tie_break: Option<TieBreak>,
 }
 
 /// One replica group: members in preference order, each `a.b.c.d:port` or
@@ -165,6 +169,8 @@ impl Options {
             resolv_conf: self.resolv_conf.or(file.resolv_conf),
             hedge_after: self.hedge_after.or(file.hedge_after),
             hedge_budget: self.hedge_budget.or(file.hedge_budget),
+            budget: self.budget.or(file.budget),
+            tie_break: self.tie_break.or(file.tie_break),
         }
     }
 
@@ -213,12 +219,26 @@ impl Options {
             groups.push(members);
         }
         let timeout = Duration::from_millis(self.timeout.unwrap_or(DEFAULT_TIMEOUT_MS));
+        let budget = match self.budget {
+            None => DEFAULT_BUDGET,
+            Some(ms) => match millis(ms) {
+                Some(budget) => budget,
+                None => {
+                    return invalid(
+                        SettingKey::Flag("budget"),
+                        "must be a number of milliseconds",
+                    );
+                }
+            },
+        };
         let defaults = Settings::new("", vec![]);
         let settings = Settings {
             iface: self.iface.clone().unwrap_or_default(),
             groups,
             policy: self.policy.unwrap_or(defaults.policy),
             threshold: self.threshold.unwrap_or(DEFAULT_THRESHOLD),
+            budget,
+            tie_break: self.tie_break.unwrap_or(defaults.tie_break),
             descriptor: self.descriptor()?,
             timeout,
             inflight_max: self.inflight_max.unwrap_or(defaults.inflight_max),

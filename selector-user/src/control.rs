@@ -11,7 +11,8 @@
 //! ```text
 //! {"request":"status"}
 //! {"request":"set","policy":"threshold","threshold":2,"max_pending":5,
-//!  "max_pending_client":0,"on_overload":"drop"}   (every field optional)
+//!  "max_pending_client":0,"on_overload":"drop","budget_us":2000,
+//!  "tie_break":"random"}                          (every field optional)
 //! {"request":"drain","backend":"10.0.0.2:11211","drained":true}
 //! {"request":"reload"}
 //!
@@ -30,7 +31,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use selector_common::Policy;
+use selector_common::{Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
 use crate::{
@@ -78,6 +79,11 @@ pub struct SettingsChange {
     pub hedge_after: Option<crate::hedging::HedgeAfter>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hedge_budget: Option<u32>,
+    /// The latency policy's budget, microseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_us: Option<u64>,
+    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    pub tie_break: Option<TieBreak>,
 }
 
 impl SettingsChange {
@@ -99,6 +105,10 @@ impl SettingsChange {
                 after: self.hedge_after.unwrap_or(settings.hedging.after),
                 budget_percent: self.hedge_budget.unwrap_or(settings.hedging.budget_percent),
             },
+            budget: self
+                .budget_us
+                .map_or(settings.budget, Duration::from_micros),
+            tie_break: self.tie_break.unwrap_or(settings.tie_break),
             ..settings.clone()
         };
         changed.check_tunables()?;
@@ -132,7 +142,7 @@ pub enum Reply {
 /// {
 ///   "iface": "eth0",
 ///   "settings": {                  settings in force
-///     "policy": "threshold",       threshold | absolute | observe
+///     "policy": "threshold",       threshold | absolute | observe | latency
 ///     "threshold": 4,
 ///     "max_pending": 0,            per backend; 0 = no bound
 ///     "max_pending_client": 0,     per client socket; 0 = no bound
@@ -144,7 +154,9 @@ pub enum Reply {
 ///     "inflight_max": 65536,
 ///     "ingress": "xdp",            xdp | tc
 ///     "hedge_after": "off",        off | auto | milliseconds ("2", "0.5")
-///     "hedge_budget_percent": 5
+///     "hedge_budget_percent": 5,
+///     "budget_us": 2000,           latency policy's budget, microseconds
+///     "tie_break": "first"         first | random
 ///   },
 ///   "in_flight": 3,                entries in the in-flight table now
 ///   "last_interval": {             the last interval ended; null before
@@ -187,7 +199,9 @@ pub enum Reply {
 ///      "hedge_over_budget": 0, "hedge_no_target": 0, "hedge_queue_full": 0,
 ///      "hedge_ring_full": 0, "hedge_too_large": 0,   reads to it (as primary) not hedged
 ///      "hedge_send_failed": 0,     copies to it the socket refused
-///      "hedge_delay_ns": 2000000}  delay for reads to it; null when off
+///      "hedge_delay_ns": 2000000,  delay for reads to it; null when off
+///      "service_ns": 250000}       recent time per completed request (the
+///                                  latency policy's); null until measured
 ///   ],
 ///   "hedges": {...}                the hedge fields above, summed (delay null)
 /// }
@@ -225,6 +239,12 @@ pub struct SettingsInForce {
     pub hedge_after: crate::hedging::HedgeAfter,
     #[serde(default)]
     pub hedge_budget_percent: u32,
+    /// The latency policy's budget, microseconds.
+    #[serde(default)]
+    pub budget_us: u64,
+    /// `first` or `random`.
+    #[serde(default)]
+    pub tie_break: String,
 }
 
 impl From<&Settings> for SettingsInForce {
@@ -243,6 +263,8 @@ impl From<&Settings> for SettingsInForce {
             ingress: s.ingress.name().into(),
             hedge_after: s.hedging.after,
             hedge_budget_percent: s.hedging.budget_percent,
+            budget_us: u64::from(s.budget_us()),
+            tie_break: s.tie_break.name().into(),
         }
     }
 }
@@ -251,12 +273,14 @@ impl SettingsInForce {
     /// The run-time tunables, in `selector set` flag order.
     pub fn tunables(&self) -> String {
         format!(
-            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {}",
+            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {} budget {} ms tie-break {}",
             self.policy,
             self.threshold,
             self.max_pending,
             self.max_pending_client,
-            self.on_overload
+            self.on_overload,
+            self.budget_us as f64 / 1000.0,
+            self.tie_break
         )
     }
 }
@@ -339,6 +363,16 @@ impl Named for Policy {
     }
 }
 
+impl Named for TieBreak {
+    const WHAT: &'static str = "tie-break";
+    fn name(self) -> &'static str {
+        TieBreak::name(self)
+    }
+    fn from_name(name: &str) -> Option<Self> {
+        TieBreak::from_name(name)
+    }
+}
+
 impl Named for OnOverload {
     const WHAT: &'static str = "overload response";
     fn name(self) -> &'static str {
@@ -402,6 +436,8 @@ mod tests {
                 on_overload: Some(OnOverload::Reject),
                 hedge_after: Some("0.5".parse().unwrap()),
                 hedge_budget: Some(10),
+                budget_us: Some(2500),
+                tie_break: Some(TieBreak::Random),
             }),
             Request::Set(SettingsChange {
                 threshold: Some(3),
@@ -505,6 +541,7 @@ mod tests {
                     hedges_won: 1,
                     ..Default::default()
                 },
+                service_ns: Some(250_000),
             }],
             hedges: Default::default(),
         };

@@ -19,8 +19,8 @@ use aya::{
 };
 use log::debug;
 use selector_common::{
-    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, MAX_GROUPS,
-    PassReason, Policy,
+    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupService,
+    MAX_GROUPS, PassReason, Policy,
     inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
     names, pass_index, programs, split_backend_id,
 };
@@ -45,6 +45,8 @@ pub struct Selector {
     pub(crate) counters: SharedArray<GroupCounters>,
     /// Pending per client-socket slot, shared with the kernel.
     pub(crate) clients: SharedArray<u64>,
+    /// Service times per group, kept by the kernel.
+    pub(crate) service: SharedArray<GroupService>,
     /// Shutting down: no new redirects.
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
@@ -297,6 +299,7 @@ impl Selector {
         let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
+        let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -312,6 +315,7 @@ impl Selector {
             slots,
             counters,
             clients,
+            service,
             steering_off: false,
             planted: 0,
             pins,
@@ -457,6 +461,8 @@ impl Selector {
             mark: s.mark,
             inflight_mask: self.slots.len() as u32 - 1,
             steering_off: u32::from(self.steering_off),
+            tie_break: s.tie_break as u32,
+            budget_us: s.budget_us(),
             descriptor: s.descriptor,
         };
         let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
@@ -545,6 +551,20 @@ impl Selector {
                 }
             })
             .collect())
+    }
+
+    /// Service time per backend (ns; 0 until the kernel measured one), as
+    /// the latency policy sees it.
+    pub fn service_times(&self) -> Vec<u64> {
+        self.backends
+            .iter()
+            .map(|b| {
+                let (group, position) = split_backend_id(b.index);
+                let s = self.service.ptr(group as usize);
+                // SAFETY: a field of a live shared element, 8-byte aligned.
+                unsafe { load(&raw mut (*s).service_ns[position]) }
+            })
+            .collect()
     }
 
     /// Per-backend statistics summed over CPUs.

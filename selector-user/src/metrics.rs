@@ -550,6 +550,7 @@ mod tests {
             latency_buckets: latency_buckets(latency),
             tail,
             hedges: Default::default(),
+            service_ns: None,
         };
         Status {
             iface: "eth0".into(),

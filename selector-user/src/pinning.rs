@@ -37,7 +37,7 @@ use aya::{
     },
 };
 use selector_common::{
-    BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, MAX_BACKENDS,
+    BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupService, MAX_BACKENDS,
     MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS, hedge,
     inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
     latency::LATENCY_BUCKETS,
@@ -105,7 +105,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 15] {
+fn shapes(inflight_max: u32) -> [Shape; 17] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -153,6 +153,14 @@ fn shapes(inflight_max: u32) -> [Shape; 15] {
             slots_for(inflight_max),
         ),
         shape(names::SEQUENCE, MapType::PerCpuArray, u32s, u64s, 1),
+        shape(
+            names::SERVICE,
+            MapType::Array,
+            u32s,
+            size_of::<GroupService>(),
+            MAX_GROUPS,
+        ),
+        shape(names::SCRATCH, MapType::PerCpuArray, u32s, 2 * u64s, 1),
         shape(
             names::STATS,
             MapType::PerCpuArray,

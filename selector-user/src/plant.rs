@@ -74,4 +74,13 @@ impl Selector {
         // SAFETY: a field of a live shared element, 8-byte aligned.
         unsafe { atomic(&raw mut (*c).issued[position]) }.fetch_add(delta as u64, Ordering::SeqCst);
     }
+
+    /// Sets backend `id`'s service time, as the reply path would have
+    /// measured it.
+    pub fn plant_service_time(&self, id: u32, service_ns: u64) {
+        let (group, position) = split_backend_id(id);
+        let s = self.service.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        unsafe { atomic(&raw mut (*s).service_ns[position]) }.store(service_ns, Ordering::SeqCst);
+    }
 }

@@ -6,7 +6,7 @@ use std::{collections::HashMap, fmt, net::SocketAddrV4, time::Duration};
 use anyhow::{Result, bail};
 use selector_common::{
     DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
-    backend_id,
+    TieBreak, backend_id,
 };
 pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
 
@@ -15,6 +15,9 @@ use crate::interface;
 /// Defaults shared by the command line and [`Settings::new`].
 pub const DEFAULT_THRESHOLD: u32 = 4;
 pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
+/// The latency policy's default budget: a read leaves a primary whose
+/// expected wait is 2 ms over the best replica's.
+pub const DEFAULT_BUDGET: Duration = Duration::from_millis(2);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IngressMode {
@@ -80,6 +83,11 @@ pub struct Settings {
     pub groups: Vec<Vec<SocketAddrV4>>,
     pub policy: Policy,
     pub threshold: u32,
+    /// Latency policy: expected wait over the best member's at which a
+    /// read leaves its primary (1 µs to `MAX_TIMEOUT_MS`, whole µs).
+    pub budget: Duration,
+    /// How every policy picks among equally loaded members.
+    pub tie_break: TieBreak,
     pub descriptor: Descriptor,
     /// In-flight entries older than this are expired by the sweep.
     pub timeout: Duration,
@@ -171,6 +179,8 @@ impl Settings {
             groups,
             policy: Policy::Threshold,
             threshold: DEFAULT_THRESHOLD,
+            budget: DEFAULT_BUDGET,
+            tie_break: TieBreak::First,
             descriptor: Descriptor::memcached(),
             timeout,
             inflight_max: DEFAULT_INFLIGHT_MAX,
@@ -243,6 +253,14 @@ impl Settings {
         if self.threshold == 0 && self.policy != Policy::Observe {
             return invalid(SettingKey::Flag("threshold"), "must be at least 1");
         }
+        if self.budget < Duration::from_micros(1)
+            || self.budget > Duration::from_millis(MAX_TIMEOUT_MS)
+        {
+            return invalid(
+                SettingKey::Flag("budget"),
+                format!("must be 0.001 to {MAX_TIMEOUT_MS} ms"),
+            );
+        }
         if self.on_overload == OnOverload::Reject && !self.protocol().has_error_reply() {
             return invalid(
                 SettingKey::Flag("on-overload"),
@@ -251,6 +269,11 @@ impl Settings {
         }
         self.hedging.check(self.timeout)?;
         Ok(())
+    }
+
+    /// The budget in whole microseconds, as the kernel holds it.
+    pub fn budget_us(&self) -> u32 {
+        self.budget.as_micros().min(u128::from(u32::MAX)) as u32
     }
 
     /// Checks the host side: the interface exists in this network namespace
@@ -347,6 +370,25 @@ pub fn parse_group(s: &str) -> Result<Vec<SocketAddrV4>, String> {
                 .map_err(|_| format!("'{m}' is not an IPv4 address:port"))
         })
         .collect()
+}
+
+/// Parses a duration in milliseconds, fractions allowed (`2`, `0.5`),
+/// rounded to whole microseconds.
+pub fn parse_millis(s: &str) -> Result<Duration, String> {
+    let ms: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of milliseconds"))?;
+    millis(ms).ok_or_else(|| format!("'{s}' is not a number of milliseconds"))
+}
+
+/// `ms` milliseconds rounded to whole microseconds; None if negative, not
+/// finite, or too long.
+pub fn millis(ms: f64) -> Option<Duration> {
+    if !ms.is_finite() || ms < 0.0 {
+        return None;
+    }
+    let us = (ms * 1000.0).round();
+    (us <= u64::MAX as f64).then(|| Duration::from_micros(us as u64))
 }
 
 /// Parses a number given in decimal or as `0x` hex (mark bits read better in hex).
@@ -463,6 +505,28 @@ mod tests {
         let mut s = settings(&["10.0.0.1:1"]);
         s.descriptor.id_len = 0;
         assert!(err(&s).contains("descriptor"));
+        for bad in [Duration::ZERO, Duration::from_millis(MAX_TIMEOUT_MS + 1)] {
+            let s = Settings {
+                budget: bad,
+                ..settings(&["10.0.0.1:1"])
+            };
+            assert!(err(&s).contains("--budget"), "{bad:?}");
+        }
+        let s = Settings {
+            budget: Duration::from_millis(MAX_TIMEOUT_MS),
+            ..settings(&["10.0.0.1:1"])
+        };
+        assert_eq!(s.budget_us(), 3_600_000_000);
+    }
+
+    #[test]
+    fn milliseconds_parse_with_fractions() {
+        assert_eq!(parse_millis("2"), Ok(Duration::from_millis(2)));
+        assert_eq!(parse_millis("0.25"), Ok(Duration::from_micros(250)));
+        assert_eq!(parse_millis("0.0004"), Ok(Duration::ZERO));
+        for bad in ["-1", "NaN", "inf", "2ms", ""] {
+            assert!(parse_millis(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

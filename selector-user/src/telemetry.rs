@@ -30,6 +30,8 @@ pub struct Snapshot {
     pub passed: Vec<(String, String, u64)>,
     /// Hedging counters per backend.
     pub hedges: Vec<crate::hedging::HedgeCounts>,
+    /// Service time per backend, ns (0: not measured).
+    pub service_ns: Vec<u64>,
 }
 
 impl Snapshot {
@@ -59,6 +61,7 @@ impl Selector {
                 .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
                 .collect(),
             hedges: self.hedge_counts()?,
+            service_ns: self.service_times(),
         })
     }
 }
@@ -97,6 +100,10 @@ pub struct BackendTotals {
     /// Hedging counters, as fields of this object.
     #[serde(flatten)]
     pub hedges: crate::hedging::HedgeCounts,
+    /// Recent time per completed request (the latency policy's service
+    /// time); `None` until measured.
+    #[serde(default)]
+    pub service_ns: Option<u64>,
 }
 
 /// One bucket of a latency histogram: `count` requests answered after at
@@ -273,6 +280,7 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot, tails: &TailHistory) -> 
             latency_buckets: latency_buckets(&now.latency[i]),
             tail: tails.backend(i),
             hedges: now.hedges.get(i).copied().unwrap_or_default(),
+            service_ns: now.service_ns.get(i).copied().filter(|s| *s != 0),
         })
         .collect()
 }
@@ -431,6 +439,7 @@ mod tests {
             inflight: 7,
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
             hedges: vec![],
+            service_ns: vec![0],
         }
     }
 

@@ -50,6 +50,8 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
         ],
         policy: Policy::Threshold,
         threshold: 1,
+        budget: Duration::from_millis(2),
+        tie_break: selector_common::TieBreak::First,
         descriptor,
         timeout: Duration::from_secs(1),
         inflight_max: 1024,

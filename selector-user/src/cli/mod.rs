@@ -12,7 +12,7 @@ use std::net::SocketAddrV4;
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use selector_common::Policy;
+use selector_common::{Policy, TieBreak};
 
 pub use detach::DetachArgs;
 pub use run::run;
@@ -101,6 +101,13 @@ pub struct SetArgs {
     /// Hedges at most this percentage of reads.
     #[arg(long, value_name = "PERCENT")]
     pub hedge_budget: Option<u32>,
+    /// Latency policy: milliseconds of expected wait over the best replica
+    /// at which a read leaves its primary.
+    #[arg(long, value_name = "MS", value_parser = crate::settings::parse_millis)]
+    pub budget: Option<std::time::Duration>,
+    /// How the best of several equally loaded replicas is picked.
+    #[arg(long, value_enum)]
+    pub tie_break: Option<TieBreakArg>,
 }
 
 #[derive(Debug, Args)]
@@ -120,6 +127,9 @@ pub enum PolicyArg {
     Absolute,
     /// Count and report, never redirect.
     Observe,
+    /// Redirect when the primary's expected wait (pending x recent time
+    /// per completed request) is the budget over the best replica's.
+    Latency,
 }
 
 impl From<PolicyArg> for Policy {
@@ -128,6 +138,24 @@ impl From<PolicyArg> for Policy {
             PolicyArg::Threshold => Policy::Threshold,
             PolicyArg::Absolute => Policy::Absolute,
             PolicyArg::Observe => Policy::Observe,
+            PolicyArg::Latency => Policy::Latency,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum TieBreakArg {
+    /// The first in group order (BookKeeper's first strict minimum).
+    First,
+    /// One of them at random, so many clients do not herd onto one replica.
+    Random,
+}
+
+impl From<TieBreakArg> for TieBreak {
+    fn from(t: TieBreakArg) -> Self {
+        match t {
+            TieBreakArg::First => TieBreak::First,
+            TieBreakArg::Random => TieBreak::Random,
         }
     }
 }
@@ -162,6 +190,10 @@ impl SetArgs {
             on_overload: self.on_overload.map(OnOverload::from),
             hedge_after: self.hedge_after,
             hedge_budget: self.hedge_budget,
+            budget_us: self
+                .budget
+                .map(|b| b.as_micros().min(u128::from(u64::MAX)) as u64),
+            tie_break: self.tie_break.map(TieBreak::from),
         }
     }
 }
@@ -178,7 +210,7 @@ pub fn control(command: Command) -> Result<()> {
             let change = a.change();
             if change.is_empty() {
                 bail!(
-                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client, --hedge-after, --hedge-budget"
+                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client, --hedge-after, --hedge-budget, --budget, --tie-break"
                 );
             }
             (a.iface, Request::Set(change), false)

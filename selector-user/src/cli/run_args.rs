@@ -9,9 +9,9 @@ use std::{
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
-use selector_common::Policy;
+use selector_common::{Policy, TieBreak};
 
-use super::{OnOverloadArg, PolicyArg};
+use super::{OnOverloadArg, PolicyArg, TieBreakArg};
 use crate::{
     config::{ConfigFile, GroupSpec, Options, RunConfig},
     hedging::HedgeAfter,
@@ -145,6 +145,17 @@ pub struct RunArgs {
     /// [default: 5].
     #[arg(long, value_name = "PERCENT")]
     pub hedge_budget: Option<u32>,
+    /// Latency policy: milliseconds of expected wait (pending x recent time
+    /// per completed request) over the best replica's at which a read
+    /// leaves its primary; fractions allowed (0.001 to 3600000)
+    /// [default: 2].
+    #[arg(long, value_name = "MS")]
+    pub budget: Option<f64>,
+    /// How the best of several equally loaded replicas is picked: the first
+    /// in group order, or one at random (no herding of many clients)
+    /// [default: first].
+    #[arg(long, value_enum)]
+    pub tie_break: Option<TieBreakArg>,
     /// Capacity of the in-flight table; requests beyond it pass untracked
     /// [default: 65536].
     #[arg(long)]
@@ -226,6 +237,8 @@ impl RunArgs {
             resolv_conf: self.resolv_conf.clone(),
             hedge_after: self.hedge_after,
             hedge_budget: self.hedge_budget,
+            budget: self.budget,
+            tie_break: self.tie_break.map(TieBreak::from),
         }
     }
 
@@ -407,6 +420,30 @@ mod tests {
                 .policy,
             Policy::Observe
         );
+    }
+
+    #[test]
+    fn latency_policy_and_tie_break_flags_are_taken_and_checked() {
+        let d = parse(&[]).unwrap();
+        assert_eq!(
+            (d.budget, d.tie_break),
+            (Duration::from_millis(2), TieBreak::First)
+        );
+        let s = parse(&[
+            "--policy",
+            "latency",
+            "--budget",
+            "0.5",
+            "--tie-break",
+            "random",
+        ])
+        .unwrap();
+        assert_eq!(s.policy, Policy::Latency);
+        assert_eq!(s.budget, Duration::from_micros(500));
+        assert_eq!(s.tie_break, TieBreak::Random);
+        assert!(parse_err(&["--budget", "0"]).contains("--budget"));
+        assert!(parse_err(&["--budget=-1"]).contains("--budget"));
+        assert!(parse(&["--tie-break", "last"]).is_err());
     }
 
     #[test]
