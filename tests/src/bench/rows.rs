@@ -7,6 +7,10 @@ use selector_user::hedging::HedgeAfter;
 
 use super::client::ClientPolicy;
 
+/// The latency policy's budget in the benchmark: about one stall's worth
+/// of the queue a count threshold of a few reads means at 4000 reads/s.
+pub const LATENCY_BUDGET_MS: u32 = 2;
+
 /// One policy under test.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Row {
@@ -29,6 +33,8 @@ pub enum Row {
     /// The selector, threshold 1, with hedged reads after this delay (the
     /// row to compare with is `Threshold(1)`).
     Hedged(HedgeAfter),
+    /// The selector, latency policy, with this budget in milliseconds.
+    Latency(u32),
     /// The overload scenario (every replica stopped at once): the selector
     /// at its defaults with `max_pending` (0: no bound) and `on_overload`.
     Overload { on: OnOverload, cap: u32 },
@@ -43,6 +49,7 @@ impl Row {
         rows.extend(thresholds.iter().map(|t| Row::Threshold(*t)));
         rows.push(Row::Absolute(absolute));
         rows.extend(Self::hedged());
+        rows.push(Row::Latency(LATENCY_BUDGET_MS));
         rows
     }
 
@@ -98,6 +105,7 @@ impl Row {
             Row::Hedged(HedgeAfter::Auto) => "hedge_auto".into(),
             Row::Hedged(HedgeAfter::Off) => "hedge_off".into(),
             Row::Overload { on, .. } => format!("overload_{}", on.name()),
+            Row::Latency(b) => format!("latency_{b}ms"),
         }
     }
 
@@ -119,6 +127,7 @@ impl Row {
             Row::Hedged(HedgeAfter::Off) => "selector threshold 1, hedge off".into(),
             Row::Overload { on, cap: 0 } => format!("overload {}, no cap", on.name()),
             Row::Overload { on, cap } => format!("overload {}, max_pending {cap}", on.name()),
+            Row::Latency(b) => format!("selector latency, budget {b} ms"),
         }
     }
 
@@ -133,6 +142,15 @@ impl Row {
             Row::Threshold(t) => Some((Policy::Threshold, *t)),
             Row::Absolute(t) => Some((Policy::Absolute, *t)),
             Row::Hedged(_) => Some((Policy::Threshold, 1)),
+            Row::Latency(_) => Some((Policy::Latency, 1)),
+            _ => None,
+        }
+    }
+
+    /// The latency policy's budget in this row (other rows: the default).
+    pub fn budget(&self) -> Option<Duration> {
+        match self {
+            Row::Latency(ms) => Some(Duration::from_millis(u64::from(*ms))),
             _ => None,
         }
     }
@@ -175,7 +193,10 @@ mod tests {
     #[test]
     fn every_policy_has_a_row_with_a_unique_id() {
         let rows = Row::all(&[1, 10, 100], 10);
-        assert_eq!(rows.len(), 14);
+        assert_eq!(rows.len(), 15);
+        assert_eq!(Row::Latency(2).id(), "latency_2ms");
+        assert_eq!(Row::Latency(2).selector(), Some((Policy::Latency, 1)));
+        assert_eq!(Row::Latency(2).budget(), Some(Duration::from_millis(2)));
         assert_eq!(
             Row::hedged().map(|r| r.id()),
             ["hedge_2ms".to_string(), "hedge_auto".into()]

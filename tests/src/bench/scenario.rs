@@ -421,6 +421,9 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
                     after: row.hedge_after(),
                     ..Default::default()
                 },
+                budget: row
+                    .budget()
+                    .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).budget),
                 ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
             },
         )?),
