@@ -406,6 +406,31 @@ impl Collector for StatusCollector {
         )?;
         per_backend(
             e,
+            "selector_service_time",
+            "Recent time per completed request at the backend: the latency policy's service time (0 until measured).",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+            backends,
+            |b, m| ConstGauge::new(b.service_ns.unwrap_or(0) as f64 / 1e9).encode(m),
+        )?;
+        let mut family = e.encode_descriptor(
+            "selector_hedges",
+            "Hedged reads by the backend the copy went to: copies sent, and of those, won (reply reached the application first) and lost.",
+            None,
+            MetricType::Counter,
+        )?;
+        for b in backends {
+            for (outcome, count) in [
+                ("sent", b.hedges.hedges_sent),
+                ("won", b.hedges.hedges_won),
+                ("lost", b.hedges.hedges_lost),
+            ] {
+                let labels = (backend_labels(b), [("outcome", outcome)]);
+                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+            }
+        }
+        per_backend(
+            e,
             "selector_response_latency",
             "Request-to-reply latency measured in the kernel (bucket edges of its log-linear histogram; the sum estimates each request at its bucket's middle).",
             Some(&Unit::Seconds),
@@ -614,7 +639,22 @@ mod tests {
 
     #[test]
     fn counters_and_gauges_carry_backend_and_group() {
-        let text = openmetrics(&status());
+        let mut status = status();
+        status.backends[0].service_ns = Some(500_000);
+        status.backends[0].hedges.hedges_sent = 4;
+        status.backends[0].hedges.hedges_won = 3;
+        let text = openmetrics(&status);
+        assert_eq!(
+            sample(&text, &format!("selector_service_time_seconds{PRIMARY}")),
+            0.0005
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_hedges_total{backend="10.0.0.1:11211",group="1",outcome="won"}"#
+            ),
+            3.0
+        );
         assert!(text.ends_with("# EOF\n"), "{text}");
         assert_eq!(
             sample(&text, &format!("selector_requests_total{PRIMARY}")),
