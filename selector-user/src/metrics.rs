@@ -355,37 +355,33 @@ impl Collector for StatusCollector {
                 |b, m| ConstCounter::new(value(b)).encode(m),
             )?;
         }
-        let mut family = e.encode_descriptor(
+        per_backend_by(
+            e,
             "selector_redirected",
             "Reads redirected away from the backend (their primary) or to it.",
-            None,
-            MetricType::Counter,
+            "direction",
+            backends,
+            |b| {
+                vec![
+                    ("away", b.stats.redirected_away),
+                    ("to", b.stats.redirected_to),
+                ]
+            },
         )?;
-        for b in backends {
-            for (direction, count) in [
-                ("away", b.stats.redirected_away),
-                ("to", b.stats.redirected_to),
-            ] {
-                let labels = (backend_labels(b), [("direction", direction)]);
-                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
-            }
-        }
-        let mut family = e.encode_descriptor(
+        per_backend_by(
+            e,
             "selector_overloaded",
             "Reads addressed to the backend over a pending cap, by what was done.",
-            None,
-            MetricType::Counter,
+            "action",
+            backends,
+            |b| {
+                vec![
+                    ("passed", b.stats.overload_passed),
+                    ("dropped", b.stats.overload_dropped),
+                    ("rejected", b.stats.overload_rejected),
+                ]
+            },
         )?;
-        for b in backends {
-            for (action, count) in [
-                ("passed", b.stats.overload_passed),
-                ("dropped", b.stats.overload_dropped),
-                ("rejected", b.stats.overload_rejected),
-            ] {
-                let labels = (backend_labels(b), [("action", action)]);
-                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
-            }
-        }
         per_backend(
             e,
             "selector_pending",
@@ -413,22 +409,20 @@ impl Collector for StatusCollector {
             backends,
             |b, m| ConstGauge::new(b.service_ns.unwrap_or(0) as f64 / 1e9).encode(m),
         )?;
-        let mut family = e.encode_descriptor(
+        per_backend_by(
+            e,
             "selector_hedges",
             "Hedged reads by the backend the copy went to: copies sent, and of those, won (reply reached the application first) and lost.",
-            None,
-            MetricType::Counter,
+            "outcome",
+            backends,
+            |b| {
+                vec![
+                    ("sent", b.hedges.hedges_sent),
+                    ("won", b.hedges.hedges_won),
+                    ("lost", b.hedges.hedges_lost),
+                ]
+            },
         )?;
-        for b in backends {
-            for (outcome, count) in [
-                ("sent", b.hedges.hedges_sent),
-                ("won", b.hedges.hedges_won),
-                ("lost", b.hedges.hedges_lost),
-            ] {
-                let labels = (backend_labels(b), [("outcome", outcome)]);
-                ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
-            }
-        }
         per_backend(
             e,
             "selector_response_latency",
@@ -504,6 +498,26 @@ fn per_backend(
     let mut family = encoder.encode_descriptor(name, help, unit, metric_type)?;
     for b in backends {
         sample(b, family.encode_family(&backend_labels(b))?)?;
+    }
+    Ok(())
+}
+
+/// A counter per backend and value of one more label (`direction`,
+/// `action`, `outcome`, ...).
+fn per_backend_by(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    backends: &[BackendTotals],
+    counts: impl Fn(&BackendTotals) -> Vec<(&'static str, u64)>,
+) -> Result<(), fmt::Error> {
+    let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for b in backends {
+        for (value, count) in counts(b) {
+            let labels = (backend_labels(b), [(label, value)]);
+            ConstCounter::new(count).encode(family.encode_family(&labels)?)?;
+        }
     }
     Ok(())
 }
