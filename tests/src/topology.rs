@@ -90,6 +90,24 @@ impl Testbed {
         })
     }
 
+    /// A testbed with memcached on every replica and `keys` keys preloaded.
+    pub fn with_memcached(prefix: &str, replicas: usize, keys: usize) -> Result<Self> {
+        let mut tb = Self::new(prefix, replicas)?;
+        tb.start_memcached()?;
+        crate::memcached::preload(&tb.client, &tb.replica_endpoints(), keys)?;
+        Ok(tb)
+    }
+
+    /// The replicas as one `--group` argument, in order.
+    pub fn group_arg(&self) -> String {
+        let members: Vec<String> = self
+            .replica_endpoints()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        members.join(",")
+    }
+
     /// Starts memcached (UDP) on every replica.
     pub fn start_memcached(&mut self) -> Result<()> {
         let endpoints = self.replica_endpoints();

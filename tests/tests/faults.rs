@@ -41,10 +41,7 @@ fn settings(tb: &Testbed) -> Settings {
 
 /// Three memcached replicas holding the same keys.
 fn testbed(prefix: &str) -> Testbed {
-    let mut tb = Testbed::new(prefix, 3).expect("testbed");
-    tb.start_memcached().expect("memcached");
-    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
-    tb
+    Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
 /// Starts `LOAD` of reads to the primary from an unconnected socket.

@@ -15,7 +15,7 @@ use selector_testbed::{
     LoadSpec, Testbed,
     agent::SweptSelector,
     memcached::{MemcachedClient, key_for, parse_get_response, value_for},
-    preload, run_load,
+    run_load,
     topology::CLIENT_IFACE,
 };
 use selector_user::{
@@ -27,10 +27,7 @@ const KEYS: usize = 50;
 const TIMEOUT: Duration = Duration::from_millis(500);
 
 fn testbed(prefix: &str) -> Testbed {
-    let mut tb = Testbed::new(prefix, 3).expect("testbed");
-    tb.start_memcached().expect("memcached");
-    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
-    tb
+    Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
 fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMode) -> Settings {

@@ -15,7 +15,6 @@ use std::{
 use selector_testbed::{
     LoadSpec, Testbed,
     agent::{self, Agent},
-    preload,
     prometheus::{HttpResponse, PrometheusServer, http_get},
     run_load,
     topology::CLIENT_IFACE,
@@ -27,19 +26,11 @@ const METRICS_ADDR: &str = "127.0.0.1:9464";
 const PROMETHEUS_ADDR: &str = "127.0.0.1:9090";
 
 fn testbed(prefix: &str) -> Testbed {
-    let mut tb = Testbed::new(prefix, 3).expect("testbed");
-    tb.start_memcached().expect("memcached");
-    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
-    tb
+    Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
 fn group(tb: &Testbed) -> String {
-    let members: Vec<String> = tb
-        .replica_endpoints()
-        .iter()
-        .map(|e| e.to_string())
-        .collect();
-    members.join(",")
+    tb.group_arg()
 }
 
 fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {

@@ -147,12 +147,7 @@ fn redirects_go_straight_to_the_next_hop_and_follow_its_change() {
     let mut tb = Testbed::new("selm", 3).unwrap();
     tb.start_memcached().unwrap();
     preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let group = tb
-        .replica_endpoints()
-        .iter()
-        .map(ToString::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let group = tb.group_arg();
     let (mut child, _lines) = spawn_agent(
         &tb.client,
         &[

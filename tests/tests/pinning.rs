@@ -22,7 +22,7 @@ use std::{
 };
 
 use selector_testbed::{
-    ClientSocket, LoadReport, LoadSpec, Testbed, agent, bpffs::Bpffs, preload, run_load_on,
+    ClientSocket, LoadReport, LoadSpec, Testbed, agent, bpffs::Bpffs, run_load_on,
     topology::CLIENT_IFACE,
 };
 use selector_user::control::Status;
@@ -65,19 +65,11 @@ impl Drop for Running {
 }
 
 fn testbed(prefix: &str) -> Testbed {
-    let mut tb = Testbed::new(prefix, 3).expect("testbed");
-    tb.start_memcached().expect("memcached");
-    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
-    tb
+    Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
 fn group(tb: &Testbed) -> String {
-    let members: Vec<String> = tb
-        .replica_endpoints()
-        .iter()
-        .map(SocketAddrV4::to_string)
-        .collect();
-    members.join(",")
+    tb.group_arg()
 }
 
 /// `selector run` arguments: threshold 1, short timeout, pinned.
