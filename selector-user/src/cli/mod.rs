@@ -7,6 +7,7 @@ mod control_server;
 mod detach;
 mod run;
 mod run_args;
+mod tunables;
 
 use std::net::SocketAddrV4;
 
@@ -17,9 +18,10 @@ use selector_common::{Policy, TieBreak};
 pub use detach::DetachArgs;
 pub use run::run;
 pub use run_args::RunArgs;
+pub use tunables::{TUNABLE_FLAGS, Tunables};
 
 use crate::{
-    control::{self, Reply, Request, SettingsChange},
+    control::{self, Reply, Request},
     settings::OnOverload,
 };
 
@@ -44,7 +46,8 @@ pub struct Cli {
 pub enum Command {
     /// Attach to an interface and steer until interrupted (or --duration).
     Run(Box<RunArgs>),
-    /// Change the run-time settings of the agent running on an interface.
+    /// Change the run-time settings of the agent running on an interface
+    /// (flags left out keep their values; defaults shown are `run`'s).
     Set(SetArgs),
     /// Stop choosing a backend (its pending requests still complete).
     Drain(BackendArgs),
@@ -81,33 +84,8 @@ pub struct SetArgs {
     /// Interface the agent runs on (in this network namespace).
     #[arg(long)]
     pub iface: String,
-    #[arg(long, value_enum)]
-    pub policy: Option<PolicyArg>,
-    /// Pending requests: the margin (threshold) or limit (absolute).
-    #[arg(long)]
-    pub threshold: Option<u32>,
-    /// Pending requests per backend at which it is not chosen (0: no bound).
-    #[arg(long, value_name = "N")]
-    pub max_pending: Option<u32>,
-    /// What a read gets when every eligible member is at its cap.
-    #[arg(long, value_enum)]
-    pub on_overload: Option<OnOverloadArg>,
-    /// Pending requests per client socket (0: no bound).
-    #[arg(long, value_name = "N")]
-    pub max_pending_client: Option<u32>,
-    /// Hedge reads still pending after MS milliseconds, `auto` or `off`.
-    #[arg(long, value_name = "MS|auto|off")]
-    pub hedge_after: Option<crate::hedging::HedgeAfter>,
-    /// Hedges at most this percentage of reads.
-    #[arg(long, value_name = "PERCENT")]
-    pub hedge_budget: Option<u32>,
-    /// Latency policy: milliseconds of expected wait over the best replica
-    /// at which a read leaves its primary.
-    #[arg(long, value_name = "MS", value_parser = crate::settings::parse_millis)]
-    pub budget: Option<std::time::Duration>,
-    /// How the best of several equally loaded replicas is picked.
-    #[arg(long, value_enum)]
-    pub tie_break: Option<TieBreakArg>,
+    #[command(flatten)]
+    pub tunables: Tunables,
 }
 
 #[derive(Debug, Args)]
@@ -180,24 +158,6 @@ impl From<OnOverloadArg> for OnOverload {
     }
 }
 
-impl SetArgs {
-    fn change(&self) -> SettingsChange {
-        SettingsChange {
-            policy: self.policy.map(Policy::from),
-            threshold: self.threshold,
-            max_pending: self.max_pending,
-            max_pending_client: self.max_pending_client,
-            on_overload: self.on_overload.map(OnOverload::from),
-            hedge_after: self.hedge_after,
-            hedge_budget: self.hedge_budget,
-            budget_us: self
-                .budget
-                .map(|b| b.as_micros().min(u128::from(u64::MAX)) as u64),
-            tie_break: self.tie_break.map(TieBreak::from),
-        }
-    }
-}
-
 /// Runs a control command against the agent on its interface and prints
 /// the reply.
 pub fn control(command: Command) -> Result<()> {
@@ -207,11 +167,9 @@ pub fn control(command: Command) -> Result<()> {
         Command::Status(a) => (a.iface, Request::Status, a.json),
         Command::Reload(a) => (a.iface, Request::Reload, false),
         Command::Set(a) => {
-            let change = a.change();
+            let change = a.tunables.change();
             if change.is_empty() {
-                bail!(
-                    "set needs at least one of --policy, --threshold, --max-pending, --on-overload, --max-pending-client, --hedge-after, --hedge-budget, --budget, --tie-break"
-                );
+                bail!("set needs at least one of {TUNABLE_FLAGS}");
             }
             (a.iface, Request::Set(change), false)
         }

@@ -11,10 +11,9 @@ use anyhow::Result;
 use clap::{Args, ValueEnum};
 use selector_common::{Policy, TieBreak};
 
-use super::{OnOverloadArg, PolicyArg, TieBreakArg};
+use super::tunables::Tunables;
 use crate::{
     config::{ConfigFile, GroupSpec, Options, RunConfig},
-    hedging::HedgeAfter,
     pinning::DEFAULT_PIN_DIR,
     settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
 };
@@ -77,26 +76,8 @@ pub struct RunArgs {
     /// any member of its group. Replaces the config file's groups.
     #[arg(long = "group", value_parser = group_arg)]
     pub groups: Vec<GroupArg>,
-    /// [default: threshold]
-    #[arg(long, value_enum)]
-    pub policy: Option<PolicyArg>,
-    /// Pending requests: the margin (threshold policy) or the limit
-    /// (absolute policy) at which reads leave the primary [default: 4].
-    #[arg(long)]
-    pub threshold: Option<u32>,
-    /// Pending requests per backend at which it is no longer chosen; when
-    /// the primary and every eligible replica are there, --on-overload
-    /// applies (0: no bound) [default: 0].
-    #[arg(long, value_name = "N")]
-    pub max_pending: Option<u32>,
-    /// What a read gets when its backends are at --max-pending or its
-    /// client socket at --max-pending-client [default: pass].
-    #[arg(long, value_enum)]
-    pub on_overload: Option<OnOverloadArg>,
-    /// Pending requests per client socket at which its reads are
-    /// overloaded (0: no bound) [default: 0].
-    #[arg(long, value_name = "N")]
-    pub max_pending_client: Option<u32>,
+    #[command(flatten)]
+    pub tunables: Tunables,
     /// [default: memcached]
     #[arg(long, value_enum)]
     pub proto: Option<ProtoArg>,
@@ -134,28 +115,6 @@ pub struct RunArgs {
     /// [default: 0x01000000].
     #[arg(long, value_name = "BIT", value_parser = mark_arg)]
     pub mark: Option<Mark>,
-    /// Hedged reads: a read still pending after MS milliseconds (decimals
-    /// allowed; at most half of --timeout) gets one copy, sent to the least
-    /// pending other replica of its group; the first reply reaches the
-    /// application, the later one is dropped. `auto`: after the primary's
-    /// recent p95 latency. `off`: never [default: off].
-    #[arg(long, value_name = "MS|auto|off")]
-    pub hedge_after: Option<HedgeAfter>,
-    /// Hedges at most this percentage of reads (1-100; plus a burst of 10)
-    /// [default: 5].
-    #[arg(long, value_name = "PERCENT")]
-    pub hedge_budget: Option<u32>,
-    /// Latency policy: milliseconds of expected wait (pending x recent time
-    /// per completed request) over the best replica's at which a read
-    /// leaves its primary; fractions allowed (0.001 to 3600000)
-    /// [default: 2].
-    #[arg(long, value_name = "MS")]
-    pub budget: Option<f64>,
-    /// How the best of several equally loaded replicas is picked: the first
-    /// in group order, or one at random (no herding of many clients)
-    /// [default: first].
-    #[arg(long, value_enum)]
-    pub tie_break: Option<TieBreakArg>,
     /// Capacity of the in-flight table; requests beyond it pass untracked
     /// [default: 65536].
     #[arg(long)]
@@ -193,6 +152,7 @@ pub struct RunArgs {
 impl RunArgs {
     /// The flags given, as options to lay over the config file.
     pub fn options(&self) -> Options {
+        let t = &self.tunables;
         Options {
             iface: self.iface.clone(),
             groups: (!self.groups.is_empty()).then(|| {
@@ -204,11 +164,11 @@ impl RunArgs {
                     })
                     .collect()
             }),
-            policy: self.policy.map(Policy::from),
-            threshold: self.threshold,
-            max_pending: self.max_pending,
-            on_overload: self.on_overload.map(OnOverload::from),
-            max_pending_client: self.max_pending_client,
+            policy: t.policy.map(Policy::from),
+            threshold: t.threshold,
+            max_pending: t.max_pending,
+            on_overload: t.on_overload.map(OnOverload::from),
+            max_pending_client: t.max_pending_client,
             proto: self.proto.map(|p| match p {
                 ProtoArg::Memcached => Protocol::Memcached,
                 ProtoArg::Dns => Protocol::Dns,
@@ -235,10 +195,10 @@ impl RunArgs {
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
             resolv_conf: self.resolv_conf.clone(),
-            hedge_after: self.hedge_after,
-            hedge_budget: self.hedge_budget,
-            budget: self.budget,
-            tie_break: self.tie_break.map(TieBreak::from),
+            hedge_after: t.hedge_after,
+            hedge_budget: t.hedge_budget,
+            budget: t.budget_ms(),
+            tie_break: t.tie_break.map(TieBreak::from),
         }
     }
 
@@ -268,6 +228,7 @@ mod tests {
     use super::*;
     use crate::{
         cli::{Cli, Command},
+        hedging::HedgeAfter,
         settings::{MAX_TIMEOUT_MS, OnOverload},
     };
 
