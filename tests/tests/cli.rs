@@ -43,7 +43,7 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
     let tb = Testbed::new("selc", 0).unwrap();
     let nine: Vec<String> = (1..=9).map(|i| format!("10.77.0.{i}:11211")).collect();
     let nine = nine.join(",");
-    let cases: Vec<(Vec<&str>, &str)> = vec![
+    let mut cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["run", "--iface", CLIENT_IFACE], "--group"),
         (
             vec!["run", "--iface", CLIENT_IFACE, "--group", "10.77.0.10"],
@@ -79,109 +79,22 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
             vec!["run", "--iface", "nosuch0", "--group", GROUP],
             "interface 'nosuch0' not found",
         ),
+    ];
+    // One bad setting on an otherwise good command line.
+    let bad_settings: [(&[&str], &str); 10] = [
+        (&["--threshold", "0"], "--threshold"),
+        (&["--proto", "custom"], "--req-id-offset"),
+        (&["--policy", "fastest"], "fastest"),
+        (&["--mark", "0x3"], "--mark must have exactly one bit set"),
+        (&["--mark", "bit24"], "0x hex"),
+        (&["--timeout", "0"], "--timeout must be at least 1 ms"),
         (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--threshold",
-                "0",
-            ],
-            "--threshold",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--proto",
-                "custom",
-            ],
-            "--req-id-offset",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--policy",
-                "fastest",
-            ],
-            "fastest",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--mark",
-                "0x3",
-            ],
-            "--mark must have exactly one bit set",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--mark",
-                "bit24",
-            ],
-            "0x hex",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--timeout",
-                "0",
-            ],
-            "--timeout must be at least 1 ms",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--timeout",
-                "3600001",
-            ],
+            &["--timeout", "3600001"],
             "--timeout must be at most 3600000 ms",
         ),
+        (&["--grace", "3600001"], "--grace must be at most"),
         (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--grace",
-                "3600001",
-            ],
-            "--grace must be at most",
-        ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
+            &[
                 "--proto",
                 "custom",
                 "--req-id-offset",
@@ -193,19 +106,13 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
             ],
             "--on-overload reject needs --proto memcached or dns",
         ),
-        (
-            vec![
-                "run",
-                "--iface",
-                CLIENT_IFACE,
-                "--group",
-                GROUP,
-                "--on-overload",
-                "throttle",
-            ],
-            "throttle",
-        ),
+        (&["--on-overload", "throttle"], "throttle"),
     ];
+    for (setting, expect) in bad_settings {
+        let mut args = vec!["run", "--iface", CLIENT_IFACE, "--group", GROUP];
+        args.extend_from_slice(setting);
+        cases.push((args, expect));
+    }
     for (args, expect) in cases {
         let (code, stderr) = run_ctl(&tb, &args);
         assert_ne!(code, 0, "{args:?} must fail");

@@ -10,7 +10,7 @@
 //! source is counted instead of being dropped by the kernel. Each test
 //! prints one figure line (`--nocapture` shows them).
 
-use std::{net::SocketAddrV4, thread, time::Duration};
+use std::{thread, time::Duration};
 
 use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, Testbed,
@@ -309,12 +309,7 @@ fn replica_killed_and_restarted_mid_load() {
 #[test]
 fn agent_restarted_mid_load() {
     let tb = testbed("fa");
-    let group: Vec<String> = tb
-        .replica_endpoints()
-        .iter()
-        .map(SocketAddrV4::to_string)
-        .collect();
-    let (group, timeout) = (group.join(","), TIMEOUT.as_millis().to_string());
+    let (group, timeout) = (tb.group_arg(), TIMEOUT.as_millis().to_string());
     let args = [
         "--iface",
         CLIENT_IFACE,
@@ -382,12 +377,7 @@ fn agent_restarted_mid_load() {
 #[test]
 fn agent_killed_mid_load_fails_open() {
     let tb = testbed("fk");
-    let group: Vec<String> = tb
-        .replica_endpoints()
-        .iter()
-        .map(SocketAddrV4::to_string)
-        .collect();
-    let group = group.join(",");
+    let group = tb.group_arg();
     let args = [
         "--iface",
         CLIENT_IFACE,

@@ -68,10 +68,6 @@ fn testbed(prefix: &str) -> Testbed {
     Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
-fn group(tb: &Testbed) -> String {
-    tb.group_arg()
-}
-
 /// `selector run` arguments: threshold 1, short timeout, pinned.
 fn run_args(group: &str, pin: &str, extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [
@@ -175,7 +171,7 @@ fn sum(status: &Status, f: impl Fn(&selector_user::telemetry::BackendTotals) -> 
 fn agent_killed_and_restarted_with_pins_loses_nothing() {
     let tb = testbed("pk");
     let bpffs = Bpffs::mount();
-    let args = run_args(&group(&tb), &bpffs.arg(), &[]);
+    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
     let (mut first, line) = spawn(&tb, &args);
     assert!(line.contains("pinned under"), "{line}");
 
@@ -266,7 +262,7 @@ fn agent_killed_and_restarted_with_pins_loses_nothing() {
 fn sigterm_leaves_pins_and_detach_removes_them() {
     let tb = testbed("pd");
     let bpffs = Bpffs::mount();
-    let group = group(&tb);
+    let group = tb.group_arg();
     let args = run_args(&group, &bpffs.arg(), &[]);
     let (mut agent, _) = spawn(&tb, &args);
     assert!(agent.signal(libc::SIGTERM).success());
@@ -344,7 +340,7 @@ fn sigterm_leaves_pins_and_detach_removes_them() {
 fn adoption_with_other_map_shaping_settings_is_refused() {
     let tb = testbed("pm");
     let bpffs = Bpffs::mount();
-    let group = group(&tb);
+    let group = tb.group_arg();
     let pin = bpffs.arg();
     let args = run_args(&group, &pin, &[]);
     let (mut agent, _) = spawn(&tb, &args);
