@@ -338,7 +338,10 @@ impl Selector {
         )?)?)?;
         let mut targets = vec![None; MAX_BACKENDS as usize];
         for b in &self.backends {
-            targets[b.index as usize] = Some(b.addr);
+            // Settings refuse hedging with IPv6 groups.
+            if let std::net::SocketAddr::V4(addr) = b.addr {
+                targets[b.index as usize] = Some(addr);
+            }
         }
         let mut hedger = HedgeLoop {
             ring,
@@ -853,7 +856,7 @@ fn send_raw(socket: &OwnedFd, packet: &[u8], to: SocketAddrV4) -> std::io::Resul
 }
 
 /// The hedging lines of `selector status` and of the exit summary.
-pub fn render(settings: &HedgeSettings, counts: &[(SocketAddrV4, HedgeCounts)]) -> String {
+pub fn render(settings: &HedgeSettings, counts: &[(std::net::SocketAddr, HedgeCounts)]) -> String {
     use fmt::Write as _;
     let mut all = HedgeCounts::default();
     for (_, c) in counts {

@@ -44,7 +44,7 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
             (0..REPLICAS)
                 .map(|i| {
                     let (a, p) = member(i);
-                    std::net::SocketAddrV4::new(a.into(), p)
+                    std::net::SocketAddr::from((a, p))
                 })
                 .collect(),
         ],

@@ -256,7 +256,10 @@ fn failed_attach_detaches_what_it_attached() {
     // on TCX, which `run` would refuse before attaching anything).
     let settings = Settings {
         threshold: 1,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     };
     let holder = tb
         .client

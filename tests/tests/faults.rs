@@ -35,7 +35,10 @@ fn settings(tb: &Testbed) -> Settings {
     Settings {
         threshold: 2,
         timeout: TIMEOUT,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     }
 }
 

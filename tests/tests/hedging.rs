@@ -40,7 +40,10 @@ fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMod
             after,
             budget_percent: 5,
         },
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     }
 }
 

@@ -8,7 +8,7 @@ mod detach;
 mod run;
 mod run_args;
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -116,7 +116,7 @@ pub struct BackendArgs {
     #[arg(long)]
     pub iface: String,
     /// The backend, as given to --group.
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

@@ -1,11 +1,7 @@
 //! The flags of `selector run` and their translation into [`Options`],
 //! laid over the config file's (see [`crate::config`]).
 
-use std::{
-    fmt,
-    net::{SocketAddr, SocketAddrV4},
-    path::PathBuf,
-};
+use std::{fmt, net::SocketAddr, path::PathBuf};
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
@@ -42,7 +38,7 @@ pub enum IngressArg {
 
 /// One replica group: members in preference order.
 #[derive(Clone, Debug)]
-pub struct GroupArg(pub Vec<SocketAddrV4>);
+pub struct GroupArg(pub Vec<SocketAddr>);
 
 fn group_arg(s: &str) -> Result<GroupArg, String> {
     parse_group(s).map(GroupArg)
