@@ -6,15 +6,14 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
+use etherparse::{NetHeaders, PacketHeaders, TransportHeader};
 use selector_common::{
     Descriptor, Direction, InflightKey, OnOverload, PassReason, checksum, programs,
     reject::memcached_reject,
 };
 use selector_testbed::frames::{
-    CLIENT_MAC, GET, PRIMARY_MAC, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS,
-    assert_only_changed, counters, egress, egress_marked, passed, replica, run_tc, run_xdp,
-    set_issued, settings_for, stats,
+    CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed, counters,
+    egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for, stats, udp6,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -56,17 +55,6 @@ fn selector() -> Selector {
     Selector::load(&settings(OnOverload::Pass, 0)).expect("load")
 }
 
-/// Ethernet + IPv6 + UDP with a correct checksum.
-fn udp6(src: ([u8; 16], u16), dst: ([u8; 16], u16), payload: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
-        .ipv6(src.0, dst.0, 64)
-        .udp(src.1, dst.1)
-        .write(&mut out, payload)
-        .unwrap();
-    out
-}
-
 fn request6(payload: &[u8]) -> Vec<u8> {
     udp6((CLIENT6, CLIENT_PORT), replica6(0), payload)
 }
@@ -89,9 +77,12 @@ fn with_extension(frame: &[u8], kind: u8) -> Vec<u8> {
     out
 }
 
+/// An IPv6 address and port.
+type Endpoint6 = ([u8; 16], u16);
+
 /// Checks the UDP checksum with etherparse (which also walks extension
 /// headers) and returns (src, dst) and the checksum as sent.
-fn verified6(frame: &[u8]) -> (([u8; 16], u16), ([u8; 16], u16), u16) {
+fn verified6(frame: &[u8]) -> (Endpoint6, Endpoint6, u16) {
     let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
     let Some(NetHeaders::Ipv6(ip, _)) = h.net.clone() else {
         panic!("not IPv6")
