@@ -9,7 +9,7 @@ use std::{net::SocketAddr, time::Duration};
 use etherparse::{NetHeaders, PacketHeaders, TransportHeader};
 use selector_common::{
     Descriptor, Direction, InflightKey, OnOverload, PassReason, checksum, programs,
-    reject::memcached_reject,
+    reject::{dns_servfail_flags, memcached_reject},
 };
 use selector_testbed::frames::{
     CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed, counters,
@@ -35,24 +35,50 @@ const UDP_DST: std::ops::Range<usize> = 56..58;
 const UDP_CHECK: std::ops::Range<usize> = 60..62;
 const PAYLOAD: usize = 62;
 
-fn settings(on_overload: OnOverload, max_pending: u32) -> Settings {
+/// DNS server i: replica i's address, port 53.
+fn dns_server6(i: usize) -> ([u8; 16], u16) {
+    (replica6(i).0, 53)
+}
+
+fn settings(
+    descriptor: Descriptor,
+    member: fn(usize) -> ([u8; 16], u16),
+    on_overload: OnOverload,
+    max_pending: u32,
+) -> Settings {
     Settings {
         groups: vec![
             (0..3)
                 .map(|i| {
-                    let (a, p) = replica6(i);
+                    let (a, p) = member(i);
                     SocketAddr::from((a, p))
                 })
                 .collect(),
         ],
         on_overload,
         max_pending,
-        ..settings_for(Descriptor::memcached(), replica)
+        ..settings_for(descriptor, replica)
     }
 }
 
 fn selector() -> Selector {
-    Selector::load(&settings(OnOverload::Pass, 0)).expect("load")
+    Selector::load(&settings(
+        Descriptor::memcached(),
+        replica6,
+        OnOverload::Pass,
+        0,
+    ))
+    .expect("load")
+}
+
+/// A selector whose every member is at the cap of 2, rejecting over it.
+fn rejecting(descriptor: Descriptor, member: fn(usize) -> ([u8; 16], u16)) -> Selector {
+    let mut sel =
+        Selector::load(&settings(descriptor, member, OnOverload::Reject, 2)).expect("load");
+    for pos in 0..3 {
+        set_issued(&mut sel, pos, 2);
+    }
+    sel
 }
 
 fn request6(payload: &[u8]) -> Vec<u8> {
@@ -286,10 +312,7 @@ fn a_rewrite_whose_checksum_comes_out_zero_sends_all_ones() {
 
 #[test]
 fn reject_answers_an_overloaded_ipv6_get_with_a_checksummed_reply() {
-    let mut sel = Selector::load(&settings(OnOverload::Reject, 2)).expect("load");
-    for pos in 0..3 {
-        set_issued(&mut sel, pos, 2);
-    }
+    let mut sel = rejecting(Descriptor::memcached(), replica6);
     let input = request6(GET);
     let (verdict, out, _) = egress_marked(&mut sel, &input, 0);
     assert_eq!(verdict, TC_ACT_REDIRECT);
@@ -299,4 +322,20 @@ fn reject_answers_an_overloaded_ipv6_get_with_a_checksummed_reply() {
     assert_eq!(&out[PAYLOAD..], &memcached_reject(0x1234));
     assert_eq!(stats(&sel)[0].overload_rejected, 1);
     assert!(sel.inflight().unwrap().is_empty());
+}
+
+#[test]
+fn reject_answers_an_overloaded_ipv6_dns_query_with_a_checksummed_servfail() {
+    let mut sel = rejecting(Descriptor::dns(), dns_server6);
+    let query: &[u8] =
+        b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01";
+    let input = udp6((CLIENT6, CLIENT_PORT), dns_server6(0), query);
+    let (verdict, out, _) = egress_marked(&mut sel, &input, 0);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let (src, dst, _) = verified6(&out);
+    assert_eq!((src, dst), (dns_server6(0), (CLIENT6, CLIENT_PORT)));
+    let mut answer = query.to_vec();
+    answer[2..4].copy_from_slice(&dns_servfail_flags(0x0100).to_be_bytes());
+    assert_eq!(&out[PAYLOAD..], &answer[..]);
+    assert_eq!(stats(&sel)[0].overload_rejected, 1);
 }
