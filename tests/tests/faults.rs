@@ -50,7 +50,7 @@ fn testbed(prefix: &str) -> Testbed {
 /// Starts `LOAD` of reads to the primary from an unconnected socket.
 fn start_load(tb: &Testbed) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: RATE,
         duration: LOAD,
         keys: KEYS,

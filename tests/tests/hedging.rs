@@ -205,7 +205,7 @@ fn the_budget_caps_hedges_with_many_stuck_reads() {
         ),
     );
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(400),
         keys: KEYS,

@@ -49,7 +49,7 @@ fn load_with_stall(
     stall: Duration,
 ) -> selector_testbed::LoadReport {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate,
         duration: Duration::from_secs_f64(secs),
         keys: KEYS,
@@ -160,7 +160,7 @@ fn lost_requests_expire_and_pending_returns_to_exactly_zero() {
         settings(&tb, Policy::Threshold, IngressMode::Xdp, timeout),
     );
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 3000,
         duration: Duration::from_secs(1),
         keys: KEYS,
