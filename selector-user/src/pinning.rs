@@ -443,8 +443,8 @@ fn render_group(g: &Group) -> String {
     g.endpoints[..(g.len as usize).min(MAX_GROUP_MEMBERS)]
         .iter()
         .map(|e| match e.ipv4_octets() {
-            Some(o) => SocketAddr::new(o.into(), e.port).to_string(),
-            None => format!("{e:?}"),
+            Some(o) => SocketAddr::new(std::net::Ipv4Addr::from(o).into(), e.port).to_string(),
+            None => SocketAddr::new(std::net::Ipv6Addr::from(e.addr).into(), e.port).to_string(),
         })
         .collect::<Vec<_>>()
         .join(",")

@@ -3,7 +3,8 @@
 //! stalled IPv6 primary and every reply reaches the client's connected
 //! socket from the primary's address with the right value, through either
 //! ingress; one agent serves an IPv4 and an IPv6 group at once; DNS over
-//! IPv6 with dig. Checksum offloads are off on every veth, and the UDP
+//! IPv6 with dig; the `selector` binary taking `[addr]:port` groups and
+//! refusing a mixed one. Checksum offloads are off on every veth, and the UDP
 //! checksum-error counters (IPv4 and IPv6) must stay at zero.
 
 use std::{net::SocketAddr, thread, time::Duration};
@@ -11,7 +12,7 @@ use std::{net::SocketAddr, thread, time::Duration};
 use selector_common::{BackendStats, Descriptor, Policy};
 use selector_testbed::{
     LoadReport, LoadSpec, Testbed,
-    agent::SweptSelector,
+    agent::{self, SweptSelector},
     dns::{self, APEX_A, DNS_PORT, Nsd, ZONE},
     preload, run_load,
     topology::{CLIENT_IFACE, replica_addr6},
@@ -206,4 +207,56 @@ fn dns_over_ipv6_leaves_a_stalled_nsd_and_dig_accepts_every_answer() {
     }
     assert_left_the_primary(&stats, 0, "DNS over IPv6");
     assert_settled(&tb, &running, 3);
+}
+
+#[test]
+fn the_binary_takes_ipv6_groups_next_to_ipv4_ones_and_refuses_a_mixed_one() {
+    let tb = memcached_testbed("sel6c");
+    let join = |members: Vec<SocketAddr>| {
+        members
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let v4: Vec<SocketAddr> = tb.replica_endpoints().into_iter().map(Into::into).collect();
+    let v6 = tb.replica_endpoints6();
+    let mixed = format!("{},{}", v4[0], v6[1]);
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["run", "--iface", CLIENT_IFACE, "--group", &mixed],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.trim_end().starts_with("error: ") && out.contains("mixes IPv4 and IPv6"),
+        "{out}"
+    );
+    assert_eq!(out.trim_end().lines().count(), 1, "{out}");
+
+    let (v4_group, v6_group) = (join(v4.clone()), join(v6.clone()));
+    let args = [
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        &v4_group,
+        "--group",
+        &v6_group,
+        "--threshold",
+        "2",
+        "--quiet",
+    ];
+    let (mut child, _lines) = agent::spawn_agent(&tb.client, &args);
+    let reports = loads_with_stall(&tb, &[v6[0]], 2000);
+    assert_every_reply_arrived(&reports[0], "IPv6 through the binary");
+    let rows = agent::status(&tb.client, CLIENT_IFACE);
+    let backends: Vec<&str> = rows.iter().map(|r| r.backend.as_str()).collect();
+    let expected: Vec<String> = v4.iter().chain(&v6).map(ToString::to_string).collect();
+    assert_eq!(backends, expected);
+    let primary6 = &rows[3];
+    assert!(primary6.away > 0, "{rows:?}");
+    assert_eq!(primary6.requests, reports[0].sent);
+    assert_eq!(rows[..3].iter().map(|r| r.requests).sum::<u64>(), 0);
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
 }
