@@ -44,7 +44,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         Err(reason) => return pass(reason),
     };
     let l = dgram.ip.layout;
-    let dst = Endpoint::new(packet::address(ctx, l.ip_dst(), l.v6)?, dgram.dst_port);
+    let dst = Endpoint::new(packet::dst_address(ctx, l)?, dgram.dst_port);
     let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
         return pass(PassReason::NotBackend);
     };
@@ -61,7 +61,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         return pass(PassReason::NoRequestId);
     };
     let is_read = config.descriptor.is_read(byte);
-    let client = packet::address(ctx, l.ip_src(), l.v6)?;
+    let client = packet::src_address(ctx, l)?;
     let key = InflightKey::new(client, dgram.src_port, group, request_id);
     let hashes = key_hashes(&key);
     if let Some(first) = inflight::find(&key, hashes.home, config.inflight_mask, PHASE_LIVE, |_| {

@@ -40,7 +40,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         Err(reason) => return pass(reason),
     };
     let l = dgram.ip.layout;
-    let src = Endpoint::new(packet::address(ctx, l.ip_src(), l.v6)?, dgram.src_port);
+    let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
     };
@@ -53,7 +53,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     };
     let (group, _) = split_backend_id(backend);
     // The reply is addressed to the client that asked.
-    let client = packet::address(ctx, l.ip_dst(), l.v6)?;
+    let client = packet::dst_address(ctx, l)?;
     let key = InflightKey::new(client, dgram.dst_port, group, request_id);
     // Only the backend the request went to, or its hedge was sent to, can
     // complete it.
