@@ -250,20 +250,7 @@ impl Settings {
                 format!("must have exactly one bit set, got {:#010x}", self.mark),
             );
         }
-        let plan = self.number_backends()?;
-        if self.hedging.after != crate::hedging::HedgeAfter::Off
-            && let Some(g) = self.groups.iter().position(|m| is_ipv6_group(m))
-        {
-            // The hedge copy goes out through a raw IPv4 socket.
-            return invalid(
-                SettingKey::Group(g),
-                format!(
-                    "group {} is IPv6: hedged reads (--hedge) are IPv4 only",
-                    g + 1
-                ),
-            );
-        }
-        Ok(plan)
+        self.number_backends()
     }
 
     /// Checks what `selector set` can change at run time.
@@ -533,19 +520,6 @@ mod tests {
         assert!(e.contains("mixes IPv4 and IPv6"), "{e}");
         assert!(err(&settings(&["[::1]:1"])).contains("not a unicast"));
         assert!(err(&settings(&["[ff02::1]:1"])).contains("not a unicast"));
-    }
-
-    #[test]
-    fn hedging_refuses_ipv6_groups() {
-        let mut s = settings(&["10.0.0.1:1,10.0.0.2:1", "[fd77::1]:1,[fd77::2]:1"]);
-        s.hedging.after = crate::hedging::HedgeAfter::Fixed(Duration::from_millis(5));
-        let e = err(&s);
-        assert!(
-            e.contains("group 2 is IPv6") && e.contains("IPv4 only"),
-            "{e}"
-        );
-        s.groups.pop();
-        assert!(s.plan().is_ok());
     }
 
     #[test]
