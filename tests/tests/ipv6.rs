@@ -2,14 +2,17 @@
 //! address detection off) with real memcached and real NSD: reads leave a
 //! stalled IPv6 primary and every reply reaches the client's connected
 //! socket from the primary's address with the right value, through either
-//! ingress; one agent serves an IPv4 and an IPv6 group at once; DNS over
+//! ingress, straight to the next hop the agent resolved over AF_INET6 or,
+//! without it, through `bpf_redirect_neigh`; one agent serves an IPv4 and
+//! an IPv6 group at once; DNS over
 //! IPv6 with dig; the `selector` binary taking `[addr]:port` groups and
 //! refusing a mixed one. Checksum offloads are off on every veth, and the UDP
 //! checksum-error counters (IPv4 and IPv6) must stay at zero.
 
 use std::{net::SocketAddr, thread, time::Duration};
 
-use selector_common::{BackendStats, Descriptor, Policy};
+use aya::maps::Array;
+use selector_common::{BackendStats, Descriptor, NextHopMac, Policy};
 use selector_testbed::{
     LoadReport, LoadSpec, Testbed,
     agent::{self, SweptSelector},
@@ -111,14 +114,49 @@ fn assert_settled(tb: &Testbed, running: &SweptSelector, backends: usize) {
     assert_eq!(settled.pending, vec![0; backends]);
 }
 
-fn stalled_ipv6_primary(ingress: IngressMode, prefix: &str) {
+/// How a redirected read reaches its replica.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum NextHop {
+    /// Its Ethernet addresses from `NEXT_HOPS`, as the agent resolved
+    /// them over rtnetlink (AF_INET6 here).
+    Direct,
+    /// `NEXT_HOPS` cleared: through `bpf_redirect_neigh`, which routes and
+    /// resolves the IPv6 next hop itself.
+    RedirectNeigh,
+}
+
+/// Zeroes every backend's `NEXT_HOPS` entry.
+fn forget_next_hops(running: &SweptSelector) {
+    let mut sel = running.selector.lock().unwrap();
+    let ids: Vec<u32> = sel.backends.iter().map(|b| b.index).collect();
+    let map = sel
+        .ebpf_mut()
+        .map_mut(selector_common::names::NEXT_HOPS)
+        .unwrap();
+    let mut hops: Array<_, NextHopMac> = Array::try_from(map).unwrap();
+    for id in ids {
+        hops.set(id, NextHopMac::default(), 0).unwrap();
+    }
+}
+
+fn stalled_ipv6_primary(ingress: IngressMode, next_hop: NextHop, prefix: &str) {
     let tb = memcached_testbed(prefix);
     let group = tb.replica_endpoints6();
     let running = SweptSelector::start(&tb, settings(vec![group.clone()], ingress));
+    if next_hop == NextHop::RedirectNeigh {
+        forget_next_hops(&running);
+    }
     let reports = loads_with_stall(&tb, &group[..1], 2000);
     let stats = running.selector.lock().unwrap().stats().unwrap();
     assert_every_reply_arrived(&reports[0], "IPv6");
     assert_left_the_primary(&stats, 0, "IPv6");
+    let direct: u64 = stats[1..].iter().map(|s| s.redirected_direct).sum();
+    let redirected: u64 = stats[1..].iter().map(|s| s.redirected_to).sum();
+    let expected = match next_hop {
+        NextHop::Direct => redirected,
+        NextHop::RedirectNeigh => 0,
+    };
+    assert_eq!(direct, expected, "{next_hop:?}: {stats:?}");
     let responses: u64 = stats.iter().map(|s| s.responses).sum();
     assert_eq!(responses, reports[0].sent);
     assert_settled(&tb, &running, 3);
@@ -126,12 +164,17 @@ fn stalled_ipv6_primary(ingress: IngressMode, prefix: &str) {
 
 #[test]
 fn reads_leave_a_stalled_ipv6_primary_and_every_reply_arrives_xdp() {
-    stalled_ipv6_primary(IngressMode::Xdp, "sel6x");
+    stalled_ipv6_primary(IngressMode::Xdp, NextHop::Direct, "sel6x");
 }
 
 #[test]
 fn reads_leave_a_stalled_ipv6_primary_and_every_reply_arrives_tc_ingress() {
-    stalled_ipv6_primary(IngressMode::Tc, "sel6t");
+    stalled_ipv6_primary(IngressMode::Tc, NextHop::Direct, "sel6t");
+}
+
+#[test]
+fn without_known_next_hops_ipv6_reads_go_through_redirect_neigh() {
+    stalled_ipv6_primary(IngressMode::Tc, NextHop::RedirectNeigh, "sel6n");
 }
 
 #[test]
