@@ -337,6 +337,25 @@ impl Settings {
                 if addr.port() == 0 {
                     return invalid(member, format!("backend {addr} has port 0"));
                 }
+                if let IpAddr::V6(ip) = addr.ip() {
+                    if ip.to_ipv4_mapped().is_some() {
+                        // The kernel sees such a member's packets as IPv4.
+                        return invalid(
+                            member,
+                            format!("backend {addr} is IPv4-mapped: write it as a.b.c.d:port"),
+                        );
+                    }
+                    if ip.is_unicast_link_local() {
+                        // A member is one address without a zone; the
+                        // route to a link-local one needs its interface.
+                        return invalid(
+                            member,
+                            format!(
+                                "backend {addr} is link-local: use a global or unique local address"
+                            ),
+                        );
+                    }
+                }
                 let broadcast = matches!(addr.ip(), IpAddr::V4(ip) if ip.is_broadcast());
                 if addr.ip().is_unspecified()
                     || broadcast
@@ -519,6 +538,8 @@ mod tests {
         let e = err(&settings(&["10.0.0.1:1,[fd77::2]:1"]));
         assert!(e.contains("mixes IPv4 and IPv6"), "{e}");
         assert!(err(&settings(&["[::1]:1"])).contains("not a unicast"));
+        assert!(err(&settings(&["[fe80::1]:1"])).contains("link-local"));
+        assert!(err(&settings(&["[::ffff:10.0.0.1]:1"])).contains("IPv4-mapped"));
         assert!(err(&settings(&["[ff02::1]:1"])).contains("not a unicast"));
     }
 
