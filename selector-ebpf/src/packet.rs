@@ -1,9 +1,9 @@
 //! Packet access: one bounds-checked accessor and the parser. Anything that
 //! is not Ethernet (with at most one VLAN tag) + IPv4 or IPv6 + UDP, or that
 //! a receiver would drop, is reported with the reason it is passed
-//! untouched. Both families come out as one `Ip`: offsets, 16-byte
-//! addresses (IPv4-mapped for IPv4) and a family flag, so the code after
-//! the parser is shared.
+//! untouched. Both families come out as one `Ip` (header offsets and a
+//! family flag; addresses read as 16 bytes, IPv4-mapped for IPv4), so the
+//! code after the parser is shared.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
@@ -142,8 +142,9 @@ impl Layout {
 }
 
 /// A valid IPv4 or IPv6 header carrying UDP, and for IPv4 the id and
-/// fragment state. The addresses stay in the packet (`address`): copies
-/// of two 16-byte addresses would not fit the egress program's stack.
+/// fragment state. The addresses stay in the packet (`src_address`,
+/// `dst_address`): copies of two 16-byte addresses would not fit the egress
+/// program's stack.
 #[derive(Clone, Copy)]
 pub struct Ip {
     pub layout: Layout,

@@ -90,15 +90,24 @@ fn reply6(from: usize, payload: &[u8]) -> Vec<u8> {
 }
 
 /// `frame` with an extension header of type `kind` (8 bytes: its next
-/// header, length 0, a PadN option) inserted before UDP. The UDP checksum
-/// stays right: its pseudo header has the same addresses and UDP length.
+/// header, length 0, a PadN option) inserted first after the IPv6 header.
+/// The UDP checksum stays right: its pseudo header has the same addresses
+/// and UDP length.
 fn with_extension(frame: &[u8], kind: u8) -> Vec<u8> {
+    with_long_extension(frame, kind, 0)
+}
+
+/// The same with a header of `(units + 1) * 8` bytes.
+fn with_long_extension(frame: &[u8], kind: u8, units: u8) -> Vec<u8> {
+    let bytes = (usize::from(units) + 1) * 8;
     let mut out = frame[..54].to_vec();
     let next = out[20];
     out[20] = kind;
-    let len = u16::from_be_bytes([out[18], out[19]]) + 8;
+    let len = u16::from_be_bytes([out[18], out[19]]) + bytes as u16;
     out[18..20].copy_from_slice(&len.to_be_bytes());
-    out.extend_from_slice(&[next, 0, 1, 4, 0, 0, 0, 0]);
+    let mut header = vec![next, units, 1, (bytes - 4) as u8];
+    header.resize(bytes, 0);
+    out.extend_from_slice(&header);
     out.extend_from_slice(&frame[54..]);
     out
 }
@@ -206,6 +215,41 @@ fn known_extension_headers_are_walked_to_udp() {
         assert_eq!(verdict, XDP_PASS);
         let (src, _, _) = verified6(&back);
         assert_eq!(src, replica6(0), "next header {kind}");
+        assert!(sel.inflight().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn at_most_three_extension_headers_of_at_most_128_bytes_are_walked() {
+    // Inserted innermost first: hop-by-hop, destination options, routing,
+    // then UDP (an order etherparse walks too).
+    let chain = |kinds: &[u8]| {
+        kinds
+            .iter()
+            .fold(request6(GET), |f, &kind| with_extension(&f, kind))
+    };
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &chain(&[43, 60, 0]));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified6(&out).1, replica6(1));
+    let (longest, too_long) = (
+        with_long_extension(&request6(GET), 0, 15),
+        with_long_extension(&request6(GET), 0, 16),
+    );
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &longest);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "128 bytes");
+    assert_eq!(verified6(&out).1, replica6(1));
+    for input in [chain(&[60, 43, 60, 0]), too_long] {
+        let mut sel = selector();
+        set_issued(&mut sel, 0, 5);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+        assert_eq!(
+            passed(&sel, Direction::Egress, PassReason::ExtensionHeader),
+            1
+        );
         assert!(sel.inflight().unwrap().is_empty());
     }
 }
