@@ -100,6 +100,15 @@ impl Endpoint {
         }
     }
 
+    /// `addr`: IPv6, or IPv4-mapped.
+    pub const fn new(addr: [u8; 16], port: u16) -> Self {
+        Self {
+            addr,
+            port,
+            _pad: 0,
+        }
+    }
+
     /// The IPv4 address if this endpoint is IPv4-mapped.
     pub fn ipv4_octets(&self) -> Option<[u8; 4]> {
         let prefix = [0u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff];
@@ -192,8 +201,18 @@ pub struct InflightKey {
 
 impl InflightKey {
     pub fn ipv4(client: [u8; 4], client_port: u16, group: u32, request_id: u64) -> Self {
+        Self::new(
+            Endpoint::ipv4(client, 0).addr,
+            client_port,
+            group,
+            request_id,
+        )
+    }
+
+    /// `client` is an IPv6 address, or IPv4-mapped for an IPv4 client.
+    pub fn new(client: [u8; 16], client_port: u16, group: u32, request_id: u64) -> Self {
         Self {
-            client_addr: Endpoint::ipv4(client, 0).addr,
+            client_addr: client,
             client_port,
             _pad: 0,
             group,
@@ -265,8 +284,8 @@ impl BackendStats {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PassReason {
-    /// Not Ethernet (optionally VLAN-tagged) carrying IPv4 and UDP.
-    NotIpv4Udp = 0,
+    /// Not Ethernet (optionally VLAN-tagged) carrying IPv4 or IPv6 and UDP.
+    NotIpUdp = 0,
     /// An IP fragment that is not part of a reply being rewritten.
     Fragment = 1,
     /// Something a receiver would drop or no application could send: IP
@@ -277,27 +296,38 @@ pub enum PassReason {
     NotBackend = 3,
     /// Too short to hold the request id.
     NoRequestId = 4,
+    /// IPv6 with an extension header the parser does not walk (anything
+    /// but hop-by-hop, routing and destination options), or more of them,
+    /// or longer, than it walks.
+    ExtensionHeader = 5,
+    /// UDP over IPv6 with checksum 0: invalid there (RFC 8200 8.1), so it
+    /// is neither trusted nor rewritten.
+    ZeroChecksum = 6,
 }
 
-pub const PASS_REASONS: u32 = 5;
+pub const PASS_REASONS: u32 = 7;
 
 impl PassReason {
     pub const ALL: [PassReason; PASS_REASONS as usize] = [
-        PassReason::NotIpv4Udp,
+        PassReason::NotIpUdp,
         PassReason::Fragment,
         PassReason::BadHeader,
         PassReason::NotBackend,
         PassReason::NoRequestId,
+        PassReason::ExtensionHeader,
+        PassReason::ZeroChecksum,
     ];
 
     /// The name in status output and metrics.
     pub fn name(self) -> &'static str {
         match self {
-            PassReason::NotIpv4Udp => "not_ipv4_udp",
+            PassReason::NotIpUdp => "not_ip_udp",
             PassReason::Fragment => "fragment",
             PassReason::BadHeader => "bad_header",
             PassReason::NotBackend => "not_backend",
             PassReason::NoRequestId => "no_request_id",
+            PassReason::ExtensionHeader => "extension_header",
+            PassReason::ZeroChecksum => "zero_checksum",
         }
     }
 }

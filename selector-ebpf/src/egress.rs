@@ -35,11 +35,16 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         return Ok(TC_CONTINUE);
     }
     packet::pull_headers(ctx);
-    let dgram = match packet::parse_ipv4(ctx).and_then(|ip| packet::parse_udp(ctx, ip, false)) {
+    let ip = match packet::parse_ip(ctx) {
+        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
+        Err(reason) => return pass(reason),
+    };
+    let dgram = match packet::parse_udp(ctx, ip, false) {
         Ok(d) => d,
         Err(reason) => return pass(reason),
     };
-    let dst = Endpoint::ipv4(dgram.ip.dst, dgram.dst_port);
+    let l = dgram.ip.layout;
+    let dst = Endpoint::new(packet::dst_address(ctx, l)?, dgram.dst_port);
     let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
         return pass(PassReason::NotBackend);
     };
@@ -56,7 +61,8 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         return pass(PassReason::NoRequestId);
     };
     let is_read = config.descriptor.is_read(byte);
-    let key = InflightKey::ipv4(dgram.ip.src, dgram.src_port, group, request_id);
+    let client = packet::src_address(ctx, l)?;
+    let key = InflightKey::new(client, dgram.src_port, group, request_id);
     let hashes = key_hashes(&key);
     if let Some(first) = inflight::find(&key, hashes.home, config.inflight_mask, PHASE_LIVE, |_| {
         true

@@ -14,7 +14,7 @@ use crate::{
     hedge::{self, Answer},
     inflight::{self, Seen},
     maps::{BACKENDS, FRAGMENTS, FragmentKey, backend_target, config, count_pass},
-    packet::{self, Datagram, Ipv4, Packet},
+    packet::{self, Datagram, Ip, Packet, read_bytes},
     rewrite::{Rewrite, Side},
 };
 
@@ -28,8 +28,8 @@ pub enum Verdict {
 }
 
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
-    let ip = match packet::parse_ipv4(ctx) {
-        Ok(ip) => ip,
+    let ip = match packet::parse_ip(ctx) {
+        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
         Err(reason) => return pass(reason),
     };
     if ip.fragment && !ip.first_fragment {
@@ -39,7 +39,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         Ok(d) => d,
         Err(reason) => return pass(reason),
     };
-    let src = Endpoint::ipv4(dgram.ip.src, dgram.src_port);
+    let l = dgram.ip.layout;
+    let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
     };
@@ -52,7 +53,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     };
     let (group, _) = split_backend_id(backend);
     // The reply is addressed to the client that asked.
-    let key = InflightKey::ipv4(dgram.ip.dst, dgram.dst_port, group, request_id);
+    let client = packet::dst_address(ctx, l)?;
+    let key = InflightKey::new(client, dgram.dst_port, group, request_id);
     // Only the backend the request went to, or its hedge was sent to, can
     // complete it.
     let hashes = key_hashes(&key);
@@ -98,10 +100,10 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     let primary = seen.primary;
     if primary != backend {
         let target = backend_target(primary).ok_or(())?;
-        ctx.rewrite(dgram.ip.layout, Side::Source, target)?;
         if dgram.ip.fragment {
-            remember_fragments(&dgram, target.addr);
+            remember_fragments(ctx, &dgram, target.v4());
         }
+        ctx.rewrite(dgram.ip.layout, Side::Source, target)?;
     }
     Ok(Verdict::Pass)
 }
@@ -215,27 +217,30 @@ fn complete<C: Packet>(
     }
 }
 
-/// The later fragments of a rewritten reply carry no UDP header: they are
-/// known by (source, destination, IP id).
+/// The later fragments of a rewritten IPv4 reply carry no UDP header: they
+/// are known by (source, destination, IP id). (IPv6 fragments pass
+/// untouched: the parser never walks a fragment header.)
 #[inline(always)]
-fn remember_fragments(dgram: &Datagram, primary_addr: [u8; 4]) {
-    let key = fragment_key(&dgram.ip);
-    let _ = FRAGMENTS.insert(key, primary_addr, 0);
-}
-
-#[inline(always)]
-fn fragment_key(ip: &Ipv4) -> FragmentKey {
-    FragmentKey {
-        src: ip.src,
-        dst: ip.dst,
-        id: ip.id,
-        _pad: 0,
+fn remember_fragments(ctx: &impl Packet, dgram: &Datagram, primary_addr: [u8; 4]) {
+    // Read before the rewrite: the reply's own source.
+    if let Ok(key) = fragment_key(ctx, &dgram.ip) {
+        let _ = FRAGMENTS.insert(key, primary_addr, 0);
     }
 }
 
 #[inline(always)]
-fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ipv4) -> Result<Verdict, ()> {
-    let Some(primary_addr) = (unsafe { FRAGMENTS.get(fragment_key(ip)) }).copied() else {
+fn fragment_key(ctx: &impl Packet, ip: &Ip) -> Result<FragmentKey, ()> {
+    Ok(FragmentKey {
+        src: read_bytes(ctx, ip.layout.ip_src())?,
+        dst: read_bytes(ctx, ip.layout.ip_dst())?,
+        id: ip.id,
+        _pad: 0,
+    })
+}
+
+#[inline(always)]
+fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ip) -> Result<Verdict, ()> {
+    let Some(primary_addr) = (unsafe { FRAGMENTS.get(fragment_key(ctx, ip)?) }).copied() else {
         return pass(PassReason::Fragment);
     };
     ctx.rewrite_fragment_source(ip.layout, primary_addr)?;

@@ -105,7 +105,7 @@ pub fn backend_target(id: u32) -> Option<Target> {
     let (group, position) = split_backend_id(id);
     let e = GROUPS.get(group)?.endpoints[position % MAX_GROUP_MEMBERS];
     Some(Target {
-        addr: e.ipv4_octets()?,
+        addr: e.addr,
         port: e.port,
     })
 }

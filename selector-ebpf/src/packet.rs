@@ -1,20 +1,40 @@
 //! Packet access: one bounds-checked accessor and the parser. Anything that
-//! is not Ethernet (with at most one VLAN tag) + IPv4 + UDP, or that a
-//! receiver would drop, is reported with the reason it is passed untouched.
+//! is not Ethernet (with at most one VLAN tag) + IPv4 or IPv6 + UDP, or that
+//! a receiver would drop, is reported with the reason it is passed
+//! untouched. Both families come out as one `Ip` (header offsets and a
+//! family flag; addresses read as 16 bytes, IPv4-mapped for IPv4), so the
+//! code after the parser is shared.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
-use selector_common::{PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+use selector_common::{Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+
+use crate::maps::SCRATCH;
 
 pub const ETH_LEN: usize = 14;
 const VLAN_LEN: usize = 4;
-const IPV4_LEN: usize = 20;
+pub const IPV4_LEN: usize = 20;
+pub const IPV6_LEN: usize = 40;
 pub const UDP_LEN: usize = 8;
+/// Extension headers the parser walks before UDP, at most.
+const MAX_EXTENSION_HEADERS: usize = 3;
+/// Their bytes, at most (a hop-by-hop header with a router alert, a
+/// routing header with a few segments): longer chains pass untouched.
+pub const MAX_EXTENSION_SPAN: usize = 128;
 /// Bytes the parser and descriptors may need in the linear part.
 pub const PARSE_SPAN: usize =
-    ETH_LEN + VLAN_LEN + IPV4_LEN + UDP_LEN + MAX_DESCRIPTOR_SPAN as usize;
+    ETH_LEN + VLAN_LEN + IPV6_LEN + MAX_EXTENSION_SPAN + UDP_LEN + MAX_DESCRIPTOR_SPAN as usize;
+/// Bound on the UDP header's offset (a power of two above any a parsed
+/// packet can have), so the verifier can bound offsets read back as
+/// unknowns.
+const L4_OFFSET_BOUND: usize = 256;
 
 const ETH_P_IPV4: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_DSTOPTS: u8 = 60;
 const ETH_P_8021Q: u16 = 0x8100;
 const ETH_P_8021AD: u16 = 0x88a8;
 const IPPROTO_UDP: u8 = 17;
@@ -83,29 +103,33 @@ pub fn pull_headers(ctx: &TcContext) {
     }
 }
 
-/// Where the IPv4 header starts and its fields live.
+/// Where the IP and UDP headers start, and which family.
 #[derive(Clone, Copy)]
 pub struct Layout {
-    /// Offset of the IPv4 header (after Ethernet and any VLAN tag).
+    /// Offset of the IP header (after Ethernet and any VLAN tag).
     pub l3: usize,
+    /// Offset of the UDP header (after IPv6 extension headers).
+    pub l4: usize,
+    pub v6: bool,
 }
 
 impl Layout {
+    /// IPv4 only: IPv6 has no header checksum.
     #[inline(always)]
     pub fn ip_check(self) -> usize {
         self.l3 + 10
     }
     #[inline(always)]
     pub fn ip_src(self) -> usize {
-        self.l3 + 12
+        if self.v6 { self.l3 + 8 } else { self.l3 + 12 }
     }
     #[inline(always)]
     pub fn ip_dst(self) -> usize {
-        self.l3 + 16
+        if self.v6 { self.l3 + 24 } else { self.l3 + 16 }
     }
     #[inline(always)]
     pub fn udp(self) -> usize {
-        self.l3 + IPV4_LEN
+        self.l4
     }
     #[inline(always)]
     pub fn udp_check(self) -> usize {
@@ -117,24 +141,58 @@ impl Layout {
     }
 }
 
-/// A valid IPv4 header: addresses, id and fragment state.
+/// A valid IPv4 or IPv6 header carrying UDP, and for IPv4 the id and
+/// fragment state. The addresses stay in the packet (`src_address`,
+/// `dst_address`): copies of two 16-byte addresses would not fit the egress
+/// program's stack.
 #[derive(Clone, Copy)]
-pub struct Ipv4 {
+pub struct Ip {
     pub layout: Layout,
-    pub src: [u8; 4],
-    pub dst: [u8; 4],
+    /// IPv4 only.
     pub id: u16,
-    pub total_len: usize,
+    /// Offset of the end of the IP packet (never Ethernet padding).
+    pub end: usize,
     /// More fragments follow, or this is not the first: a fragment.
     pub fragment: bool,
     /// Fragment offset 0: the fragment that carries the UDP header.
     pub first_fragment: bool,
 }
 
-/// An IPv4 UDP datagram's addressing, as found in the packet.
+/// The source address as 16 bytes: IPv6, or IPv4-mapped.
+#[inline(always)]
+pub fn src_address(pkt: &impl Packet, l: Layout) -> Result<[u8; 16], ()> {
+    // The 16 bytes that end with the address: the whole IPv6 address, or
+    // the IPv4 one and the 12 header bytes before it.
+    let v6 = core::hint::black_box(usize::from(l.v6));
+    address_ending_at(pkt, l.l3 + 8 * v6, v6)
+}
+
+#[inline(always)]
+pub fn dst_address(pkt: &impl Packet, l: Layout) -> Result<[u8; 16], ()> {
+    let v6 = core::hint::black_box(usize::from(l.v6));
+    address_ending_at(pkt, l.l3 + 4 + 20 * v6, v6)
+}
+
+/// Reads 16 bytes at `at` and, for IPv4 (`v6` 0), puts the IPv4-mapped
+/// prefix in place of the first 12, with masks instead of a branch: both
+/// families then leave here in one verifier state.
+#[inline(always)]
+fn address_ending_at(pkt: &impl Packet, at: usize, v6: usize) -> Result<[u8; 16], ()> {
+    let mut addr: [u8; 16] = read_bytes(pkt, at)?;
+    let mapped = Endpoint::ipv4([0; 4], 0).addr;
+    let keep = core::hint::black_box(0u8.wrapping_sub(v6 as u8));
+    let mut i = 0;
+    while i < 12 {
+        addr[i] = (addr[i] & keep) | (mapped[i] & !keep);
+        i += 1;
+    }
+    Ok(addr)
+}
+
+/// A UDP datagram's addressing, as found in the packet.
 #[derive(Clone, Copy)]
 pub struct Datagram {
-    pub ip: Ipv4,
+    pub ip: Ip,
     /// Host order.
     pub src_port: u16,
     pub dst_port: u16,
@@ -161,24 +219,47 @@ impl Datagram {
 /// network"), 127/8 (loopback never leaves a host), 224/4 (multicast) or
 /// 240/4 (reserved and the limited broadcast).
 #[inline(always)]
-fn is_unicast(addr: [u8; 4]) -> bool {
+fn is_unicast_v4(addr: [u8; 4]) -> bool {
     addr[0] != 0 && addr[0] != 127 && addr[0] < 224
 }
 
-/// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 header.
+/// IPv6: not multicast (ff00::/8), not the unspecified address or the
+/// loopback (::1, which never leaves a host).
 #[inline(always)]
-pub fn parse_ipv4(pkt: &impl Packet) -> Result<Ipv4, PassReason> {
-    let ethertype: [u8; 2] = read_bytes(pkt, 12).map_err(|_| PassReason::NotIpv4Udp)?;
+fn is_unicast_v6(addr: &[u8; 16]) -> bool {
+    if addr[0] == 0xff {
+        return false;
+    }
+    let mut high = 0u8;
+    let mut i = 0;
+    while i < 15 {
+        high |= addr[i];
+        i += 1;
+    }
+    high != 0 || addr[15] > 1
+}
+
+/// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 or
+/// IPv6 header whose payload is UDP.
+#[inline(always)]
+pub fn parse_ip(pkt: &impl Packet) -> Result<Ip, PassReason> {
+    let ethertype: [u8; 2] = read_bytes(pkt, 12).map_err(|_| PassReason::NotIpUdp)?;
     let mut ethertype = u16::from_be_bytes(ethertype);
     let mut l3 = ETH_LEN;
     if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
-        let inner: [u8; 2] = read_bytes(pkt, 16).map_err(|_| PassReason::NotIpv4Udp)?;
+        let inner: [u8; 2] = read_bytes(pkt, 16).map_err(|_| PassReason::NotIpUdp)?;
         ethertype = u16::from_be_bytes(inner);
         l3 += VLAN_LEN;
     }
-    if ethertype != ETH_P_IPV4 {
-        return Err(PassReason::NotIpv4Udp);
+    match ethertype {
+        ETH_P_IPV4 => parse_ipv4(pkt, l3),
+        ETH_P_IPV6 => parse_ipv6(pkt, l3),
+        _ => Err(PassReason::NotIpUdp),
     }
+}
+
+#[inline(always)]
+fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     let h: [u8; IPV4_LEN] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
     // Version 4 without options: options are not understood.
     if h[0] != 0x45 {
@@ -203,43 +284,145 @@ pub fn parse_ipv4(pkt: &impl Packet) -> Result<Ipv4, PassReason> {
     }
     let src = [h[12], h[13], h[14], h[15]];
     let dst = [h[16], h[17], h[18], h[19]];
-    if !is_unicast(src) || !is_unicast(dst) {
+    if !is_unicast_v4(src) || !is_unicast_v4(dst) {
         return Err(PassReason::BadHeader);
     }
     if h[9] != IPPROTO_UDP {
-        return Err(PassReason::NotIpv4Udp);
+        return Err(PassReason::NotIpUdp);
     }
     let frag = u16::from_be_bytes([h[6], h[7]]);
-    Ok(Ipv4 {
-        layout: Layout { l3 },
-        src,
-        dst,
+    Ok(Ip {
+        layout: Layout {
+            l3,
+            l4: l3 + IPV4_LEN,
+            v6: false,
+        },
         id: u16::from_be_bytes([h[4], h[5]]),
-        total_len,
+        end: l3 + total_len,
         fragment: frag & (IP_MF | IP_OFFSET) != 0,
         first_fragment: frag & IP_OFFSET == 0,
     })
 }
 
+/// IPv6, walking at most `MAX_EXTENSION_HEADERS` hop-by-hop, routing and
+/// destination options headers to UDP. A fragment header passes as a
+/// fragment, any other next header as not understood.
+#[inline(always)]
+fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
+    let h: [u8; 8] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
+    if h[0] >> 4 != 6 {
+        return Err(PassReason::BadHeader);
+    }
+    let payload_len = usize::from(u16::from_be_bytes([h[4], h[5]]));
+    let frame_after_l2 = pkt.data_end() - pkt.data() - l3;
+    // Payload length 0 is a jumbogram (a hop-by-hop option): not parsed.
+    if payload_len == 0 || IPV6_LEN + payload_len > frame_after_l2 {
+        return Err(PassReason::BadHeader);
+    }
+    let src: [u8; 16] = read_bytes(pkt, l3 + 8).map_err(|_| PassReason::BadHeader)?;
+    let dst: [u8; 16] = read_bytes(pkt, l3 + 24).map_err(|_| PassReason::BadHeader)?;
+    if !is_unicast_v6(&src) || !is_unicast_v6(&dst) {
+        return Err(PassReason::BadHeader);
+    }
+    let mut next = h[6];
+    let mut extensions = 0usize;
+    let mut walked = 0;
+    while walked < MAX_EXTENSION_HEADERS && next != IPPROTO_UDP {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {}
+            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
+            _ => return Err(PassReason::ExtensionHeader),
+        }
+        let e: [u8; 2] =
+            read_bytes(pkt, l3 + IPV6_LEN + extensions).map_err(|_| PassReason::ExtensionHeader)?;
+        next = e[0];
+        extensions += (usize::from(e[1]) + 1) * 8;
+        if extensions > MAX_EXTENSION_SPAN {
+            return Err(PassReason::ExtensionHeader);
+        }
+        walked += 1;
+    }
+    match next {
+        IPPROTO_UDP => {}
+        IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
+        _ => return Err(PassReason::ExtensionHeader),
+    }
+    if extensions > payload_len {
+        return Err(PassReason::BadHeader);
+    }
+    Ok(Ip {
+        layout: Layout {
+            l3,
+            l4: l3 + IPV6_LEN + extensions,
+            v6: true,
+        },
+        id: 0,
+        end: l3 + IPV6_LEN + payload_len,
+        fragment: false,
+        first_fragment: true,
+    })
+}
+
+/// Writes the layout to per-CPU map memory and reads it back bounded: the
+/// verifier does not track map contents, so the paths of both families
+/// (and with or without a VLAN tag, and each extension header count)
+/// continue as one state into the shared code after the parser instead
+/// of each walking it again.
+#[inline(always)]
+pub fn forget_layout(ip: Ip) -> Option<Ip> {
+    let slot = SCRATCH.get_ptr_mut(0)?;
+    let l = ip.layout;
+    // The IPv4-only fields too: IPv6 sets them to constants, which would
+    // keep its state apart.
+    let flags = u64::from(l.v6)
+        | u64::from(ip.fragment) << 1
+        | u64::from(ip.first_fragment) << 2
+        | u64::from(ip.id) << 16;
+    let offsets = l.l3 as u64 | (l.l4 as u64) << 32;
+    // SAFETY: a per-CPU slot of this map, not shared while the program runs.
+    let [offsets, flags] = unsafe {
+        core::ptr::write_volatile(slot, [offsets, flags]);
+        core::ptr::read_volatile(slot)
+    };
+    Some(Ip {
+        layout: Layout {
+            // Both below the bound: the masks change nothing but what the
+            // verifier knows.
+            l3: (offsets as u32) as usize % L4_OFFSET_BOUND,
+            l4: (offsets >> 32) as usize % L4_OFFSET_BOUND,
+            v6: flags & 1 != 0,
+        },
+        fragment: flags & 2 != 0,
+        first_fragment: flags & 4 != 0,
+        id: (flags >> 16) as u16,
+        end: ip.end,
+    })
+}
+
 /// The UDP header of a whole datagram, or of a first fragment when
 /// `allow_first_fragment` (its UDP length covers the whole datagram).
+/// Over IPv6 a zero checksum is invalid: such a datagram passes.
 #[inline(always)]
 pub fn parse_udp(
     pkt: &impl Packet,
-    ip: Ipv4,
+    ip: Ip,
     allow_first_fragment: bool,
 ) -> Result<Datagram, PassReason> {
     if ip.fragment && !(allow_first_fragment && ip.first_fragment) {
         return Err(PassReason::Fragment);
     }
-    if ip.total_len < IPV4_LEN + UDP_LEN {
+    let l4 = ip.layout.l4;
+    if ip.end < l4 + UDP_LEN {
         return Err(PassReason::BadHeader);
     }
-    let udp: [u8; UDP_LEN] = read_bytes(pkt, ip.layout.udp()).map_err(|_| PassReason::BadHeader)?;
+    let udp: [u8; UDP_LEN] = read_bytes(pkt, l4).map_err(|_| PassReason::BadHeader)?;
     let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
-    let in_packet = ip.total_len - IPV4_LEN;
+    let in_packet = ip.end - l4;
     if udp_len < UDP_LEN || (!ip.fragment && udp_len > in_packet) {
         return Err(PassReason::BadHeader);
+    }
+    if ip.layout.v6 && udp[6] == 0 && udp[7] == 0 {
+        return Err(PassReason::ZeroChecksum);
     }
     Ok(Datagram {
         ip,

@@ -13,7 +13,7 @@
 use std::{
     collections::{BTreeSet, HashSet},
     fmt,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, ToSocketAddrs as _},
+    net::{IpAddr, SocketAddr, ToSocketAddrs as _},
     ops::Range,
     path::{Path, PathBuf},
     time::Duration,
@@ -277,7 +277,7 @@ impl Options {
         };
         let (servers, skipped) = crate::resolv_conf::nameservers(&text);
         if servers.is_empty() {
-            return invalid(key, format!("{} names no IPv4 nameserver", path.display()));
+            return invalid(key, format!("{} names no nameserver", path.display()));
         }
         if !skipped.is_empty() {
             log::info!("{}: not used: {skipped:?}", path.display());
@@ -326,13 +326,15 @@ impl Options {
     }
 }
 
-/// `a.b.c.d:port`, or `host:port` resolved with the system's resolver to
-/// exactly one IPv4 address (a member is one replica).
-pub fn resolve_member(member: &str) -> Result<SocketAddrV4, String> {
-    if let Ok(addr) = member.parse::<SocketAddrV4>() {
+/// `a.b.c.d:port`, `[IPv6]:port`, or `host:port` resolved with the
+/// system's resolver to exactly one IPv4 address (a member is one replica;
+/// a dual-stack name would be two, so IPv6 members are named by address).
+pub fn resolve_member(member: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = member.parse::<SocketAddr>() {
         return Ok(addr);
     }
-    let malformed = || format!("'{member}' is not an IPv4 address:port or a host:port");
+    let malformed =
+        || format!("'{member}' is not an IPv4 address:port, an [IPv6 address]:port or a host:port");
     let (host, port) = member.rsplit_once(':').ok_or_else(malformed)?;
     let port: u16 = port.parse().map_err(|_| malformed())?;
     if host.is_empty() || host.contains(':') {
@@ -341,7 +343,7 @@ pub fn resolve_member(member: &str) -> Result<SocketAddrV4, String> {
     let found = (host, port)
         .to_socket_addrs()
         .map_err(|e| format!("'{member}' does not resolve: {e}"))?;
-    let addrs: BTreeSet<Ipv4Addr> = found
+    let addrs: BTreeSet<std::net::Ipv4Addr> = found
         .filter_map(|a| match a {
             SocketAddr::V4(v4) => Some(*v4.ip()),
             SocketAddr::V6(_) => None,
@@ -349,8 +351,8 @@ pub fn resolve_member(member: &str) -> Result<SocketAddrV4, String> {
         .collect();
     match addrs.len() {
         0 => Err(format!("'{member}' has no IPv4 address")),
-        1 => Ok(SocketAddrV4::new(
-            *addrs.first().unwrap_or(&Ipv4Addr::UNSPECIFIED),
+        1 => Ok(SocketAddr::new(
+            IpAddr::V4(*addrs.first().unwrap_or(&std::net::Ipv4Addr::UNSPECIFIED)),
             port,
         )),
         n => {
@@ -842,7 +844,7 @@ members = ["10.0.0.3:1"]
         );
         let e = err(&BASE.replace("10.0.0.2:11211", "10.0.0.2"));
         assert!(
-            e.starts_with("sel.toml:6: group 1 members: '10.0.0.2' is not an IPv4 address:port"),
+            e.starts_with("sel.toml:6: group 1 members: '10.0.0.2' is not an IPv4 address:port, an [IPv6 address]:port or a host:port"),
             "{e}"
         );
         let e = err(&format!(
@@ -879,7 +881,11 @@ members = ["10.0.0.3:1"]
             resolve_member("10.0.0.1:1"),
             Ok("10.0.0.1:1".parse().unwrap())
         );
-        for bad in ["localhost", "localhost:port", ":11211", "[::1]:11211"] {
+        assert_eq!(
+            resolve_member("[fd77::1]:11211"),
+            Ok("[fd77::1]:11211".parse().unwrap())
+        );
+        for bad in ["localhost", "localhost:port", ":11211", "fd77::1:11211"] {
             let e = resolve_member(bad).unwrap_err();
             assert!(e.contains(&format!("'{bad}'")), "{e}");
         }

@@ -25,7 +25,6 @@
 
 use std::{
     io::{Read as _, Write as _},
-    net::SocketAddrV4,
     os::{linux::net::SocketAddrExt as _, unix::net::SocketAddr},
     time::Duration,
 };
@@ -53,7 +52,7 @@ pub enum Request {
     Set(SettingsChange),
     /// Drain (never choose) or undrain a backend.
     Drain {
-        backend: SocketAddrV4,
+        backend: std::net::SocketAddr,
         drained: bool,
     },
     /// Read the config file again and apply it (see [`crate::reload`]).
@@ -213,7 +212,7 @@ pub struct Status {
     pub in_flight: usize,
     #[serde(default)]
     pub last_interval: Option<LastInterval>,
-    pub drained: Vec<SocketAddrV4>,
+    pub drained: Vec<std::net::SocketAddr>,
     pub passed: Vec<PassedCount>,
     pub backends: Vec<BackendTotals>,
     /// Hedging totals over all backends.
@@ -420,7 +419,7 @@ mod tests {
         assert_eq!(&serde_json::from_str::<T>(&line).unwrap(), value, "{line}");
     }
 
-    fn backend() -> SocketAddrV4 {
+    fn backend() -> std::net::SocketAddr {
         "10.0.0.2:11211".parse().unwrap()
     }
 

@@ -12,8 +12,8 @@ use std::{
     cmp::Reverse,
     collections::{BinaryHeap, VecDeque},
     fmt,
-    net::{Ipv4Addr, SocketAddrV4},
-    os::fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    os::fd::{AsFd as _, AsRawFd as _},
     str::FromStr,
     sync::{
         Arc,
@@ -26,7 +26,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
 use selector_common::{
-    Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id, checksum,
+    Endpoint, Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     hedge::{
         self, HedgeConfig, HedgeEvent, HedgeStats, TokenBucket, auto_ceiling_ns, auto_delay_ns,
         choose_target, claimed_word, is_sent, open_word, settling_word,
@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     Selector,
+    hedge_wire::HedgeSockets,
     shared::{SharedArray, atomic, load},
     sys,
 };
@@ -318,7 +319,12 @@ impl Selector {
     }
 
     fn start_hedge_thread(&mut self) -> Result<()> {
-        let socket = raw_socket(&self.settings.iface, self.settings.mark)?;
+        let sockets = HedgeSockets::open(
+            &self.settings.iface,
+            self.settings.mark,
+            self.backends.iter().any(|b| b.addr.is_ipv4()),
+            self.backends.iter().any(|b| b.addr.is_ipv6()),
+        )?;
         let ring = RingBuf::try_from(
             self.ebpf_mut()
                 .take_map(hedge::names::EVENTS)
@@ -346,7 +352,7 @@ impl Selector {
             counters,
             groups,
             targets,
-            socket,
+            sockets,
             control: self.hedging.control.clone(),
             queue: BinaryHeap::new(),
             order: 0,
@@ -576,8 +582,8 @@ struct HedgeLoop {
     counters: SharedArray<GroupCounters>,
     groups: Array<MapData, Group>,
     /// Backend id -> address.
-    targets: Vec<Option<SocketAddrV4>>,
-    socket: OwnedFd,
+    targets: Vec<Option<SocketAddr>>,
+    sockets: HedgeSockets,
     control: Arc<Control>,
     queue: BinaryHeap<Reverse<Due>>,
     order: u64,
@@ -747,16 +753,16 @@ impl HedgeLoop {
         unsafe { atomic(&raw mut (*c).issued[target_pos]) }.fetch_add(1, Ordering::SeqCst);
         let target = backend_id(group, target_pos) as usize;
         let counts = &self.control.counts[target];
-        let client = Ipv4Addr::new(
-            slot.client_addr[12],
-            slot.client_addr[13],
-            slot.client_addr[14],
-            slot.client_addr[15],
-        );
+        // The application's own address: IPv6, or IPv4-mapped.
+        let client = Endpoint::new(slot.client_addr, 0)
+            .ipv4_octets()
+            .map_or(IpAddr::V6(Ipv6Addr::from(slot.client_addr)), |o| {
+                IpAddr::V4(o.into())
+            });
         let sent = self.targets[target].is_some_and(|to| {
             let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
-            let packet = udp_packet(SocketAddrV4::new(client, slot.client_port), to, payload);
-            send_raw(&self.socket, &packet, to).is_ok()
+            let from = SocketAddr::new(client, slot.client_port);
+            self.sockets.send(from, to, payload).is_ok()
         });
         // Not sent: the target's count expires with the read.
         let counter = if sent {
@@ -768,92 +774,8 @@ impl HedgeLoop {
     }
 }
 
-/// A raw IPv4 socket whose packets carry `mark` and leave by `iface`.
-fn raw_socket(iface: &str, mark: u32) -> Result<OwnedFd> {
-    // SAFETY: plain socket call; the result is checked.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_RAW, libc::IPPROTO_RAW) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error())
-            .context("opening the raw socket hedges are sent through (needs CAP_NET_RAW)");
-    }
-    // SAFETY: a fresh descriptor we own.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let set = |level, name, value: &[u8]| {
-        // SAFETY: value points at value.len() valid bytes.
-        let rc = unsafe {
-            libc::setsockopt(
-                fd.as_raw_fd(),
-                level,
-                name,
-                value.as_ptr().cast(),
-                value.len() as libc::socklen_t,
-            )
-        };
-        if rc < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
-    set(libc::SOL_SOCKET, libc::SO_MARK, &mark.to_ne_bytes())
-        .context("setting the mark on the hedge socket (needs CAP_NET_ADMIN)")?;
-    set(libc::SOL_SOCKET, libc::SO_BINDTODEVICE, iface.as_bytes())
-        .with_context(|| format!("binding the hedge socket to {iface}"))?;
-    Ok(fd)
-}
-
-/// An IPv4 UDP datagram from `from` to `to` with a full UDP checksum (the
-/// kernel fills the IP header checksum and id of a raw IP_HDRINCL packet).
-pub fn udp_packet(from: SocketAddrV4, to: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
-    let udp_len = 8 + payload.len();
-    let total = 20 + udp_len;
-    let mut p = Vec::with_capacity(total);
-    p.extend_from_slice(&[0x45, 0]);
-    p.extend_from_slice(&(total as u16).to_be_bytes());
-    p.extend_from_slice(&[0, 0, 0x40, 0, 64, 17, 0, 0]);
-    p.extend_from_slice(&from.ip().octets());
-    p.extend_from_slice(&to.ip().octets());
-    let mut udp = Vec::with_capacity(udp_len);
-    udp.extend_from_slice(&from.port().to_be_bytes());
-    udp.extend_from_slice(&to.port().to_be_bytes());
-    udp.extend_from_slice(&(udp_len as u16).to_be_bytes());
-    udp.extend_from_slice(&[0, 0]);
-    udp.extend_from_slice(payload);
-    let check = checksum::udp_ipv4_checksum(from.ip().octets(), to.ip().octets(), &udp);
-    udp[6..8].copy_from_slice(&check.to_be_bytes());
-    p.extend_from_slice(&udp);
-    p
-}
-
-fn send_raw(socket: &OwnedFd, packet: &[u8], to: SocketAddrV4) -> std::io::Result<()> {
-    let addr = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: 0,
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(to.ip().octets()),
-        },
-        sin_zero: [0; 8],
-    };
-    // SAFETY: packet and addr are valid for the lengths given.
-    let rc = unsafe {
-        libc::sendto(
-            socket.as_raw_fd(),
-            packet.as_ptr().cast(),
-            packet.len(),
-            0,
-            (&raw const addr).cast(),
-            size_of::<libc::sockaddr_in>() as libc::socklen_t,
-        )
-    };
-    if rc < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
 /// The hedging lines of `selector status` and of the exit summary.
-pub fn render(settings: &HedgeSettings, counts: &[(SocketAddrV4, HedgeCounts)]) -> String {
+pub fn render(settings: &HedgeSettings, counts: &[(SocketAddr, HedgeCounts)]) -> String {
     use fmt::Write as _;
     let mut all = HedgeCounts::default();
     for (_, c) in counts {
@@ -988,21 +910,5 @@ mod tests {
         }
         HedgeSettings::default().check(timeout).unwrap();
         assert!(!HedgeSettings::default().enabled());
-    }
-
-    #[test]
-    fn hedge_packets_have_a_valid_udp_checksum() {
-        let from: SocketAddrV4 = "10.0.0.9:40000".parse().unwrap();
-        let to: SocketAddrV4 = "10.0.0.2:11211".parse().unwrap();
-        let p = udp_packet(from, to, b"\0\x01\0\0\0\x01\0\0get k\r\n");
-        assert_eq!(p.len(), 20 + 8 + 15);
-        assert_eq!(&p[12..16], &[10, 0, 0, 9]);
-        assert_eq!(&p[16..20], &[10, 0, 0, 2]);
-        assert_eq!(u16::from_be_bytes([p[22], p[23]]), 11211);
-        // The one's-complement sum over pseudo header and segment is 0xffff.
-        let mut acc = checksum::sum_words(0, &p[12..20]);
-        acc = acc.wrapping_add(17 + (p.len() as u32 - 20));
-        acc = checksum::sum_words(acc, &p[20..]);
-        assert_eq!(checksum::fold(acc), 0xffff);
     }
 }

@@ -1,7 +1,11 @@
 //! What the host says about a network interface: its index, and its
 //! addresses read with getifaddrs(3).
 
-use std::{ffi::CStr, io, net::Ipv4Addr};
+use std::{
+    ffi::CStr,
+    io,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+};
 
 /// The interface index of `iface` in this network namespace.
 pub fn index(iface: &str) -> anyhow::Result<u32> {
@@ -34,10 +38,10 @@ pub fn auto_ingress(kind: Option<&str>) -> (crate::IngressMode, String) {
     }
 }
 
-/// The IPv4 addresses of `iface` in this network namespace; `None` if there
-/// is no such interface. getifaddrs lists every interface (an AF_PACKET
-/// entry each) plus one entry per address.
-pub fn ipv4_addresses(iface: &str) -> io::Result<Option<Vec<Ipv4Addr>>> {
+/// The IPv4 and IPv6 addresses of `iface` in this network namespace;
+/// `None` if there is no such interface. getifaddrs lists every interface
+/// (an AF_PACKET entry each) plus one entry per address.
+pub fn addresses(iface: &str) -> io::Result<Option<Vec<IpAddr>>> {
     let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `list` on success; it is freed below.
     if unsafe { libc::getifaddrs(&mut list) } != 0 {
@@ -58,12 +62,22 @@ pub fn ipv4_addresses(iface: &str) -> io::Result<Option<Vec<Ipv4Addr>>> {
         }
         found = true;
         // SAFETY: ifa_addr, when set, points at a sockaddr whose family
-        // says its layout; AF_INET means sockaddr_in.
-        if let Some(addr) = unsafe { ifa.ifa_addr.as_ref() }
-            && i32::from(addr.sa_family) == libc::AF_INET
-        {
-            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-            addrs.push(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)));
+        // says its layout: sockaddr_in for AF_INET, sockaddr_in6 for AF_INET6.
+        let Some(addr) = (unsafe { ifa.ifa_addr.as_ref() }) else {
+            continue;
+        };
+        match i32::from(addr.sa_family) {
+            libc::AF_INET => {
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                addrs.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                    sin.sin_addr.s_addr,
+                ))));
+            }
+            libc::AF_INET6 => {
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                addrs.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
+            }
+            _ => {}
         }
     }
     // SAFETY: the list from getifaddrs, freed once, not used after.
@@ -78,8 +92,8 @@ mod tests {
     #[test]
     fn loopback_exists_and_a_made_up_name_does_not() {
         // `lo` exists in every namespace (its address only once it is up).
-        assert!(ipv4_addresses("lo").unwrap().is_some());
-        assert_eq!(ipv4_addresses("nosuch-if0").unwrap(), None);
+        assert!(addresses("lo").unwrap().is_some());
+        assert_eq!(addresses("nosuch-if0").unwrap(), None);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use std::{
     collections::HashMap as StdHashMap,
-    net::SocketAddrV4,
+    net::SocketAddr,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
@@ -117,8 +117,11 @@ fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn endpoint(addr: SocketAddrV4) -> Endpoint {
-    Endpoint::ipv4(addr.ip().octets(), addr.port())
+pub(crate) fn endpoint(addr: SocketAddr) -> Endpoint {
+    match addr.ip() {
+        std::net::IpAddr::V4(ip) => Endpoint::ipv4(ip.octets(), addr.port()),
+        std::net::IpAddr::V6(ip) => Endpoint::new(ip.octets(), addr.port()),
+    }
 }
 
 /// Maps the shared array map `name` of `len` elements.
@@ -495,7 +498,7 @@ impl Selector {
     }
 
     /// Backends currently drained (their bit clear in their group's mask).
-    pub fn drained(&self) -> Result<Vec<SocketAddrV4>> {
+    pub fn drained(&self) -> Result<Vec<SocketAddr>> {
         let groups: Array<_, Group> = Array::try_from(self.map(names::GROUPS)?)?;
         let mut drained = Vec::new();
         for b in &self.backends {
@@ -633,7 +636,7 @@ impl Selector {
     }
 
     /// Backend index of `addr`, if configured.
-    pub fn backend_index(&self, addr: SocketAddrV4) -> Option<u32> {
+    pub fn backend_index(&self, addr: SocketAddr) -> Option<u32> {
         self.backends
             .iter()
             .find(|b| b.addr == addr)

@@ -10,7 +10,7 @@
 //! it detaches; the kernel re-resolves them on demand as it always does.
 
 use std::{
-    net::{IpAddr, Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, SocketAddr},
     time::{Duration, Instant},
 };
 
@@ -27,7 +27,7 @@ use netlink_packet_route::{
     },
     route::{RouteAddress, RouteAttribute, RouteMessage},
 };
-use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_ROUTE};
 
 /// Where packets to a backend go next: the interface and the address whose
 /// link-layer address they are sent to (the backend itself when on-link,
@@ -80,7 +80,7 @@ impl Netlink {
     pub fn open() -> Result<Self> {
         let mut socket = Socket::new(NETLINK_ROUTE).context("opening a netlink socket")?;
         socket.bind_auto()?;
-        socket.connect(&SocketAddr::new(0, 0))?;
+        socket.connect(&NetlinkAddr::new(0, 0))?;
         Ok(Self {
             socket,
             sequence: 0,
@@ -137,14 +137,19 @@ impl Netlink {
         }
     }
 
-    /// The route the kernel would use for `dst` (`ip route get`).
-    pub fn next_hop(&mut self, dst: Ipv4Addr) -> Result<NextHop> {
+    /// The route the kernel would use for `dst` (`ip route get`), IPv4 or
+    /// IPv6.
+    pub fn next_hop(&mut self, dst: IpAddr) -> Result<NextHop> {
         let mut query = RouteMessage::default();
-        query.header.address_family = AddressFamily::Inet;
-        query.header.destination_prefix_length = 32;
+        let (family, prefix, destination) = match dst {
+            IpAddr::V4(a) => (AddressFamily::Inet, 32, RouteAddress::Inet(a)),
+            IpAddr::V6(a) => (AddressFamily::Inet6, 128, RouteAddress::Inet6(a)),
+        };
+        query.header.address_family = family;
+        query.header.destination_prefix_length = prefix;
         query
             .attributes
-            .push(RouteAttribute::Destination(RouteAddress::Inet(dst)));
+            .push(RouteAttribute::Destination(destination));
         let replies = self
             .request(RouteNetlinkMessage::GetRoute(query), 0)
             .with_context(|| format!("no route to {dst}"))?;
@@ -153,13 +158,16 @@ impl Netlink {
         };
         let mut hop = NextHop {
             ifindex: 0,
-            via: IpAddr::V4(dst),
+            via: dst,
         };
         for attribute in route.attributes {
             match attribute {
                 RouteAttribute::Oif(index) => hop.ifindex = index,
                 RouteAttribute::Gateway(RouteAddress::Inet(gateway)) => {
                     hop.via = IpAddr::V4(gateway)
+                }
+                RouteAttribute::Gateway(RouteAddress::Inet6(gateway)) => {
+                    hop.via = IpAddr::V6(gateway)
                 }
                 _ => {}
             }
@@ -244,10 +252,10 @@ impl Netlink {
             }))
     }
 
-    /// Every IPv4 neighbour entry on `ifindex`, in one dump.
+    /// Every IPv4 and IPv6 neighbour entry on `ifindex`, in one dump.
     pub fn neighbours_on(&mut self, ifindex: u32) -> Result<Vec<(IpAddr, Neighbour)>> {
         let mut query = NeighbourMessage::default();
-        query.header.family = AddressFamily::Inet;
+        query.header.family = AddressFamily::Unspec;
         let replies = self.request(RouteNetlinkMessage::GetNeighbour(query), NLM_F_DUMP)?;
         Ok(replies
             .into_iter()
@@ -256,6 +264,9 @@ impl Netlink {
                     let addr = n.attributes.iter().find_map(|a| match a {
                         NeighbourAttribute::Destination(NeighbourAddress::Inet(a)) => {
                             Some(IpAddr::V4(*a))
+                        }
+                        NeighbourAttribute::Destination(NeighbourAddress::Inet6(a)) => {
+                            Some(IpAddr::V6(*a))
                         }
                         _ => None,
                     })?;
@@ -346,13 +357,13 @@ impl ManagedNeighbours {
     /// unresolved.
     pub fn keep_resolved(
         &mut self,
-        backends: &[SocketAddrV4],
+        backends: &[SocketAddr],
         wait: Duration,
-    ) -> Result<Vec<SocketAddrV4>> {
+    ) -> Result<Vec<SocketAddr>> {
         let mut netlink = Netlink::open()?;
         let mut hops = Vec::new();
         for backend in backends {
-            let hop = netlink.next_hop(*backend.ip())?;
+            let hop = netlink.next_hop(backend.ip())?;
             if !self.hops.contains(&hop) && netlink.manage(hop)? {
                 self.hops.push(hop);
             }
@@ -376,9 +387,9 @@ impl ManagedNeighbours {
 
 /// [`ManagedNeighbours::keep_resolved`] from nothing marked yet.
 pub fn keep_resolved(
-    backends: &[SocketAddrV4],
+    backends: &[SocketAddr],
     wait: Duration,
-) -> Result<(ManagedNeighbours, Vec<SocketAddrV4>)> {
+) -> Result<(ManagedNeighbours, Vec<SocketAddr>)> {
     let mut managed = ManagedNeighbours::default();
     let unresolved = managed.keep_resolved(backends, wait)?;
     Ok((managed, unresolved))
@@ -387,7 +398,7 @@ pub fn keep_resolved(
 /// [`keep_resolved`] for callers that keep the entries managed for the
 /// namespace's lifetime (tests and benchmarks); an error counts every
 /// backend as unresolved.
-pub fn warm_up(backends: &[SocketAddrV4], wait: Duration) -> Vec<SocketAddrV4> {
+pub fn warm_up(backends: &[SocketAddr], wait: Duration) -> Vec<SocketAddr> {
     match keep_resolved(backends, wait) {
         Ok((_, unresolved)) => unresolved,
         Err(e) => {

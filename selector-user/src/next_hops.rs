@@ -70,7 +70,7 @@ impl NextHops {
                 .backends
                 .iter()
                 .map(|b| {
-                    let hop = self.netlink.next_hop(*b.addr.ip()).ok();
+                    let hop = self.netlink.next_hop(b.addr.ip()).ok();
                     (b.index, hop.filter(|h| h.ifindex == self.ifindex))
                 })
                 .collect();
@@ -126,7 +126,7 @@ impl NextHops {
 /// For callers without an agent loop (tests, benchmarks): marks the
 /// backends' next hops managed, waits up to `wait` for them to resolve, and
 /// publishes their addresses once. Returns the backends still unresolved.
-pub fn publish_once(selector: &mut Selector, wait: Duration) -> Vec<std::net::SocketAddrV4> {
+pub fn publish_once(selector: &mut Selector, wait: Duration) -> Vec<std::net::SocketAddr> {
     let addrs: Vec<_> = selector.backends.iter().map(|b| b.addr).collect();
     let unresolved = crate::neighbours::warm_up(&addrs, wait);
     if let Err(e) = NextHops::new(&selector.settings.iface).and_then(|mut n| n.refresh(selector)) {

@@ -21,7 +21,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     ffi::CString,
-    net::SocketAddrV4,
+    net::SocketAddr,
     os::{fd::AsFd as _, unix::ffi::OsStrExt as _},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -443,8 +443,8 @@ fn render_group(g: &Group) -> String {
     g.endpoints[..(g.len as usize).min(MAX_GROUP_MEMBERS)]
         .iter()
         .map(|e| match e.ipv4_octets() {
-            Some(o) => SocketAddrV4::new(o.into(), e.port).to_string(),
-            None => format!("{e:?}"),
+            Some(o) => SocketAddr::new(std::net::Ipv4Addr::from(o).into(), e.port).to_string(),
+            None => SocketAddr::new(std::net::Ipv6Addr::from(e.addr).into(), e.port).to_string(),
         })
         .collect::<Vec<_>>()
         .join(",")

@@ -22,7 +22,7 @@
 //! it has retired.
 
 use std::{
-    net::{SocketAddr, SocketAddrV4},
+    net::SocketAddr,
     path::PathBuf,
     sync::atomic::Ordering,
     time::{Duration, Instant},
@@ -49,7 +49,7 @@ use crate::{
 /// A member in the kernel's tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Member {
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     /// Removed by a reload at this instant; its requests still complete.
     pub retiring_since: Option<Instant>,
 }
@@ -62,7 +62,7 @@ pub struct TableGroup {
 }
 
 impl TableGroup {
-    fn position_of(&self, addr: SocketAddrV4) -> Option<usize> {
+    fn position_of(&self, addr: SocketAddr) -> Option<usize> {
         self.members
             .iter()
             .position(|m| m.is_some_and(|m| m.addr == addr))
@@ -89,7 +89,7 @@ pub struct GroupTable {
 
 impl GroupTable {
     /// The table `selector run` starts with: groups and members in order.
-    pub fn from_start(groups: &[Vec<SocketAddrV4>], names: &[Option<String>]) -> Self {
+    pub fn from_start(groups: &[Vec<SocketAddr>], names: &[Option<String>]) -> Self {
         let groups = groups
             .iter()
             .enumerate()
@@ -134,13 +134,13 @@ impl GroupTable {
     }
 
     /// Whether `addr` is a member being removed.
-    pub fn is_retiring(&self, addr: SocketAddrV4) -> bool {
+    pub fn is_retiring(&self, addr: SocketAddr) -> bool {
         self.members()
             .any(|(_, _, m)| m.addr == addr && m.retiring_since.is_some())
     }
 
     /// (group, position) of `addr`, retiring or not.
-    fn find(&self, addr: SocketAddrV4) -> Option<(usize, usize)> {
+    fn find(&self, addr: SocketAddr) -> Option<(usize, usize)> {
         self.members()
             .find(|(_, _, m)| m.addr == addr)
             .map(|(g, p, _)| (g, p))
@@ -171,7 +171,7 @@ impl GroupChanges {
 /// is written by [`Selector::apply_groups`].
 pub fn plan_groups(
     current: &GroupTable,
-    wanted: &[Vec<SocketAddrV4>],
+    wanted: &[Vec<SocketAddr>],
     names: &[Option<String>],
     now: Instant,
 ) -> Result<GroupChanges> {
@@ -303,7 +303,7 @@ pub fn plan_groups(
 fn retire_all_but(
     group: &mut TableGroup,
     g: usize,
-    keep: &[SocketAddrV4],
+    keep: &[SocketAddr],
     now: Instant,
     removed: &mut Vec<BackendPlan>,
 ) {
@@ -318,7 +318,7 @@ fn retire_all_but(
     }
 }
 
-fn plan(g: usize, p: usize, addr: SocketAddrV4) -> BackendPlan {
+fn plan(g: usize, p: usize, addr: SocketAddr) -> BackendPlan {
     BackendPlan {
         index: backend_id(g as u32, p),
         addr,
@@ -435,8 +435,8 @@ impl Selector {
         table: &mut GroupTable,
         linger: Duration,
         now: Instant,
-    ) -> Result<Vec<SocketAddrV4>> {
-        let due: Vec<(usize, usize, SocketAddrV4)> = table
+    ) -> Result<Vec<SocketAddr>> {
+        let due: Vec<(usize, usize, SocketAddr)> = table
             .members()
             .filter(|(_, _, m)| {
                 m.retiring_since
@@ -598,7 +598,7 @@ impl Reloader {
     }
 
     /// Forgets retiring members whose requests are done (see the module doc).
-    pub fn retire_finished(&mut self, selector: &mut Selector) -> Result<Vec<SocketAddrV4>> {
+    pub fn retire_finished(&mut self, selector: &mut Selector) -> Result<Vec<SocketAddr>> {
         let linger = selector.settings.timeout + selector.settings.grace;
         selector.retire_finished(&mut self.table, linger, Instant::now())
     }
@@ -629,15 +629,15 @@ fn describe(changes: &GroupChanges) -> String {
 mod tests {
     use super::*;
 
-    fn addr(i: u8) -> SocketAddrV4 {
-        SocketAddrV4::new([10, 0, 0, i].into(), 11211)
+    fn addr(i: u8) -> SocketAddr {
+        SocketAddr::new([10, 0, 0, i].into(), 11211)
     }
 
-    fn group(members: &[u8]) -> Vec<SocketAddrV4> {
+    fn group(members: &[u8]) -> Vec<SocketAddr> {
         members.iter().map(|i| addr(*i)).collect()
     }
 
-    fn ids(backends: &[BackendPlan]) -> Vec<(u32, SocketAddrV4)> {
+    fn ids(backends: &[BackendPlan]) -> Vec<(u32, SocketAddr)> {
         backends.iter().map(|b| (b.index, b.addr)).collect()
     }
 

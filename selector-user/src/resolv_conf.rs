@@ -5,15 +5,18 @@
 //! group whose primary is the first: `selector run --resolv-conf` steers
 //! lookups away from a stalled first nameserver, for every program at once.
 
-use std::net::{IpAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr};
 
 /// The DNS port nameservers listen on.
 const DNS_PORT: u16 = 53;
 
-/// The IPv4 nameservers of a resolv.conf, in order, and the lines naming
-/// nameservers it could not use (IPv6 ones: the selector is IPv4 only).
-pub fn nameservers(text: &str) -> (Vec<SocketAddrV4>, Vec<String>) {
-    let mut servers = Vec::new();
+/// The nameservers of a resolv.conf that form the group, in order, and
+/// the lines naming nameservers it could not use. A group is one address
+/// family, that of the first nameserver (the primary every lookup goes
+/// to): nameservers of the other family, and lines that are not an
+/// address (a link-local one with a `%zone`, junk), are skipped.
+pub fn nameservers(text: &str) -> (Vec<SocketAddr>, Vec<String>) {
+    let mut servers: Vec<SocketAddr> = Vec::new();
     let mut skipped = Vec::new();
     for line in text.lines() {
         let mut words = line.split_whitespace();
@@ -21,7 +24,9 @@ pub fn nameservers(text: &str) -> (Vec<SocketAddrV4>, Vec<String>) {
             continue;
         }
         match words.next().map(str::parse::<IpAddr>) {
-            Some(Ok(IpAddr::V4(ip))) => servers.push(SocketAddrV4::new(ip, DNS_PORT)),
+            Some(Ok(ip)) if servers.first().is_none_or(|s| s.is_ipv4() == ip.is_ipv4()) => {
+                servers.push(SocketAddr::new(ip, DNS_PORT))
+            }
             _ => skipped.push(line.trim().to_string()),
         }
     }
@@ -47,5 +52,23 @@ mod tests {
         );
         assert_eq!(skipped, vec!["nameserver fd00::53", "nameserver bogus"]);
         assert_eq!(nameservers("search x\n"), (vec![], vec![]));
+    }
+
+    #[test]
+    fn an_ipv6_first_nameserver_makes_an_ipv6_group() {
+        let text = "nameserver fd00::53\nnameserver 10.0.0.53\nnameserver fd00::54\n\
+                    nameserver fe80::1%eth0\n";
+        let (servers, skipped) = nameservers(text);
+        assert_eq!(
+            servers,
+            vec![
+                "[fd00::53]:53".parse().unwrap(),
+                "[fd00::54]:53".parse().unwrap()
+            ]
+        );
+        assert_eq!(
+            skipped,
+            vec!["nameserver 10.0.0.53", "nameserver fe80::1%eth0"]
+        );
     }
 }

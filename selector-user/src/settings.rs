@@ -1,7 +1,12 @@
 //! Validated configuration. Everything is checked here, before anything is
 //! loaded or attached, so a bad flag never leaves a half-configured host.
 
-use std::{collections::HashMap, fmt, net::SocketAddrV4, time::Duration};
+use std::{
+    collections::HashMap,
+    fmt,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use anyhow::{Result, bail};
 use selector_common::{
@@ -80,7 +85,7 @@ impl Protocol {
 pub struct Settings {
     pub iface: String,
     /// Replica groups, members in preference order.
-    pub groups: Vec<Vec<SocketAddrV4>>,
+    pub groups: Vec<Vec<SocketAddr>>,
     pub policy: Policy,
     pub threshold: u32,
     /// Latency policy: expected wait over the best member's at which a
@@ -159,7 +164,7 @@ pub fn invalid<T>(key: SettingKey, problem: impl Into<String>) -> Result<T> {
 pub struct BackendPlan {
     /// Backend id: `group * 8 + position`.
     pub index: u32,
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     pub group: u32,
 }
 
@@ -172,7 +177,7 @@ impl fmt::Display for BackendPlan {
 impl Settings {
     /// Settings with every default of `selector run`; change fields with
     /// struct-update syntax (`Settings { threshold: 1, ..Settings::new(..) }`).
-    pub fn new(iface: impl Into<String>, groups: Vec<Vec<SocketAddrV4>>) -> Self {
+    pub fn new(iface: impl Into<String>, groups: Vec<Vec<SocketAddr>>) -> Self {
         let timeout = Duration::from_millis(DEFAULT_TIMEOUT_MS);
         Self {
             iface: iface.into(),
@@ -277,20 +282,28 @@ impl Settings {
     }
 
     /// Checks the host side: the interface exists in this network namespace
-    /// and has an IPv4 address (the selector steers IPv4 only, and a redirect
-    /// leaves from the interface's own address).
+    /// and has an address of each family the groups use (a redirect leaves
+    /// from the interface's own address).
     pub fn check_interface(&self) -> Result<()> {
-        match interface::ipv4_addresses(&self.iface)? {
-            None => bail!("interface '{}' not found", self.iface),
-            Some(addrs) if addrs.is_empty() => {
-                bail!("interface '{}' has no IPv4 address", self.iface)
-            }
-            Some(_) => Ok(()),
+        let Some(addrs) = interface::addresses(&self.iface)? else {
+            bail!("interface '{}' not found", self.iface)
+        };
+        let wants_v6 = self.groups.iter().any(|m| is_ipv6_group(m));
+        let wants_v4 = self.groups.iter().any(|m| !is_ipv6_group(m)) || !wants_v6;
+        if wants_v4 && !addrs.iter().any(IpAddr::is_ipv4) {
+            bail!("interface '{}' has no IPv4 address", self.iface)
         }
+        if wants_v6 && !addrs.iter().any(IpAddr::is_ipv6) {
+            bail!(
+                "interface '{}' has no IPv6 address (an IPv6 group needs one)",
+                self.iface
+            )
+        }
+        Ok(())
     }
 
     fn number_backends(&self) -> Result<Vec<BackendPlan>> {
-        let mut seen: HashMap<SocketAddrV4, usize> = HashMap::new();
+        let mut seen: HashMap<SocketAddr, usize> = HashMap::new();
         let mut plan = Vec::new();
         for (g, members) in self.groups.iter().enumerate() {
             if members.is_empty() {
@@ -308,12 +321,46 @@ impl Settings {
             }
             for (position, addr) in members.iter().enumerate() {
                 let member = SettingKey::Member(g, position);
+                if addr.is_ipv4() != members[0].is_ipv4() {
+                    // One family per group: a read is steered only within
+                    // its own family's header.
+                    return invalid(
+                        member,
+                        format!(
+                            "group {} mixes IPv4 and IPv6 members ({} and {addr}); \
+                             a group is one address family",
+                            g + 1,
+                            members[0]
+                        ),
+                    );
+                }
                 if addr.port() == 0 {
                     return invalid(member, format!("backend {addr} has port 0"));
                 }
+                if let IpAddr::V6(ip) = addr.ip() {
+                    if ip.to_ipv4_mapped().is_some() {
+                        // The kernel sees such a member's packets as IPv4.
+                        return invalid(
+                            member,
+                            format!("backend {addr} is IPv4-mapped: write it as a.b.c.d:port"),
+                        );
+                    }
+                    if ip.is_unicast_link_local() {
+                        // A member is one address without a zone; the
+                        // route to a link-local one needs its interface.
+                        return invalid(
+                            member,
+                            format!(
+                                "backend {addr} is link-local: use a global or unique local address"
+                            ),
+                        );
+                    }
+                }
+                let broadcast = matches!(addr.ip(), IpAddr::V4(ip) if ip.is_broadcast());
                 if addr.ip().is_unspecified()
-                    || addr.ip().is_broadcast()
+                    || broadcast
                     || addr.ip().is_multicast()
+                    || addr.ip().is_loopback()
                 {
                     return invalid(member, format!("backend {addr} is not a unicast address"));
                 }
@@ -361,13 +408,18 @@ fn check_millis(flag: &'static str, value: Duration) -> Result<()> {
     Ok(())
 }
 
-/// Parses `A:P,B:P,...`.
-pub fn parse_group(s: &str) -> Result<Vec<SocketAddrV4>, String> {
+/// Whether a group's members are IPv6 (a group is one family).
+pub fn is_ipv6_group(members: &[SocketAddr]) -> bool {
+    members.first().is_some_and(SocketAddr::is_ipv6)
+}
+
+/// Parses `A:P,B:P,...`, each `a.b.c.d:port` or `[IPv6]:port`.
+pub fn parse_group(s: &str) -> Result<Vec<SocketAddr>, String> {
     s.split(',')
         .map(|m| {
             let m = m.trim();
-            m.parse::<SocketAddrV4>()
-                .map_err(|_| format!("'{m}' is not an IPv4 address:port"))
+            m.parse::<SocketAddr>()
+                .map_err(|_| format!("'{m}' is not an IPv4 address:port or an [IPv6 address]:port"))
         })
         .collect()
 }
@@ -474,6 +526,21 @@ mod tests {
         assert!(err(&settings(&["10.0.0.1:1", "10.0.0.1:1"])).contains("group 1 and group 2"));
         // Same address, other port: a different backend.
         assert!(settings(&["10.0.0.1:1,10.0.0.1:2"]).plan().is_ok());
+    }
+
+    #[test]
+    fn ipv6_groups_next_to_ipv4_ones_but_never_mixed() {
+        let p = settings(&["[fd77::1]:11211,[fd77::2]:11211", "10.0.0.3:1"])
+            .plan()
+            .unwrap();
+        assert_eq!(p[1].addr, "[fd77::2]:11211".parse().unwrap());
+        assert_eq!(p[2].group, 1);
+        let e = err(&settings(&["10.0.0.1:1,[fd77::2]:1"]));
+        assert!(e.contains("mixes IPv4 and IPv6"), "{e}");
+        assert!(err(&settings(&["[::1]:1"])).contains("not a unicast"));
+        assert!(err(&settings(&["[fe80::1]:1"])).contains("link-local"));
+        assert!(err(&settings(&["[::ffff:10.0.0.1]:1"])).contains("IPv4-mapped"));
+        assert!(err(&settings(&["[ff02::1]:1"])).contains("not a unicast"));
     }
 
     #[test]
@@ -640,5 +707,10 @@ mod tests {
                 .contains("'nope'")
         );
         assert!(parse_group("10.0.0.1").is_err());
+        assert_eq!(
+            parse_group("[fd77::1]:11211,[fd77::2]:11212").unwrap()[1],
+            "[fd77::2]:11212".parse().unwrap()
+        );
+        assert!(parse_group("fd77::1:11211").unwrap_err().contains("[IPv6"));
     }
 }

@@ -3,7 +3,7 @@
 
 use std::{
     fmt::Write as _,
-    net::SocketAddrV4,
+    net::SocketAddr,
     time::{Duration, Instant},
 };
 
@@ -71,7 +71,7 @@ impl Selector {
 /// absent, so a newer `selector status` reads an older agent's reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BackendTotals {
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
     /// Group number, from 1 in `--group` order.
     pub group: u32,
     /// Position in the group; 0 is the primary.

@@ -215,7 +215,7 @@ impl TotalsRow {
         else {
             return None;
         };
-        backend.parse::<std::net::SocketAddrV4>().ok()?;
+        backend.parse::<std::net::SocketAddr>().ok()?;
         Some(Self {
             backend: backend.to_string(),
             requests: requests.parse().ok()?,

@@ -6,7 +6,7 @@
 //! MTU, so that NSD's UDP reply (EDNS buffer 4096) is IP-fragmented.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, UdpSocket},
     path::PathBuf,
     process::{Child, Output, Stdio},
     time::{Duration, Instant},
@@ -51,14 +51,16 @@ pub fn zone_file() -> String {
 /// with response rate limiting off (Debian's default limits a source to
 /// 200 answers per second) and a 4096-byte EDNS buffer.
 pub struct Nsd {
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     ns_name: String,
     dir: PathBuf,
     child: Child,
 }
 
 impl Nsd {
-    pub fn start(ns: &Namespace, addr: SocketAddrV4) -> Result<Self> {
+    /// NSD serving the test zone at `addr`, IPv4 or IPv6.
+    pub fn start(ns: &Namespace, addr: impl Into<SocketAddr>) -> Result<Self> {
+        let addr: SocketAddr = addr.into();
         let dir = std::env::temp_dir().join(format!("selector-nsd-{}", ns.name));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
@@ -68,8 +70,8 @@ impl Nsd {
             "server:\n\
              \x20 ip-address: {ip}\n\
              \x20 port: {port}\n\
-             \x20 do-ip4: yes\n\
-             \x20 do-ip6: no\n\
+             \x20 do-ip4: {ip4}\n\
+             \x20 do-ip6: {ip6}\n\
              \x20 username: \"\"\n\
              \x20 chroot: \"\"\n\
              \x20 zonesdir: \"{d}\"\n\
@@ -90,6 +92,8 @@ impl Nsd {
              \x20 zonefile: \"{ZONE}.zone\"\n",
             ip = addr.ip(),
             port = addr.port(),
+            ip4 = if addr.is_ipv4() { "yes" } else { "no" },
+            ip6 = if addr.is_ipv6() { "yes" } else { "no" },
         );
         let conf_path = dir.join("nsd.conf");
         std::fs::write(&conf_path, conf)?;
@@ -112,7 +116,12 @@ impl Nsd {
     pub fn wait_ready(&self, from: &Namespace) -> Result<()> {
         let addr = self.addr;
         let ready = from.run(move || -> Result<()> {
-            let socket = UdpSocket::bind("0.0.0.0:0")?;
+            let any = if addr.is_ipv6() {
+                "[::]:0"
+            } else {
+                "0.0.0.0:0"
+            };
+            let socket = UdpSocket::bind(any)?;
             socket.connect(addr)?;
             socket.set_read_timeout(Some(Duration::from_millis(50)))?;
             let deadline = Instant::now() + Duration::from_secs(5);

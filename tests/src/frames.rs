@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use aya::programs::{ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp};
-use etherparse::{NetHeaders, PacketBuilder, PacketHeaders, TransportHeader};
+use etherparse::{
+    NetHeaders, PacketBuilder, PacketBuilderStep, PacketHeaders, TransportHeader, UdpHeader,
+};
 use selector_common::{BackendStats, Descriptor, Direction, PassReason, Policy, programs};
 use selector_user::{IngressMode, Selector, Settings};
 
@@ -44,7 +46,7 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
             (0..REPLICAS)
                 .map(|i| {
                     let (a, p) = member(i);
-                    std::net::SocketAddrV4::new(a.into(), p)
+                    std::net::SocketAddr::from((a, p))
                 })
                 .collect(),
         ],
@@ -67,12 +69,28 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
 
 /// Ethernet + IPv4 (no options, TTL 64) + UDP with correct checksums.
 pub fn udp(src: ([u8; 4], u16), dst: ([u8; 4], u16), payload: &[u8]) -> Vec<u8> {
+    written(
+        PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+            .ipv4(src.0, dst.0, 64)
+            .udp(src.1, dst.1),
+        payload,
+    )
+}
+
+/// Ethernet + IPv6 (no extension headers, hop limit 64) + UDP with a
+/// correct checksum.
+pub fn udp6(src: ([u8; 16], u16), dst: ([u8; 16], u16), payload: &[u8]) -> Vec<u8> {
+    written(
+        PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
+            .ipv6(src.0, dst.0, 64)
+            .udp(src.1, dst.1),
+        payload,
+    )
+}
+
+fn written(frame: PacketBuilderStep<UdpHeader>, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
-        .ipv4(src.0, dst.0, 64)
-        .udp(src.1, dst.1)
-        .write(&mut out, payload)
-        .unwrap();
+    frame.write(&mut out, payload).unwrap();
     out
 }
 

@@ -3,7 +3,7 @@
 
 use std::{
     io::ErrorKind,
-    net::{SocketAddrV4, UdpSocket},
+    net::{Ipv6Addr, SocketAddr, SocketAddrV4, UdpSocket},
     process::{Child, Stdio},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
@@ -22,6 +22,16 @@ pub struct Replica {
 
 impl Replica {
     pub fn start(ns: &Namespace, addr: SocketAddrV4) -> Result<Self> {
+        Self::start_listening(ns, addr, &addr.ip().to_string())
+    }
+
+    /// Serves at `addr` and at `v6` (same port): one process that an IPv4
+    /// and an IPv6 group can both name.
+    pub fn start_dual_stack(ns: &Namespace, addr: SocketAddrV4, v6: Ipv6Addr) -> Result<Self> {
+        Self::start_listening(ns, addr, &format!("{},{v6}", addr.ip()))
+    }
+
+    fn start_listening(ns: &Namespace, addr: SocketAddrV4, listen: &str) -> Result<Self> {
         let child = ns
             .command("memcached")
             .args([
@@ -30,7 +40,7 @@ impl Replica {
                 "-p",
                 "0",
                 "-l",
-                &addr.ip().to_string(),
+                listen,
                 "-u",
                 "root",
                 "-t",
@@ -77,7 +87,8 @@ impl Replica {
 
 /// Waits until a memcached (or anything speaking for one) answers at `addr`
 /// over UDP from `client`.
-pub fn wait_until_serving(client: &Namespace, addr: SocketAddrV4) -> Result<()> {
+pub fn wait_until_serving(client: &Namespace, addr: impl Into<SocketAddr>) -> Result<()> {
+    let addr = addr.into();
     client.run(move || -> Result<()> {
         let c = MemcachedClient::connect(addr)?;
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -133,8 +144,14 @@ pub fn parse_get_response(body: &[u8]) -> Option<&[u8]> {
 /// An unconnected client socket with a large receive buffer, so a busy CI
 /// machine that briefly starves the receiving thread does not drop replies
 /// and fail a test. Must be called on a thread inside the client namespace.
-fn client_socket() -> Result<UdpSocket> {
-    let socket = UdpSocket::bind("0.0.0.0:0")?;
+/// A UDP socket of `target`'s family, with a large receive buffer.
+fn client_socket(target: SocketAddr) -> Result<UdpSocket> {
+    let any = if target.is_ipv6() {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    };
+    let socket = UdpSocket::bind(any)?;
     let size: libc::c_int = 8 << 20;
     // SAFETY: valid socket and option value; as root, FORCE lifts rmem_max.
     unsafe {
@@ -158,8 +175,9 @@ pub struct MemcachedClient {
 
 impl MemcachedClient {
     /// Must be called on a thread inside the client namespace.
-    pub fn connect(addr: SocketAddrV4) -> Result<Self> {
-        let socket = client_socket()?;
+    pub fn connect(addr: impl Into<SocketAddr>) -> Result<Self> {
+        let addr = addr.into();
+        let socket = client_socket(addr)?;
         socket.connect(addr)?;
         Ok(Self {
             socket,
@@ -202,8 +220,12 @@ impl MemcachedClient {
 }
 
 /// Stores `keys` keys on every replica (each directly, before load).
-pub fn preload(client: &Namespace, replicas: &[SocketAddrV4], keys: usize) -> Result<()> {
+pub fn preload<A>(client: &Namespace, replicas: &[A], keys: usize) -> Result<()>
+where
+    A: Into<SocketAddr> + Copy,
+{
     for &addr in replicas {
+        let addr: SocketAddr = addr.into();
         client.run(move || -> Result<()> {
             let c = MemcachedClient::connect(addr)?;
             for i in 0..keys {
@@ -218,7 +240,7 @@ pub fn preload(client: &Namespace, replicas: &[SocketAddrV4], keys: usize) -> Re
 /// An open-loop read load against one address.
 #[derive(Clone, Debug)]
 pub struct LoadSpec {
-    pub target: SocketAddrV4,
+    pub target: SocketAddr,
     /// Requests per second.
     pub rate: u32,
     pub duration: Duration,
@@ -295,7 +317,7 @@ pub fn run_load(spec: &LoadSpec) -> Result<LoadReport> {
 /// Runs the load on a socket of the given kind; must be called on a thread
 /// inside the client namespace.
 pub fn run_load_on(spec: &LoadSpec, kind: ClientSocket) -> Result<LoadReport> {
-    let sender = client_socket()?;
+    let sender = client_socket(spec.target)?;
     if kind == ClientSocket::Connected {
         sender.connect(spec.target)?;
     }
@@ -325,7 +347,7 @@ pub fn run_load_on(spec: &LoadSpec, kind: ClientSocket) -> Result<LoadReport> {
             let mut buf = [0u8; 2048];
             loop {
                 match socket.recv_from(&mut buf) {
-                    Ok((_, from)) if from != std::net::SocketAddr::V4(target) => {
+                    Ok((_, from)) if from != target => {
                         r.wrong_source += 1;
                     }
                     Ok((n, _)) if n >= 8 => {

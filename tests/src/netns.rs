@@ -106,6 +106,23 @@ impl Namespace {
             .map_err(|_| anyhow::anyhow!("thread in {} panicked", self.name))
     }
 
+    /// A counter from /proc/net/snmp6 inside the namespace, e.g.
+    /// "Udp6InCsumErrors".
+    pub fn snmp6(&self, field: &str) -> Result<u64> {
+        let out = self.exec("cat", &["/proc/net/snmp6"])?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let value = text
+            .lines()
+            .find_map(|l| {
+                let mut words = l.split_whitespace();
+                (words.next() == Some(field))
+                    .then(|| words.next())
+                    .flatten()
+            })
+            .with_context(|| format!("no {field} in /proc/net/snmp6"))?;
+        Ok(value.parse()?)
+    }
+
     /// A counter from /proc/net/snmp inside the namespace, e.g. ("Udp", "InCsumErrors").
     pub fn snmp(&self, proto: &str, field: &str) -> Result<u64> {
         let out = self.exec("cat", &["/proc/net/snmp"])?;

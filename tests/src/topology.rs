@@ -1,12 +1,13 @@
 //! The standard topology: a client and N replicas on one L2 segment (a
-//! bridge in its own namespace), all addresses in 10.77.0.0/24, nothing in
-//! the host's namespace.
+//! bridge in its own namespace), all addresses in 10.77.0.0/24 (and with
+//! `dual_stack`, fd77::/64 too), nothing in the host's namespace.
 //!
 //! ```text
 //! client 10.77.0.1 (eth0) --- [switch: br0] --- replica i 10.77.0.(10+i) (eth0)
+//!        fd77::1                                          fd77::(10+i)
 //! ```
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 
 use anyhow::Result;
 
@@ -24,6 +25,12 @@ pub fn replica_addr(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 77, 0, 10 + i as u8)
 }
 
+pub const CLIENT_ADDR6: Ipv6Addr = Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 1);
+
+pub fn replica_addr6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd77, 0, 0, 0, 0, 0, 0, 0x10 + i as u16)
+}
+
 /// The switch's port for host `host` (0 is the client, 1 + i replica i).
 pub fn switch_port(host: usize) -> String {
     format!("p{host}")
@@ -37,6 +44,8 @@ pub struct Testbed {
     pub client: Namespace,
     pub replica_ns: Vec<Namespace>,
     pub switch: Namespace,
+    /// Every host has its fd77::/64 address too; memcached listens on both.
+    pub dual_stack: bool,
 }
 
 impl Testbed {
@@ -87,7 +96,33 @@ impl Testbed {
             client,
             replica_ns,
             switch,
+            dual_stack: false,
         })
+    }
+
+    /// [`Self::new`] with an IPv6 address on every host as well (client
+    /// fd77::1, replica i fd77::(10+i)), usable at once: duplicate address
+    /// detection is off (`nodad`), so no address stays tentative.
+    pub fn dual_stack(prefix: &str, replicas: usize) -> Result<Self> {
+        let mut tb = Self::new(prefix, replicas)?;
+        let hosts = std::iter::once((&tb.client, CLIENT_ADDR6)).chain(
+            tb.replica_ns
+                .iter()
+                .enumerate()
+                .map(|(i, ns)| (ns, replica_addr6(i))),
+        );
+        for (ns, addr) in hosts {
+            ns.ip(&[
+                "addr",
+                "add",
+                &format!("{addr}/64"),
+                "dev",
+                CLIENT_IFACE,
+                "nodad",
+            ])?;
+        }
+        tb.dual_stack = true;
+        Ok(tb)
     }
 
     /// A testbed with memcached on every replica and `keys` keys preloaded.
@@ -111,8 +146,12 @@ impl Testbed {
     /// Starts memcached (UDP) on every replica.
     pub fn start_memcached(&mut self) -> Result<()> {
         let endpoints = self.replica_endpoints();
-        for (ns, endpoint) in self.replica_ns.iter().zip(endpoints) {
-            self.replicas.push(Replica::start(ns, endpoint)?);
+        for (i, (ns, endpoint)) in self.replica_ns.iter().zip(endpoints).enumerate() {
+            self.replicas.push(if self.dual_stack {
+                Replica::start_dual_stack(ns, endpoint, replica_addr6(i))?
+            } else {
+                Replica::start(ns, endpoint)?
+            });
         }
         for r in &self.replicas {
             r.wait_ready(&self.client)?;
@@ -135,11 +174,20 @@ impl Testbed {
             .collect()
     }
 
-    /// UDP checksum errors seen by every host so far.
+    /// The replicas' IPv6 endpoints (same ports), for a `dual_stack` testbed.
+    pub fn replica_endpoints6(&self) -> Vec<SocketAddr> {
+        self.replica_endpoints()
+            .iter()
+            .enumerate()
+            .map(|(i, e)| SocketAddr::from((replica_addr6(i), e.port())))
+            .collect()
+    }
+
+    /// UDP checksum errors (over IPv4 and IPv6) seen by every host so far.
     pub fn udp_checksum_errors(&self) -> Result<u64> {
-        let mut total = self.client.snmp("Udp", "InCsumErrors")?;
-        for ns in &self.replica_ns {
-            total += ns.snmp("Udp", "InCsumErrors")?;
+        let mut total = 0;
+        for ns in std::iter::once(&self.client).chain(&self.replica_ns) {
+            total += ns.snmp("Udp", "InCsumErrors")? + ns.snmp6("Udp6InCsumErrors")?;
         }
         Ok(total)
     }

@@ -163,7 +163,10 @@ fn failed_attach_detaches_what_it_attached() {
     // on TCX, which `run` would refuse before attaching anything).
     let settings = Settings {
         threshold: 1,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     };
     let holder = tb
         .client
@@ -251,7 +254,7 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
     let (mut agent, lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
     let spec = selector_testbed::LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(800),
         keys: 100,
@@ -303,7 +306,7 @@ fn a_second_signal_cuts_the_wait_short() {
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
     let (mut agent, mut lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
     let spec = selector_testbed::LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(400),
         keys: 100,
@@ -439,7 +442,7 @@ fn run_ctl(tb: &Testbed, args: &[&str]) -> (i32, String) {
 
 fn stalled_load(tb: &Testbed) {
     let spec = selector_testbed::LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(600),
         keys: 100,

@@ -161,7 +161,7 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     );
 
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(800),
         keys: 100,

@@ -35,7 +35,10 @@ fn settings(tb: &Testbed) -> Settings {
     Settings {
         threshold: 2,
         timeout: TIMEOUT,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     }
 }
 
@@ -47,7 +50,7 @@ fn testbed(prefix: &str) -> Testbed {
 /// Starts `LOAD` of reads to the primary from an unconnected socket.
 fn start_load(tb: &Testbed) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: RATE,
         duration: LOAD,
         keys: KEYS,

@@ -67,7 +67,7 @@ const UDP_LEN: usize = 4;
 /// `direction * PASS_REASONS + reason` (direction 0 egress, 1 ingress).
 /// Absent from kernels that do not count passes yet.
 const PASSED_MAP: &str = "PASSED";
-const PASS_REASONS: usize = 5;
+const PASS_REASONS: usize = selector_common::PASS_REASONS as usize;
 
 /// The "passed untouched" counters summed over CPUs, if the kernel has them.
 fn passed_counters(sel: &Selector) -> Option<Vec<u64>> {

@@ -3,9 +3,11 @@
 //! with the primary stopped (SIGSTOP), a read is hedged after the delay and
 //! answered by the second replica; the primary's late reply is dropped in
 //! the kernel and counted; counts are exact on every replica; the budget
-//! holds with many stuck reads; with hedging off no copy is sent.
+//! holds with many stuck reads; with hedging off no copy is sent. The
+//! hedged read runs over IPv6 too.
 
 use std::{
+    net::SocketAddr,
     thread,
     time::{Duration, Instant},
 };
@@ -15,7 +17,7 @@ use selector_testbed::{
     LoadSpec, Testbed,
     agent::SweptSelector,
     memcached::{MemcachedClient, key_for, parse_get_response, value_for},
-    run_load,
+    preload, run_load,
     topology::CLIENT_IFACE,
 };
 use selector_user::{
@@ -30,6 +32,23 @@ fn testbed(prefix: &str) -> Testbed {
     Testbed::with_memcached(prefix, 3, KEYS).expect("testbed")
 }
 
+/// Dual-stack hosts, the group and the application over IPv6.
+fn testbed6(prefix: &str) -> Testbed {
+    let mut tb = Testbed::dual_stack(prefix, 3).expect("testbed");
+    tb.start_memcached().expect("memcached");
+    preload(&tb.client, &tb.replica_endpoints6(), KEYS).expect("preload");
+    tb
+}
+
+/// The group: over IPv6 on a dual-stack testbed, else over IPv4.
+fn group(tb: &Testbed) -> Vec<SocketAddr> {
+    if tb.dual_stack {
+        tb.replica_endpoints6()
+    } else {
+        tb.replica_endpoints().into_iter().map(Into::into).collect()
+    }
+}
+
 fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMode) -> Settings {
     Settings {
         policy,
@@ -40,14 +59,14 @@ fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMod
             after,
             budget_percent: 5,
         },
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(CLIENT_IFACE, vec![group(tb)])
     }
 }
 
 /// One get of key 7 on a connected socket to the primary; returns every
 /// reply body received within `wait` and the time to the first.
 fn get_and_listen(tb: &Testbed, wait: Duration) -> (Vec<Vec<u8>>, Option<Duration>) {
-    let primary = tb.replica_endpoints()[0];
+    let primary = group(tb)[0];
     tb.client
         .run(move || {
             let client = MemcachedClient::connect(primary).unwrap();
@@ -85,8 +104,7 @@ fn assert_balanced(running: &SweptSelector) {
     assert_eq!(settled.pending, vec![0, 0, 0]);
 }
 
-fn stalled_read_is_hedged_and_the_late_reply_dropped(ingress: IngressMode, prefix: &str) {
-    let tb = testbed(prefix);
+fn stalled_read_is_hedged_and_the_late_reply_dropped(tb: Testbed, ingress: IngressMode) {
     let running = SweptSelector::start(
         &tb,
         settings(
@@ -139,12 +157,22 @@ fn stalled_read_is_hedged_and_the_late_reply_dropped(ingress: IngressMode, prefi
 
 #[test]
 fn stalled_read_is_hedged_and_the_late_reply_dropped_xdp() {
-    stalled_read_is_hedged_and_the_late_reply_dropped(IngressMode::Xdp, "hgx");
+    stalled_read_is_hedged_and_the_late_reply_dropped(testbed("hgx"), IngressMode::Xdp);
 }
 
 #[test]
 fn stalled_read_is_hedged_and_the_late_reply_dropped_tc() {
-    stalled_read_is_hedged_and_the_late_reply_dropped(IngressMode::Tc, "hgt");
+    stalled_read_is_hedged_and_the_late_reply_dropped(testbed("hgt"), IngressMode::Tc);
+}
+
+#[test]
+fn stalled_ipv6_read_is_hedged_and_the_late_reply_dropped_xdp() {
+    stalled_read_is_hedged_and_the_late_reply_dropped(testbed6("hg6x"), IngressMode::Xdp);
+}
+
+#[test]
+fn stalled_ipv6_read_is_hedged_and_the_late_reply_dropped_tc() {
+    stalled_read_is_hedged_and_the_late_reply_dropped(testbed6("hg6t"), IngressMode::Tc);
 }
 
 #[test]
@@ -202,7 +230,7 @@ fn the_budget_caps_hedges_with_many_stuck_reads() {
         ),
     );
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_millis(400),
         keys: KEYS,

@@ -92,7 +92,7 @@ fn a_real_prometheus_counts_the_reads_the_client_sent() {
     .expect("prometheus");
 
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 1000,
         duration: Duration::from_millis(1500),
         keys: KEYS,
@@ -188,7 +188,7 @@ fn stalled_primary_tail_share(tb: &Testbed, policy: &[&str]) -> (f64, u64) {
         .into_iter()
         .map(|target| {
             let spec = LoadSpec {
-                target,
+                target: target.into(),
                 rate: 700,
                 duration: load_time,
                 keys: KEYS,

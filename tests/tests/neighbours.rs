@@ -117,7 +117,7 @@ fn next_hops_are_kept_resolved_without_traffic_of_our_own() {
 /// the middle; returns the reads lost.
 fn stalled_load(tb: &Testbed, secs: f64) -> u64 {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 2000,
         duration: Duration::from_secs_f64(secs),
         keys: 100,

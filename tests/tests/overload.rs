@@ -99,7 +99,10 @@ fn reject_answers_memcached_gets_over_the_cap_while_every_replica_is_stopped() {
             max_pending: 4,
             on_overload: OnOverload::Reject,
             timeout,
-            ..Settings::new(CLIENT_IFACE, vec![endpoints.clone()])
+            ..Settings::new(
+                CLIENT_IFACE,
+                vec![endpoints.iter().map(|&e| e.into()).collect()],
+            )
         },
     );
     let primary = endpoints[0];
@@ -284,7 +287,10 @@ fn dns_settings(ingress: IngressMode, timeout: Duration) -> Settings {
         descriptor: Descriptor::dns(),
         timeout,
         ingress,
-        ..Settings::new(CLIENT_IFACE, vec![dns_endpoints(3)])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![dns_endpoints(3).into_iter().map(Into::into).collect()],
+        )
     }
 }
 

@@ -149,7 +149,7 @@ fn stall_primary_periodically(tb: &Testbed, stop: Arc<AtomicBool>) -> thread::Jo
 
 fn start_load(tb: &Testbed, duration: Duration) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: RATE,
         duration,
         keys: KEYS,

@@ -2,7 +2,7 @@
 //! through BPF_PROG_TEST_RUN on a loaded (not attached) selector, with the
 //! counts and service times planted.
 
-use std::{net::SocketAddrV4, time::Duration};
+use std::time::Duration;
 
 use selector_common::{Descriptor, Policy, TieBreak};
 use selector_testbed::frames::{
@@ -19,7 +19,7 @@ fn selector(members: usize, tweak: impl FnOnce(Settings) -> Settings) -> Selecto
     let group = (0..members)
         .map(|i| {
             let (a, p) = replica(i);
-            SocketAddrV4::new(a.into(), p)
+            std::net::SocketAddr::from((a, p))
         })
         .collect();
     Selector::load(&tweak(Settings {

@@ -5,15 +5,21 @@
 //! connected socket), lookups during a stall of the first nameserver are
 //! steered to the second, every answer is right, and glibc never falls back
 //! to its own retry on another nameserver (which a dropped reply would
-//! cause: glibc only accepts a reply from the address it asked).
+//! cause: glibc only accepts a reply from the address it asked). With IPv4
+//! and with IPv6 nameservers.
 
-use std::{net::SocketAddrV4, path::PathBuf, thread, time::Duration};
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::PathBuf,
+    thread,
+    time::Duration,
+};
 
 use selector_testbed::{
     Testbed,
     agent::{spawn_agent, status_json},
     dns::{APEX_A, DNS_PORT, Nsd, ZONE},
-    topology::{CLIENT_IFACE, replica_addr},
+    topology::{CLIENT_IFACE, replica_addr, replica_addr6},
 };
 use selector_user::control::Status;
 
@@ -40,16 +46,42 @@ impl Drop for NetnsResolvConf {
 
 #[test]
 fn lookups_leave_a_stalled_first_nameserver_and_every_answer_is_right() {
+    lookups_leave_a_stalled_first_nameserver(Family::V4, "selrv");
+}
+
+/// IPv6 nameservers (glibc sends A and AAAA over one connected IPv6
+/// socket).
+#[test]
+fn lookups_leave_a_stalled_first_ipv6_nameserver_and_every_answer_is_right() {
+    lookups_leave_a_stalled_first_nameserver(Family::V6, "selrv6");
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Family {
+    V4,
+    V6,
+}
+
+/// Nameserver i's address.
+fn nameserver(family: Family, i: usize) -> IpAddr {
+    match family {
+        Family::V4 => replica_addr(i).into(),
+        Family::V6 => replica_addr6(i).into(),
+    }
+}
+
+fn lookups_leave_a_stalled_first_nameserver(family: Family, prefix: &str) {
     const LOOKERS: usize = 8;
     const LOOKUPS: usize = 12;
-    let tb = Testbed::new("selrv", 3).unwrap();
+    let tb = match family {
+        Family::V4 => Testbed::new(prefix, 3),
+        Family::V6 => Testbed::dual_stack(prefix, 3),
+    }
+    .unwrap();
     let servers: Vec<Nsd> = (0..3)
         .map(|i| {
-            let nsd = Nsd::start(
-                &tb.replica_ns[i],
-                SocketAddrV4::new(replica_addr(i), DNS_PORT),
-            )
-            .unwrap();
+            let addr = SocketAddr::new(nameserver(family, i), DNS_PORT);
+            let nsd = Nsd::start(&tb.replica_ns[i], addr).unwrap();
             nsd.wait_ready(&tb.replica_ns[i]).unwrap();
             nsd
         })
@@ -58,9 +90,9 @@ fn lookups_leave_a_stalled_first_nameserver_and_every_answer_is_right() {
         &tb.client.name,
         &format!(
             "nameserver {}\nnameserver {}\nnameserver {}\noptions timeout:1 attempts:2\n",
-            replica_addr(0),
-            replica_addr(1),
-            replica_addr(2)
+            nameserver(family, 0),
+            nameserver(family, 1),
+            nameserver(family, 2)
         ),
     );
     let (mut agent, _lines) = spawn_agent(
@@ -108,6 +140,11 @@ fn lookups_leave_a_stalled_first_nameserver_and_every_answer_is_right() {
     let status: Status = status_json(&tb.client, CLIENT_IFACE);
     let b = &status.backends;
     assert_eq!(status.settings.proto, "dns");
+    let group: Vec<SocketAddr> = b.iter().map(|b| b.backend).collect();
+    let expected: Vec<SocketAddr> = (0..3)
+        .map(|i| SocketAddr::new(nameserver(family, i), DNS_PORT))
+        .collect();
+    assert_eq!(group, expected, "the group is resolv.conf's nameservers");
     assert!(
         b[0].stats.redirected_away > 0,
         "lookups left the stalled nameserver: {b:#?}"

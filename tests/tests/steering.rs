@@ -34,7 +34,10 @@ fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duratio
         threshold: 2,
         timeout,
         ingress,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_endpoints()])
+        ..Settings::new(
+            CLIENT_IFACE,
+            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
+        )
     }
 }
 
@@ -46,7 +49,7 @@ fn load_with_stall(
     stall: Duration,
 ) -> selector_testbed::LoadReport {
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate,
         duration: Duration::from_secs_f64(secs),
         keys: KEYS,
@@ -157,7 +160,7 @@ fn lost_requests_expire_and_pending_returns_to_exactly_zero() {
         settings(&tb, Policy::Threshold, IngressMode::Xdp, timeout),
     );
     let spec = LoadSpec {
-        target: tb.replica_endpoints()[0],
+        target: tb.replica_endpoints()[0].into(),
         rate: 3000,
         duration: Duration::from_secs(1),
         keys: KEYS,
@@ -265,12 +268,12 @@ fn a_paged_reply_is_pulled_and_rewritten_on_tc_ingress() {
         &tb,
         Settings {
             ingress: IngressMode::Tc,
-            ..Settings::new(CLIENT_IFACE, vec![vec![primary, replica]])
+            ..Settings::new(CLIENT_IFACE, vec![vec![primary.into(), replica.into()]])
         },
     );
     {
         let mut sel = running.selector.lock().unwrap();
-        let id = sel.backend_index(primary).unwrap();
+        let id = sel.backend_index(primary.into()).unwrap();
         // Every read now leaves the primary (nothing listens there).
         sel.set_drained(id, true).unwrap();
     }

@@ -154,7 +154,7 @@ fn set(selector: &mut Selector, change: &SettingsChange) -> Result<Reply> {
 fn drain(
     selector: &mut Selector,
     reloader: &Reloader,
-    backend: std::net::SocketAddrV4,
+    backend: std::net::SocketAddr,
     drained: bool,
 ) -> Result<Reply> {
     let id = selector

@@ -9,7 +9,7 @@ mod run;
 mod run_args;
 mod tunables;
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -94,7 +94,7 @@ pub struct BackendArgs {
     #[arg(long)]
     pub iface: String,
     /// The backend, as given to --group.
-    pub backend: SocketAddrV4,
+    pub backend: SocketAddr,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

@@ -2,7 +2,7 @@
 //! gracefully, detach and print the totals. With `--pin` the agent leaves
 //! everything attached and pinned when it exits, for the next agent to adopt.
 
-use std::{net::SocketAddrV4, time::Duration};
+use std::{net::SocketAddr, time::Duration};
 
 use anyhow::Result;
 use tokio::{
@@ -114,7 +114,7 @@ struct Agent {
 impl Agent {
     /// Has the backends' next hops kept resolved and prints the attached line.
     fn new(mut selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
-        let addrs: Vec<SocketAddrV4> = selector.backends.iter().map(|b| b.addr).collect();
+        let addrs: Vec<SocketAddr> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
             neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
         // Published before the agent says it is attached: from then on
@@ -359,7 +359,7 @@ impl Agent {
         self.after_groups_changed();
         self.quiet = self.reloader.quiet;
         self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
-        let addrs: Vec<SocketAddrV4> = self.selector.backends.iter().map(|b| b.addr).collect();
+        let addrs: Vec<SocketAddr> = self.selector.backends.iter().map(|b| b.addr).collect();
         match self
             .neighbours
             .keep_resolved(&addrs, Duration::from_millis(100))

@@ -1,11 +1,7 @@
 //! The flags of `selector run` and their translation into [`Options`],
 //! laid over the config file's (see [`crate::config`]).
 
-use std::{
-    fmt,
-    net::{SocketAddr, SocketAddrV4},
-    path::PathBuf,
-};
+use std::{fmt, net::SocketAddr, path::PathBuf};
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
@@ -41,7 +37,7 @@ pub enum IngressArg {
 
 /// One replica group: members in preference order.
 #[derive(Clone, Debug)]
-pub struct GroupArg(pub Vec<SocketAddrV4>);
+pub struct GroupArg(pub Vec<SocketAddr>);
 
 fn group_arg(s: &str) -> Result<GroupArg, String> {
     parse_group(s).map(GroupArg)
@@ -68,10 +64,12 @@ pub struct RunArgs {
     /// re-reads it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
-    /// Network interface the application's traffic leaves by (needs an IPv4 address).
+    /// Network interface the application's traffic leaves by (needs an
+    /// address of each family the groups use).
     #[arg(long)]
     pub iface: Option<String>,
-    /// A replica group, e.g. 10.0.0.1:11211,10.0.0.2:11211,10.0.0.3:11211.
+    /// A replica group, e.g. 10.0.0.1:11211,10.0.0.2:11211,10.0.0.3:11211
+    /// or [fd00::1]:11211,[fd00::2]:11211 (one address family per group).
     /// Repeat for more groups. Requests addressed to a member may go to
     /// any member of its group. Replaces the config file's groups.
     #[arg(long = "group", value_parser = group_arg)]
@@ -142,9 +140,9 @@ pub struct RunArgs {
     /// Serve Prometheus metrics at http://ADDR:PORT/metrics.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_addr: Option<SocketAddr>,
-    /// Add a group of the IPv4 nameservers in PATH (default
-    /// /etc/resolv.conf), in file order, port 53: the stub resolver's, whose
-    /// primary is the first. Implies --proto dns; re-read on reload.
+    /// Add a group of the nameservers in PATH (default /etc/resolv.conf)
+    /// of the first one's family, in file order, port 53: the stub
+    /// resolver's, whose primary is the first. Implies --proto dns; re-read on reload.
     #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "/etc/resolv.conf")]
     pub resolv_conf: Option<PathBuf>,
 }

@@ -385,7 +385,7 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         // Sized for the large fill: the measured requests then find a table
         // about a quarter full, where a probe window is rarely full.
         inflight_max: o.inflight_large,
-        ..Settings::new("lo", vec![replicas])
+        ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
     };
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();

@@ -424,7 +424,10 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
                 budget: row
                     .budget()
                     .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).budget),
-                ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
+                ..Settings::new(
+                    CLIENT_IFACE,
+                    vec![replicas.iter().map(|&r| r.into()).collect()],
+                )
             },
         )?),
         None => None,
@@ -519,7 +522,10 @@ fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult
             ingress: opts.ingress,
             max_pending: cap,
             on_overload: on,
-            ..Settings::new(CLIENT_IFACE, vec![replicas.clone()])
+            ..Settings::new(
+                CLIENT_IFACE,
+                vec![replicas.iter().map(|&r| r.into()).collect()],
+            )
         },
     )?;
     let duration = opts.overload_duration;

@@ -114,7 +114,7 @@ fn main() -> Result<()> {
     });
 
     let spec = LoadSpec {
-        target: replicas[0],
+        target: replicas[0].into(),
         rate: args.rate,
         duration: Duration::from_secs_f64(args.seconds),
         keys: 500,

@@ -1,0 +1,385 @@
+//! Packet fixtures over IPv6 through BPF_PROG_TEST_RUN: the same request
+//! and reply rewrites as over IPv4, with extension headers walked or passed,
+//! and UDP checksums that are mandatory (never produced as zero, never
+//! accepted as zero). Checksums are checked with etherparse's own
+//! arithmetic. Programs are loaded, not attached.
+
+use std::{net::SocketAddr, time::Duration};
+
+use etherparse::{NetHeaders, PacketHeaders, TransportHeader};
+use selector_common::{
+    Descriptor, Direction, InflightKey, OnOverload, PassReason, checksum, programs,
+    reject::{dns_servfail_flags, memcached_reject},
+};
+use selector_testbed::frames::{
+    CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed, counters,
+    egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for, stats, udp6,
+};
+use selector_user::{Selector, Settings, sys};
+
+const CLIENT6: [u8; 16] = [0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+const CLIENT_PORT: u16 = 40_000;
+
+/// Replica i: fd77::(0x10+i), port 11211+i.
+fn replica6(i: usize) -> ([u8; 16], u16) {
+    let mut a = CLIENT6;
+    a[15] = 0x10 + i as u8;
+    (a, 11211 + i as u16)
+}
+
+// Offsets in an Ethernet + IPv6 (no extension headers) + UDP frame.
+const IP6_SRC: std::ops::Range<usize> = 22..38;
+const IP6_DST: std::ops::Range<usize> = 38..54;
+const UDP_SRC: std::ops::Range<usize> = 54..56;
+const UDP_DST: std::ops::Range<usize> = 56..58;
+const UDP_CHECK: std::ops::Range<usize> = 60..62;
+const PAYLOAD: usize = 62;
+
+/// DNS server i: replica i's address, port 53.
+fn dns_server6(i: usize) -> ([u8; 16], u16) {
+    (replica6(i).0, 53)
+}
+
+fn settings(
+    descriptor: Descriptor,
+    member: fn(usize) -> ([u8; 16], u16),
+    on_overload: OnOverload,
+    max_pending: u32,
+) -> Settings {
+    Settings {
+        groups: vec![
+            (0..3)
+                .map(|i| {
+                    let (a, p) = member(i);
+                    SocketAddr::from((a, p))
+                })
+                .collect(),
+        ],
+        on_overload,
+        max_pending,
+        ..settings_for(descriptor, replica)
+    }
+}
+
+fn selector() -> Selector {
+    Selector::load(&settings(
+        Descriptor::memcached(),
+        replica6,
+        OnOverload::Pass,
+        0,
+    ))
+    .expect("load")
+}
+
+/// A selector whose every member is at the cap of 2, rejecting over it.
+fn rejecting(descriptor: Descriptor, member: fn(usize) -> ([u8; 16], u16)) -> Selector {
+    let mut sel =
+        Selector::load(&settings(descriptor, member, OnOverload::Reject, 2)).expect("load");
+    for pos in 0..3 {
+        set_issued(&mut sel, pos, 2);
+    }
+    sel
+}
+
+fn request6(payload: &[u8]) -> Vec<u8> {
+    udp6((CLIENT6, CLIENT_PORT), replica6(0), payload)
+}
+
+fn reply6(from: usize, payload: &[u8]) -> Vec<u8> {
+    udp6(replica6(from), (CLIENT6, CLIENT_PORT), payload)
+}
+
+/// `frame` with an extension header of type `kind` (8 bytes: its next
+/// header, length 0, a PadN option) inserted first after the IPv6 header.
+/// The UDP checksum stays right: its pseudo header has the same addresses
+/// and UDP length.
+fn with_extension(frame: &[u8], kind: u8) -> Vec<u8> {
+    with_long_extension(frame, kind, 0)
+}
+
+/// The same with a header of `(units + 1) * 8` bytes.
+fn with_long_extension(frame: &[u8], kind: u8, units: u8) -> Vec<u8> {
+    let bytes = (usize::from(units) + 1) * 8;
+    let mut out = frame[..54].to_vec();
+    let next = out[20];
+    out[20] = kind;
+    let len = u16::from_be_bytes([out[18], out[19]]) + bytes as u16;
+    out[18..20].copy_from_slice(&len.to_be_bytes());
+    let mut header = vec![next, units, 1, (bytes - 4) as u8];
+    header.resize(bytes, 0);
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&frame[54..]);
+    out
+}
+
+/// An IPv6 address and port.
+type Endpoint6 = ([u8; 16], u16);
+
+/// Checks the UDP checksum with etherparse (which also walks extension
+/// headers) and returns (src, dst) and the checksum as sent.
+fn verified6(frame: &[u8]) -> (Endpoint6, Endpoint6, u16) {
+    let h = PacketHeaders::from_ethernet_slice(frame).unwrap();
+    let Some(NetHeaders::Ipv6(ip, _)) = h.net.clone() else {
+        panic!("not IPv6")
+    };
+    let Some(TransportHeader::Udp(u)) = h.transport else {
+        panic!("not UDP")
+    };
+    let expected = u.calc_checksum_ipv6(&ip, h.payload.slice()).unwrap();
+    assert_eq!(u.checksum, expected, "UDP checksum");
+    assert_ne!(u.checksum, 0, "a zero UDP checksum is invalid over IPv6");
+    (
+        (ip.source, u.source_port),
+        (ip.destination, u.destination_port),
+        u.checksum,
+    )
+}
+
+fn key6(id: u64) -> InflightKey {
+    InflightKey::new(CLIENT6, CLIENT_PORT, 0, id)
+}
+
+fn insert_inflight(sel: &mut Selector, id: u64, primary: u32, chosen: u32) {
+    let sent = sys::monotonic_ns() - Duration::from_millis(1).as_nanos() as u64;
+    assert!(sel.plant_inflight(&key6(id), primary, chosen, sent));
+}
+
+#[test]
+fn an_ipv6_read_is_redirected_with_a_verified_checksum_and_its_retransmit_follows() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let input = request6(GET);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_only_changed(&input, &out, &[IP6_DST, UDP_DST, UDP_CHECK]);
+    let (src, dst, _) = verified6(&out);
+    assert_eq!((src, dst), ((CLIENT6, CLIENT_PORT), replica6(1)));
+    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+    let inflight = sel.inflight().unwrap();
+    assert_eq!(inflight.len(), 1);
+    assert_eq!(inflight[0].key(), key6(0x1234));
+    assert_eq!((inflight[0].primary, inflight[0].chosen), (0, 1));
+    let (verdict, again) = egress(&mut sel, &input);
+    assert_eq!((verdict, &again), (TC_ACT_REDIRECT, &out));
+    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
+}
+
+#[test]
+fn an_ipv6_reply_is_rewritten_back_to_the_primary_by_either_ingress() {
+    for tc in [false, true] {
+        let mut sel = selector();
+        set_issued(&mut sel, 1, 1);
+        insert_inflight(&mut sel, 0x1234, 0, 1);
+        let input = reply6(1, VALUE);
+        let (verdict, out) = if tc {
+            run_tc(&mut sel, programs::INGRESS_TC, &input)
+        } else {
+            run_xdp(&mut sel, &input)
+        };
+        assert_eq!(verdict, if tc { TC_ACT_PIPE } else { XDP_PASS });
+        assert_only_changed(&input, &out, &[IP6_SRC, UDP_SRC, UDP_CHECK]);
+        let (src, dst, _) = verified6(&out);
+        assert_eq!(
+            src,
+            replica6(0),
+            "tc {tc}: the reply must come from the primary"
+        );
+        assert_eq!(dst, (CLIENT6, CLIENT_PORT));
+        assert!(sel.inflight().unwrap().is_empty(), "tc {tc}");
+        assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
+        assert_eq!(stats(&sel)[1].responses, 1);
+    }
+}
+
+#[test]
+fn known_extension_headers_are_walked_to_udp() {
+    // Hop-by-hop, routing and destination options: each walked.
+    for kind in [0u8, 43, 60] {
+        let mut sel = selector();
+        set_issued(&mut sel, 0, 5);
+        let input = with_extension(&request6(GET), kind);
+        let (verdict, out) = egress(&mut sel, &input);
+        assert_eq!(verdict, TC_ACT_REDIRECT, "next header {kind}");
+        let shifted = |r: std::ops::Range<usize>| r.start + 8..r.end + 8;
+        assert_only_changed(
+            &input,
+            &out,
+            &[IP6_DST, shifted(UDP_DST), shifted(UDP_CHECK)],
+        );
+        let (_, dst, _) = verified6(&out);
+        assert_eq!(dst, replica6(1), "next header {kind}");
+
+        // Its reply, with the same header, is rewritten back.
+        let reply = with_extension(&reply6(1, VALUE), kind);
+        let (verdict, back) = run_xdp(&mut sel, &reply);
+        assert_eq!(verdict, XDP_PASS);
+        let (src, _, _) = verified6(&back);
+        assert_eq!(src, replica6(0), "next header {kind}");
+        assert!(sel.inflight().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn at_most_three_extension_headers_of_at_most_128_bytes_are_walked() {
+    // Inserted innermost first: hop-by-hop, destination options, routing,
+    // then UDP (an order etherparse walks too).
+    let chain = |kinds: &[u8]| {
+        kinds
+            .iter()
+            .fold(request6(GET), |f, &kind| with_extension(&f, kind))
+    };
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &chain(&[43, 60, 0]));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified6(&out).1, replica6(1));
+    let (longest, too_long) = (
+        with_long_extension(&request6(GET), 0, 15),
+        with_long_extension(&request6(GET), 0, 16),
+    );
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &longest);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "128 bytes");
+    assert_eq!(verified6(&out).1, replica6(1));
+    for input in [chain(&[60, 43, 60, 0]), too_long] {
+        let mut sel = selector();
+        set_issued(&mut sel, 0, 5);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+        assert_eq!(
+            passed(&sel, Direction::Egress, PassReason::ExtensionHeader),
+            1
+        );
+        assert!(sel.inflight().unwrap().is_empty());
+    }
+}
+
+#[test]
+fn unknown_extension_headers_and_fragments_pass_untouched_and_counted() {
+    for (kind, reason) in [
+        (44u8, PassReason::Fragment),
+        (51, PassReason::ExtensionHeader),
+        (253, PassReason::ExtensionHeader),
+    ] {
+        let mut sel = selector();
+        set_issued(&mut sel, 0, 5);
+        let input = with_extension(&request6(GET), kind);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+        assert_eq!(passed(&sel, Direction::Egress, reason), 1, "kind {kind}");
+        insert_inflight(&mut sel, 0x1234, 0, 1);
+        let reply = with_extension(&reply6(1, VALUE), kind);
+        assert_eq!(run_xdp(&mut sel, &reply), (XDP_PASS, reply.clone()));
+        assert_eq!(passed(&sel, Direction::Ingress, reason), 1, "kind {kind}");
+        assert_eq!(sel.inflight().unwrap().len(), 1, "kind {kind}");
+    }
+}
+
+#[test]
+fn a_zero_udp_checksum_over_ipv6_is_never_trusted() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let mut input = request6(GET);
+    input[UDP_CHECK].fill(0);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::ZeroChecksum), 1);
+    assert!(sel.inflight().unwrap().is_empty());
+
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    let mut reply = reply6(1, VALUE);
+    reply[UDP_CHECK].fill(0);
+    for tc in [false, true] {
+        let (verdict, out) = if tc {
+            run_tc(&mut sel, programs::INGRESS_TC, &reply)
+        } else {
+            run_xdp(&mut sel, &reply)
+        };
+        assert_eq!(verdict, if tc { TC_ACT_PIPE } else { XDP_PASS });
+        assert_eq!(out, reply, "tc {tc}: untouched");
+    }
+    assert_eq!(
+        passed(&sel, Direction::Ingress, PassReason::ZeroChecksum),
+        2
+    );
+    assert_eq!(sel.inflight().unwrap().len(), 1);
+}
+
+/// `payload` plus (after at most one pad byte) two bytes chosen so that the datagram from `src` to
+/// `dst` sums to 0xffff: its computed checksum is zero, sent as 0xffff.
+fn summing_to_zero(src: ([u8; 16], u16), dst: ([u8; 16], u16), payload: &[u8]) -> Vec<u8> {
+    let mut p = payload.to_vec();
+    // The filler must be one 16-bit word of the sum.
+    if p.len() % 2 == 1 {
+        p.push(b' ');
+    }
+    p.extend_from_slice(&[0, 0]);
+    let frame = udp6(src, dst, &p);
+    let mut segment = frame[54..].to_vec();
+    segment[6..8].fill(0);
+    let mut acc = checksum::sum_words(0, &src.0);
+    acc = checksum::sum_words(acc, &dst.0);
+    acc += segment.len() as u32 + 17;
+    let sum = checksum::fold(checksum::sum_words(acc, &segment));
+    let filler = 0xffff - sum;
+    let at = p.len() - 2;
+    p[at..].copy_from_slice(&filler.to_be_bytes());
+    p
+}
+
+#[test]
+fn a_rewrite_whose_checksum_comes_out_zero_sends_all_ones() {
+    // The reply as it will leave the rewrite (from the primary) sums to
+    // zero; as it arrives (from replica 1) it does not.
+    let payload = summing_to_zero(replica6(0), (CLIENT6, CLIENT_PORT), VALUE);
+    for tc in [false, true] {
+        let mut sel = selector();
+        insert_inflight(&mut sel, 0x1234, 0, 1);
+        let input = reply6(1, &payload);
+        assert_ne!(&input[UDP_CHECK], &[0xff, 0xff]);
+        let (_, out) = if tc {
+            run_tc(&mut sel, programs::INGRESS_TC, &input)
+        } else {
+            run_xdp(&mut sel, &input)
+        };
+        let (src, _, check) = verified6(&out);
+        assert_eq!(src, replica6(0), "tc {tc}");
+        assert_eq!(check, 0xffff, "tc {tc}");
+    }
+    // And a request rewritten to replica 1 whose result is zero.
+    let payload = summing_to_zero((CLIENT6, CLIENT_PORT), replica6(1), GET);
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let (verdict, out) = egress(&mut sel, &request6(&payload));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let (_, dst, check) = verified6(&out);
+    assert_eq!((dst, check), (replica6(1), 0xffff));
+}
+
+#[test]
+fn reject_answers_an_overloaded_ipv6_get_with_a_checksummed_reply() {
+    let mut sel = rejecting(Descriptor::memcached(), replica6);
+    let input = request6(GET);
+    let (verdict, out, _) = egress_marked(&mut sel, &input, 0);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let (src, dst, _) = verified6(&out);
+    assert_eq!((src, dst), (replica6(0), (CLIENT6, CLIENT_PORT)));
+    assert_eq!(&out[..6], &CLIENT_MAC);
+    assert_eq!(&out[PAYLOAD..], &memcached_reject(0x1234));
+    assert_eq!(stats(&sel)[0].overload_rejected, 1);
+    assert!(sel.inflight().unwrap().is_empty());
+}
+
+#[test]
+fn reject_answers_an_overloaded_ipv6_dns_query_with_a_checksummed_servfail() {
+    let mut sel = rejecting(Descriptor::dns(), dns_server6);
+    let query: &[u8] =
+        b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01";
+    let input = udp6((CLIENT6, CLIENT_PORT), dns_server6(0), query);
+    let (verdict, out, _) = egress_marked(&mut sel, &input, 0);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    let (src, dst, _) = verified6(&out);
+    assert_eq!((src, dst), (dns_server6(0), (CLIENT6, CLIENT_PORT)));
+    let mut answer = query.to_vec();
+    answer[2..4].copy_from_slice(&dns_servfail_flags(0x0100).to_be_bytes());
+    assert_eq!(&out[PAYLOAD..], &answer[..]);
+    assert_eq!(stats(&sel)[0].overload_rejected, 1);
+}
