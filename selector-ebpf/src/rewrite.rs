@@ -108,15 +108,16 @@ impl Rewrite for TcContext {
     }
 }
 
-/// One diff for the address (a pseudo-header field) and the port, applied
-/// by the helper in its "diff" form (size 0); BPF_F_MARK_MANGLED_0 turns a
-/// zero result into 0xffff.
+/// The address is a pseudo-header field and the port is payload, so they
+/// take separate helper calls, as over IPv4: on a CHECKSUM_PARTIAL skb the
+/// checksum field holds only the pseudo-header sum (the payload, ports
+/// included, is summed after this program), so the port's change must stay
+/// out of it. The address goes in as one diff (the helper's size-0 form);
+/// BPF_F_MARK_MANGLED_0 turns a zero result into 0xffff.
 #[inline(always)]
 fn tc_rewrite_v6(ctx: &TcContext, l: Layout, side: Side, new: Target) -> Result<(), ()> {
     let (addr_off, port_off) = side.offsets(l);
-    let old_port: [u8; 2] = read_bytes(ctx, port_off)?;
-    let new_port = new.port.to_be_bytes();
-    let mut diff = checksum::diff(&old_port, &new_port);
+    let mut diff = 0;
     // Four bytes at a time: whole 16-byte copies would not fit the egress
     // program's stack.
     let mut i = 0;
@@ -132,18 +133,27 @@ fn tc_rewrite_v6(ctx: &TcContext, l: Layout, side: Side, new: Target) -> Result<
         ctx.store(addr_off + i, &word, 0).map_err(|_| ())?;
         i += 4;
     }
-    ctx.store(port_off, &new_port, 0).map_err(|_| ())?;
     // The helper adds the diff to the raw (network-order) field.
     let diff = u64::from(u16::from_ne_bytes(diff.to_be_bytes()));
-    let flags = u64::from(BPF_F_MARK_MANGLED_0) | u64::from(BPF_F_PSEUDO_HDR);
+    let mangled = u64::from(BPF_F_MARK_MANGLED_0);
+    let flags = mangled | u64::from(BPF_F_PSEUDO_HDR);
     if ctx
         .l4_csum_replace(l.udp_check(), 0, diff, flags | BPF_F_IPV6)
-        .is_ok()
+        .is_err()
     {
-        return Ok(());
+        ctx.l4_csum_replace(l.udp_check(), 0, diff, flags)
+            .map_err(|_| ())?;
     }
-    ctx.l4_csum_replace(l.udp_check(), 0, diff, flags)
-        .map_err(|_| ())
+    let old_port: [u8; 2] = read_bytes(ctx, port_off)?;
+    let new_port = new.port.to_be_bytes();
+    ctx.store(port_off, &new_port, 0).map_err(|_| ())?;
+    ctx.l4_csum_replace(
+        l.udp_check(),
+        u64::from(u16::from_ne_bytes(old_port)),
+        u64::from(u16::from_ne_bytes(new_port)),
+        mangled | 2,
+    )
+    .map_err(|_| ())
 }
 
 impl Rewrite for XdpContext {

@@ -18,7 +18,7 @@ use selector_testbed::{
     agent::{self, SweptSelector},
     dns::{self, APEX_A, DNS_PORT, Nsd, ZONE},
     preload, run_load,
-    topology::{CLIENT_IFACE, replica_addr6},
+    topology::{CLIENT_IFACE, replica_addr6, switch_port},
 };
 use selector_user::{IngressMode, Settings};
 
@@ -27,7 +27,13 @@ const TIMEOUT: Duration = Duration::from_millis(500);
 
 /// Three dual-stack hosts with memcached listening on both families.
 fn memcached_testbed(prefix: &str) -> Testbed {
+    memcached_testbed_on_ports(prefix, 0)
+}
+
+/// [`memcached_testbed`] with replica i on port `11211 + i * port_step`.
+fn memcached_testbed_on_ports(prefix: &str, port_step: u16) -> Testbed {
     let mut tb = Testbed::dual_stack(prefix, 3).expect("testbed");
+    tb.port_step = port_step;
     tb.start_memcached().expect("memcached");
     preload(&tb.client, &tb.replica_endpoints6(), KEYS).expect("preload over IPv6");
     tb
@@ -194,6 +200,39 @@ fn one_agent_steers_an_ipv4_and_an_ipv6_group_at_once() {
     let responses = |g: &[BackendStats]| g.iter().map(|s| s.responses).sum::<u64>();
     assert_eq!(responses(&stats[..3]), reports[0].sent);
     assert_eq!(responses(&stats[3..]), reports[1].sent);
+    assert_settled(&tb, &running, 6);
+}
+
+/// With transmit checksum offload on, the client's datagrams leave as
+/// CHECKSUM_PARTIAL: the UDP checksum field holds only the pseudo-header
+/// sum, and the sum over the payload (ports included) is made after the
+/// egress program. A rewrite must then fold the address change into that
+/// field and leave the port change out. The switch sums the datagrams on
+/// its way to the replicas, which are on different ports and verify
+/// checksums: they drop any redirected read that got it wrong.
+#[test]
+fn partial_checksums_stay_right_when_a_redirect_changes_the_port() {
+    let tb = memcached_testbed_on_ports("sel6p", 1);
+    tb.client
+        .exec("ethtool", &["-K", CLIENT_IFACE, "tx", "on"])
+        .expect("tx checksum offload on");
+    // The switch's ports to the replicas compute the checksums in
+    // software (a veth would hand CHECKSUM_PARTIAL on, never summed).
+    for replica in 1..=3 {
+        tb.switch
+            .exec("ethtool", &["-K", &switch_port(replica), "tx", "off"])
+            .expect("switch port tx checksum offload off");
+    }
+    let v4: Vec<SocketAddr> = tb.replica_endpoints().into_iter().map(Into::into).collect();
+    let v6 = tb.replica_endpoints6();
+    let running =
+        SweptSelector::start(&tb, settings(vec![v4.clone(), v6.clone()], IngressMode::Tc));
+    let reports = loads_with_stall(&tb, &[v4[0], v6[0]], 1500);
+    let stats = running.selector.lock().unwrap().stats().unwrap();
+    assert_left_the_primary(&stats, 0, "IPv4 group");
+    assert_left_the_primary(&stats, 3, "IPv6 group");
+    assert_every_reply_arrived(&reports[0], "IPv4 group");
+    assert_every_reply_arrived(&reports[1], "IPv6 group");
     assert_settled(&tb, &running, 6);
 }
 
