@@ -263,8 +263,6 @@ enum NotOwned {
     NotIpv6Version,
     Ipv6PayloadLengthZero,
     Ipv6PayloadBeyondFrame,
-    Ipv6SourceNotUnicast,
-    Ipv6DestinationNotUnicast,
     Ipv4MappedAddress,
     Ipv6Fragment,
     UnwalkedExtensionHeader,
@@ -301,8 +299,6 @@ impl NotOwned {
             | NotOwned::NotIpv6Version
             | NotOwned::Ipv6PayloadLengthZero
             | NotOwned::Ipv6PayloadBeyondFrame
-            | NotOwned::Ipv6SourceNotUnicast
-            | NotOwned::Ipv6DestinationNotUnicast
             | NotOwned::Ipv4MappedAddress
             | NotOwned::ExtensionHeadersBeyondPayload => PassReason::BadHeader,
         }
@@ -323,9 +319,11 @@ impl fmt::Display for NotOwned {
             NotOwned::IpTotalBeyondFrame => "IP total length beyond the frame",
             NotOwned::IpTotalBelowHeader => "IP total length shorter than the header",
             NotOwned::Fragment => "a fragment (MF or offset)",
-            NotOwned::SourceNotUnicast => "source not unicast (0/8, 127/8, 224/4, 240/4)",
+            NotOwned::SourceNotUnicast => {
+                "source not unicast (0/8, 127/8, 224/4, 240/4; ::, ::1, ff00::/8)"
+            }
             NotOwned::DestinationNotUnicast => {
-                "destination not unicast (0/8, 127/8, 224/4, 240/4)"
+                "destination not unicast (0/8, 127/8, 224/4, 240/4; ::, ::1, ff00::/8)"
             }
             NotOwned::NotUdp => "protocol is not UDP",
             NotOwned::IpTooShortForUdp => "IP length leaves no room for a UDP header",
@@ -335,8 +333,6 @@ impl fmt::Display for NotOwned {
             NotOwned::NotIpv6Version => "IPv6 ethertype, version is not 6",
             NotOwned::Ipv6PayloadLengthZero => "IPv6 payload length 0 (a jumbogram)",
             NotOwned::Ipv6PayloadBeyondFrame => "IPv6 payload length beyond the frame",
-            NotOwned::Ipv6SourceNotUnicast => "IPv6 source multicast, :: or ::1",
-            NotOwned::Ipv6DestinationNotUnicast => "IPv6 destination multicast, :: or ::1",
             NotOwned::Ipv4MappedAddress => {
                 "IPv6 with an IPv4-mapped address (never on the wire, RFC 4291 2.5.5.2)"
             }
@@ -424,6 +420,14 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
     }
 }
 
+fn unicast_rules(src_unicast: bool, dst_unicast: bool) -> Result<(), NotOwned> {
+    match (src_unicast, dst_unicast) {
+        (false, _) => Err(NotOwned::SourceNotUnicast),
+        (_, false) => Err(NotOwned::DestinationNotUnicast),
+        _ => Ok(()),
+    }
+}
+
 /// `ip`: the frame from the IPv4 header on.
 fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
     if ip.len() < IPV4_HEADER_LEN {
@@ -446,12 +450,7 @@ fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::IpTotalBelowHeader);
     }
     let (src, dst) = (ipv4(ip, IP_SRC), ipv4(ip, IP_DST));
-    if !is_unicast(src) {
-        return Err(NotOwned::SourceNotUnicast);
-    }
-    if !is_unicast(dst) {
-        return Err(NotOwned::DestinationNotUnicast);
-    }
+    unicast_rules(is_unicast(src), is_unicast(dst))?;
     if ip[IP_PROTOCOL] != IPPROTO_UDP {
         return Err(NotOwned::NotUdp);
     }
@@ -496,12 +495,7 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::Ipv6PayloadBeyondFrame);
     }
     let (src, dst) = (ipv6(ip, IP6_SRC), ipv6(ip, IP6_DST));
-    if !is_unicast6(src) {
-        return Err(NotOwned::Ipv6SourceNotUnicast);
-    }
-    if !is_unicast6(dst) {
-        return Err(NotOwned::Ipv6DestinationNotUnicast);
-    }
+    unicast_rules(is_unicast6(src), is_unicast6(dst))?;
     if is_ipv4_mapped(src) || is_ipv4_mapped(dst) {
         return Err(NotOwned::Ipv4MappedAddress);
     }
@@ -644,7 +638,10 @@ fn ipv6_chain(frame: &[u8]) -> Chain {
     let mut chain = Chain {
         headers: Vec::new(),
         end: l3 + IPV6_HEADER_LEN,
-        next: frame.get(l3 + IP6_NEXT_HEADER).copied().unwrap_or(IPPROTO_UDP),
+        next: frame
+            .get(l3 + IP6_NEXT_HEADER)
+            .copied()
+            .unwrap_or(IPPROTO_UDP),
     };
     while chain.headers.len() < 8 && chain.end + 2 <= frame.len() {
         let len_field = usize::from(frame[chain.end + 1]);
@@ -757,7 +754,10 @@ fn insert_extension(frame: &mut Vec<u8>, position: usize, kind: u8, mut header: 
     let position = position.min(chain.headers.len());
     let (pointer, at) = match position {
         0 => (l3 + IP6_NEXT_HEADER, l3 + IPV6_HEADER_LEN),
-        p => (chain.headers[p - 1].0, chain.headers[p - 1].0 + chain.headers[p - 1].1),
+        p => (
+            chain.headers[p - 1].0,
+            chain.headers[p - 1].0 + chain.headers[p - 1].1,
+        ),
     };
     if at > frame.len() {
         return;
@@ -823,22 +823,18 @@ enum Mutation {
     Ipv4MappedAddress,
 }
 
-const MUTATIONS_V4: [Mutation; 26] = [
+/// Mutations for frames of either family; the length ones act on IPv4's
+/// total length or IPv6's payload length.
+const MUTATIONS_ANY: [Mutation; 20] = [
     Mutation::FlipByte,
     Mutation::FlipBit,
     Mutation::Truncate,
     Mutation::ExtendJunk,
     Mutation::IpTotalBeyondFrame,
     Mutation::IpTotalShorter,
-    Mutation::BadIpChecksum,
-    Mutation::IpOptions,
-    Mutation::IhlOnly,
     Mutation::IpVersion,
-    Mutation::MoreFragments,
-    Mutation::FragmentOffset,
     Mutation::SourceSpecial,
     Mutation::DestinationSpecial,
-    Mutation::Protocol,
     Mutation::Ethertype,
     Mutation::UdpLengthBelowHeader,
     Mutation::UdpLengthBeyondIp,
@@ -852,31 +848,20 @@ const MUTATIONS_V4: [Mutation; 26] = [
     Mutation::RemoveVlan,
 ];
 
-/// The IPv4 header's own mutations (options, IHL, fragment flags,
-/// protocol, header checksum) replaced by IPv6's: next header values,
-/// extension headers, payload length 0, a zero UDP checksum, mapped
-/// addresses. The length ones act on the payload length.
-const MUTATIONS_V6: [Mutation; 26] = [
-    Mutation::FlipByte,
-    Mutation::FlipBit,
-    Mutation::Truncate,
-    Mutation::ExtendJunk,
-    Mutation::IpTotalBeyondFrame,
-    Mutation::IpTotalShorter,
-    Mutation::IpVersion,
-    Mutation::SourceSpecial,
-    Mutation::DestinationSpecial,
-    Mutation::Ethertype,
-    Mutation::UdpLengthBelowHeader,
-    Mutation::UdpLengthBeyondIp,
-    Mutation::UdpLengthShorter,
-    Mutation::PayloadCut,
-    Mutation::PortChange,
-    Mutation::AddressChange,
-    Mutation::RequestId,
-    Mutation::AddVlan,
-    Mutation::DoubleVlan,
-    Mutation::RemoveVlan,
+/// The IPv4 header's own: options, IHL, fragment flags, protocol, header
+/// checksum.
+const MUTATIONS_V4: [Mutation; 6] = [
+    Mutation::BadIpChecksum,
+    Mutation::IpOptions,
+    Mutation::IhlOnly,
+    Mutation::MoreFragments,
+    Mutation::FragmentOffset,
+    Mutation::Protocol,
+];
+
+/// IPv6's own: next header values, extension headers, payload length 0, a
+/// zero UDP checksum, IPv4-mapped addresses.
+const MUTATIONS_V6: [Mutation; 6] = [
     Mutation::NextHeader,
     Mutation::InsertExtension,
     Mutation::ExtensionLengthField,
@@ -1316,7 +1301,9 @@ impl Generator {
                 // A member's IPv4 address, mapped: on a member's port it
                 // names the IPv4 member, which an IPv6 datagram never
                 // reaches.
-                let (field, name) = self.rng.pick(&[(src_field, "source"), (dst_field, "destination")]);
+                let (field, name) = self
+                    .rng
+                    .pick(&[(src_field, "source"), (dst_field, "destination")]);
                 let v4 = if self.rng.percent(80) {
                     replica(self.rng.below(REPLICAS)).0
                 } else {
@@ -1404,9 +1391,9 @@ impl Generator {
             }
             Mutation::Ethertype => {
                 let random = self.rng.u16();
-                let ethertype =
-                    self.rng
-                        .pick(&[0x86dd, 0x0800, 0x0806, 0x88a8, 0x8100, 0x0801, random]);
+                let ethertype = self
+                    .rng
+                    .pick(&[0x86dd, 0x0800, 0x0806, 0x88a8, 0x8100, 0x0801, random]);
                 // The outer type, or the inner one of a tagged frame.
                 write16(frame, l3 - 2, ethertype);
                 format!("ethertype {ethertype:#06x} at {}", l3 - 2)
@@ -1502,13 +1489,17 @@ impl Generator {
             60..=84 => 2,
             _ => 3,
         };
-        let candidates: &[Mutation] = match family {
+        let own: &[Mutation] = match family {
             Family::V4 => &MUTATIONS_V4,
             Family::V6 => &MUTATIONS_V6,
         };
         let (mut break_checksum, mut zero_checksum) = (false, false);
         for _ in 0..mutations {
-            let mutation = self.rng.pick(candidates);
+            let i = self.rng.below(MUTATIONS_ANY.len() + own.len());
+            let mutation = match MUTATIONS_ANY.get(i) {
+                Some(&any) => any,
+                None => own[i - MUTATIONS_ANY.len()],
+            };
             break_checksum |= matches!(mutation, Mutation::BadIpChecksum);
             zero_checksum |= matches!(mutation, Mutation::ZeroUdpChecksum);
             label += &format!(", {}", self.mutate(&mut frame, mutation));
@@ -1551,7 +1542,11 @@ impl Generator {
             let (ethertype, first, name) = match self.rng.below(3) {
                 0 => (ETH_P_IPV4, 0x45, "IPv4"),
                 1 => (ETH_P_IPV6, 0x60, "IPv6"),
-                _ => ([frame[12], frame[13]], frame.get(ETH_LEN).copied().unwrap_or(0), "any"),
+                _ => (
+                    [frame[12], frame[13]],
+                    frame.get(ETH_LEN).copied().unwrap_or(0),
+                    "any",
+                ),
             };
             frame[12..14].copy_from_slice(&ethertype);
             if len > ETH_LEN {
@@ -1582,7 +1577,12 @@ impl Generator {
 /// Ethernet + IP + UDP from `src` to `dst` (one family) with a correct
 /// checksum; over IPv6 with the extension headers `(type, bytes)` in that
 /// order.
-fn datagram(src: SocketAddr, dst: SocketAddr, payload: &[u8], extensions: &[(u8, usize)]) -> Vec<u8> {
+fn datagram(
+    src: SocketAddr,
+    dst: SocketAddr,
+    payload: &[u8],
+    extensions: &[(u8, usize)],
+) -> Vec<u8> {
     match (src.ip(), dst.ip()) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
             udp((s.octets(), src.port()), (d.octets(), dst.port()), payload)
@@ -1886,7 +1886,11 @@ impl Tally {
 fn group_stats(sel: &Selector, family: Family) -> BackendStats {
     let mut total = BackendStats::default();
     let stats = sel.stats().expect("read STATS");
-    for s in stats.chunks(REPLICAS).nth(family.group()).expect("two groups") {
+    for s in stats
+        .chunks(REPLICAS)
+        .nth(family.group())
+        .expect("two groups")
+    {
         total.add(s);
     }
     total
@@ -2226,6 +2230,9 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
     ipv6_rules();
 }
 
+/// A change to a frame that breaks one rule.
+type Edit<'a> = dyn Fn(&mut Vec<u8>) + 'a;
+
 /// The IPv6 half of the oracle's rules, and its frame builder and checksum
 /// repair cross-checked with etherparse.
 fn ipv6_rules() {
@@ -2304,7 +2311,7 @@ fn ipv6_rules() {
     );
 
     // One rule broken, the UDP checksum repaired after.
-    let broken = |edit: &dyn Fn(&mut Vec<u8>)| {
+    let broken = |edit: &Edit<'_>| {
         let mut frame = walked[0].clone();
         edit(&mut frame);
         fix_udp6_checksum(&mut frame);
@@ -2319,9 +2326,12 @@ fn ipv6_rules() {
     let mut multicast = [0; 16];
     multicast[..2].copy_from_slice(&[0xff, 0x02]);
     multicast[15] = 1;
-    let cases: [(&dyn Fn(&mut Vec<u8>), NotOwned); 12] = [
+    let cases: [(&Edit<'_>, NotOwned); 12] = [
         (&|f| f[ip] = 0x40, NotIpv6Version),
-        (&|f| write16(f, ip + IP6_PAYLOAD_LEN, 0), Ipv6PayloadLengthZero),
+        (
+            &|f| write16(f, ip + IP6_PAYLOAD_LEN, 0),
+            Ipv6PayloadLengthZero,
+        ),
         (
             &|f| {
                 let beyond = (f.len() - ip - IPV6_HEADER_LEN + 1) as u16;
@@ -2329,15 +2339,21 @@ fn ipv6_rules() {
             },
             Ipv6PayloadBeyondFrame,
         ),
-        (&set_address(IP6_SRC, multicast), Ipv6SourceNotUnicast),
-        (&set_address(IP6_DST, [0; 16]), Ipv6DestinationNotUnicast),
+        (&set_address(IP6_SRC, multicast), SourceNotUnicast),
+        (&set_address(IP6_DST, [0; 16]), DestinationNotUnicast),
         (
             &set_address(IP6_DST, std::net::Ipv6Addr::LOCALHOST.octets()),
-            Ipv6DestinationNotUnicast,
+            DestinationNotUnicast,
         ),
         (&set_address(IP6_DST, mapped.octets()), Ipv4MappedAddress),
-        (&|f| f[ip + IPV6_HEADER_LEN] = IPPROTO_TCP, UnwalkedExtensionHeader),
-        (&|f| f[ip + IPV6_HEADER_LEN + 1] = 16, UnwalkedExtensionHeader),
+        (
+            &|f| f[ip + IPV6_HEADER_LEN] = IPPROTO_TCP,
+            UnwalkedExtensionHeader,
+        ),
+        (
+            &|f| f[ip + IPV6_HEADER_LEN + 1] = 16,
+            UnwalkedExtensionHeader,
+        ),
         (
             &|f| write16(f, ip + IP6_PAYLOAD_LEN, 40),
             ExtensionHeadersBeyondPayload,
