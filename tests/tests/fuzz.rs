@@ -52,6 +52,7 @@ const IPV4_HEADER_LEN: usize = 20;
 const UDP_HEADER_LEN: usize = 8;
 const ETH_P_IPV4: [u8; 2] = [0x08, 0x00];
 const ETH_P_8021Q: [u8; 2] = [0x81, 0x00];
+const ETH_P_8021AD: [u8; 2] = [0x88, 0xa8];
 const IPPROTO_UDP: u8 = 17;
 // Offsets inside the IPv4 header.
 const IP_TOTAL_LEN: usize = 2;
@@ -310,7 +311,7 @@ impl fmt::Display for NotOwned {
         let text = match self {
             NotOwned::ShorterThanEthernet => "shorter than an Ethernet header",
             NotOwned::NotIpEthertype => {
-                "not IPv4 or IPv6 (ethertype, after at most one 802.1Q tag)"
+                "not IPv4 or IPv6 (ethertype, after at most one 802.1Q or 802.1ad tag)"
             }
             NotOwned::TruncatedIpv4Header => "truncated in the IPv4 header",
             NotOwned::NotIpv4Version => "IP version is not 4",
@@ -407,7 +408,7 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::ShorterThanEthernet);
     }
     let mut l3 = ETH_LEN;
-    if frame[12..14] == ETH_P_8021Q {
+    if is_tagged(frame) {
         if frame.len() < ETH_LEN + VLAN_TAG_LEN {
             return Err(NotOwned::NotIpEthertype);
         }
@@ -606,8 +607,13 @@ fn member(family: Family, i: usize) -> SocketAddr {
     }
 }
 
+/// One 802.1Q or 802.1ad tag: the selector looks behind one, not two.
+fn is_tagged(frame: &[u8]) -> bool {
+    [ETH_P_8021Q, ETH_P_8021AD].contains(&[frame[12], frame[13]])
+}
+
 fn l3_offset(frame: &[u8]) -> usize {
-    if frame.len() >= ETH_LEN + VLAN_TAG_LEN && frame[12..14] == ETH_P_8021Q {
+    if frame.len() >= ETH_LEN + VLAN_TAG_LEN && is_tagged(frame) {
         ETH_LEN + VLAN_TAG_LEN
     } else {
         ETH_LEN
@@ -1453,17 +1459,21 @@ impl Generator {
                 format!("request id {id:#06x}")
             }
             Mutation::AddVlan | Mutation::DoubleVlan if frame.len() >= ETH_LEN => {
-                let already_tagged = frame[12..14] == ETH_P_8021Q;
-                if matches!(mutation, Mutation::AddVlan) && already_tagged {
+                if matches!(mutation, Mutation::AddVlan) && is_tagged(frame) {
                     return "already tagged".into();
                 }
                 let vlan = self.rng.within(1..=4094) as u16;
-                let tag = [0x81, 0x00, (vlan >> 8) as u8, vlan as u8];
+                let (tpid, name) = if self.rng.percent(80) {
+                    (ETH_P_8021Q, "802.1Q")
+                } else {
+                    (ETH_P_8021AD, "802.1ad")
+                };
+                let tag = [tpid[0], tpid[1], (vlan >> 8) as u8, vlan as u8];
                 frame.splice(12..12, tag);
-                format!("802.1Q tag, VLAN {vlan}")
+                format!("{name} tag, VLAN {vlan}")
             }
             Mutation::RemoveVlan if frame.len() >= ETH_LEN + VLAN_TAG_LEN => {
-                if frame[12..14] == ETH_P_8021Q {
+                if is_tagged(frame) {
                     frame.drain(12..16);
                     "tag removed".into()
                 } else {
@@ -2165,7 +2175,10 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
     let mut tagged = request.clone();
     tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
     assert_eq!(ownership(&tagged, Direction::Egress), Ok(()));
-    let mut double_tagged = tagged.clone();
+    let mut service_tagged = request.clone();
+    service_tagged.splice(12..12, [0x88, 0xa8, 0x00, 0x07]);
+    assert_eq!(ownership(&service_tagged, Direction::Egress), Ok(()));
+    let mut double_tagged = service_tagged.clone();
     double_tagged.splice(12..12, [0x81, 0x00, 0x00, 0x08]);
     assert_eq!(
         ownership(&double_tagged, Direction::Egress),
