@@ -290,7 +290,8 @@ pub enum PassReason {
     Fragment = 1,
     /// Something a receiver would drop or no application could send: IP
     /// options, a bad IP header checksum, a total length longer than the
-    /// frame, an inconsistent UDP length, a source that is not unicast.
+    /// frame, an inconsistent UDP length, a source or destination that is
+    /// not unicast (over IPv6 also an IPv4-mapped one).
     BadHeader = 2,
     /// Not to (egress) or from (ingress) a configured backend.
     NotBackend = 3,

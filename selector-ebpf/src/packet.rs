@@ -224,7 +224,10 @@ fn is_unicast_v4(addr: [u8; 4]) -> bool {
 }
 
 /// IPv6: not multicast (ff00::/8), not the unspecified address or the
-/// loopback (::1, which never leaves a host).
+/// loopback (::1, which never leaves a host), not IPv4-mapped
+/// (::ffff:0:0/96, never on the wire, RFC 4291 2.5.5.2): the parser's
+/// addresses are IPv4-mapped for IPv4, so such a datagram would be taken
+/// for one to or from an IPv4 member or client.
 #[inline(always)]
 fn is_unicast_v6(addr: &[u8; 16]) -> bool {
     if addr[0] == 0xff {
@@ -232,11 +235,13 @@ fn is_unicast_v6(addr: &[u8; 16]) -> bool {
     }
     let mut high = 0u8;
     let mut i = 0;
-    while i < 15 {
+    while i < 10 {
         high |= addr[i];
         i += 1;
     }
-    high != 0 || addr[15] > 1
+    let mapped = high == 0 && addr[10] == 0xff && addr[11] == 0xff;
+    high |= addr[10] | addr[11] | addr[12] | addr[13] | addr[14];
+    !mapped && (high != 0 || addr[15] > 1)
 }
 
 /// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 or

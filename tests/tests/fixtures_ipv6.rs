@@ -12,8 +12,9 @@ use selector_common::{
     reject::{dns_servfail_flags, memcached_reject},
 };
 use selector_testbed::frames::{
-    CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed, counters,
-    egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for, stats, udp6,
+    CLIENT, CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed,
+    counters, egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for,
+    stats, udp6,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -272,6 +273,52 @@ fn unknown_extension_headers_and_fragments_pass_untouched_and_counted() {
         assert_eq!(passed(&sel, Direction::Ingress, reason), 1, "kind {kind}");
         assert_eq!(sel.inflight().unwrap().len(), 1, "kind {kind}");
     }
+}
+
+/// Found by the fuzzer: the parser reads IPv4 addresses IPv4-mapped, so an
+/// IPv6 datagram with an IPv4-mapped address (never on the wire, RFC 4291
+/// 2.5.5.2) was taken for one to an IPv4 member (and its IPv6 destination
+/// rewritten to another member's mapped address) or from an IPv4 client.
+/// Such a datagram has a bad header: it passes untouched.
+#[test]
+fn an_ipv4_mapped_address_over_ipv6_is_no_member_or_client() {
+    let ipv4_group = settings_for(Descriptor::memcached(), replica).groups;
+    let dual_stack = Settings {
+        groups: vec![
+            ipv4_group[0].clone(),
+            settings(Descriptor::memcached(), replica6, OnOverload::Pass, 0).groups[0].clone(),
+        ],
+        ..settings_for(Descriptor::memcached(), replica)
+    };
+    let mut sel = Selector::load(&dual_stack).expect("load");
+    // The IPv4 primary is loaded: a read to it would be redirected.
+    set_issued(&mut sel, 0, 5);
+    let mapped = |addr: [u8; 4]| std::net::Ipv4Addr::from(addr).to_ipv6_mapped().octets();
+    let (primary_v4, port) = replica(0);
+    let to_mapped_member = udp6((CLIENT6, CLIENT_PORT), (mapped(primary_v4), port), GET);
+    let from_mapped_client = udp6((mapped(CLIENT), CLIENT_PORT), replica6(0), GET);
+    for input in [&to_mapped_member, &from_mapped_client] {
+        assert_eq!(egress(&mut sel, input), (TC_ACT_PIPE, input.clone()));
+    }
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::BadHeader), 2);
+    let from_mapped_member = udp6(
+        (mapped(replica(1).0), replica(1).1),
+        (CLIENT6, CLIENT_PORT),
+        VALUE,
+    );
+    assert_eq!(
+        run_xdp(&mut sel, &from_mapped_member),
+        (XDP_PASS, from_mapped_member.clone())
+    );
+    let (verdict, out) = run_tc(&mut sel, programs::INGRESS_TC, &from_mapped_member);
+    assert_eq!((verdict, out), (TC_ACT_PIPE, from_mapped_member.clone()));
+    assert_eq!(passed(&sel, Direction::Ingress, PassReason::BadHeader), 2);
+    assert!(sel.inflight().unwrap().is_empty());
+    assert!(
+        stats(&sel)
+            .iter()
+            .all(|s| s.requests == 0 && s.unmatched_responses == 0)
+    );
 }
 
 #[test]

@@ -1,12 +1,16 @@
 //! Seeded fuzzing of the three programs through BPF_PROG_TEST_RUN.
 //!
-//! 100,000 frames (request and reply templates, mutated copies of them, and
+//! 100,000 frames (request and reply templates over IPv4 and IPv6, the IPv6
+//! ones with 0-3 walked extension headers, mutated copies of them, and
 //! fully random frames) go through TC egress, XDP ingress and TC ingress of
-//! a loaded selector whose group has real requests in flight. An oracle
-//! written here, independent of the kernel code, says whether the selector
-//! owns a frame. A frame it does not own must pass byte-identical with the
-//! pass verdict and change no counter but the "passed untouched" ones; an
-//! owned frame must only get a sane verdict. Failures are collected and
+//! a loaded dual-stack selector (an IPv4 group and an IPv6 group) with real
+//! requests in flight in both. An oracle written here, independent of the
+//! kernel code, says whether the selector owns a frame and if not, why. A
+//! frame it does not own must pass byte-identical with the pass verdict and
+//! change no counter but the "passed untouched" one of its reason; an owned
+//! frame must only get a sane verdict, and an owned IPv6 datagram the
+//! selector rewrites must leave with a UDP checksum that verifies and is
+//! not zero. Failures are collected and
 //! summarised at the end instead of stopping at the first.
 //!
 //! `FUZZ_SEED=<u64>` reproduces a run; the seed is printed at the start.
@@ -14,16 +18,17 @@
 use std::{
     collections::{BTreeMap, VecDeque},
     fmt,
+    net::{IpAddr, SocketAddr},
     time::{Duration, Instant},
 };
 
 use aya::{maps::PerCpuArray, programs::ProgramError};
 use etherparse::PacketBuilder;
-use selector_common::{BackendStats, DEFAULT_INFLIGHT_MAX, Descriptor, programs};
+use selector_common::{BackendStats, DEFAULT_INFLIGHT_MAX, Descriptor, PassReason, programs};
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, REPLICAS, TC_ACT_PIPE, TC_ACT_REDIRECT,
     TC_ACT_SHOT, VALUE, XDP_DROP, XDP_PASS, XDP_REDIRECT, fits_skb_test_run, replica, settings_for,
-    try_run_tc, try_run_xdp, udp,
+    try_run_tc, try_run_xdp, udp, udp6,
 };
 use selector_user::{Selector, Settings};
 
@@ -47,6 +52,7 @@ const IPV4_HEADER_LEN: usize = 20;
 const UDP_HEADER_LEN: usize = 8;
 const ETH_P_IPV4: [u8; 2] = [0x08, 0x00];
 const ETH_P_8021Q: [u8; 2] = [0x81, 0x00];
+const ETH_P_8021AD: [u8; 2] = [0x88, 0xa8];
 const IPPROTO_UDP: u8 = 17;
 // Offsets inside the IPv4 header.
 const IP_TOTAL_LEN: usize = 2;
@@ -59,6 +65,41 @@ const IP_DST: usize = 16;
 const UDP_SRC_PORT: usize = 0;
 const UDP_DST_PORT: usize = 2;
 const UDP_LEN: usize = 4;
+const UDP_CHECKSUM: usize = 6;
+
+const ETH_P_IPV6: [u8; 2] = [0x86, 0xdd];
+const IPV6_HEADER_LEN: usize = 40;
+// Offsets inside the IPv6 header.
+const IP6_PAYLOAD_LEN: usize = 4;
+const IP6_NEXT_HEADER: usize = 6;
+const IP6_SRC: usize = 8;
+const IP6_DST: usize = 24;
+// IPv6 next-header values.
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_ESP: u8 = 50;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_NONE: u8 = 59;
+const IPPROTO_DSTOPTS: u8 = 60;
+const IPPROTO_MOBILITY: u8 = 135;
+/// The selector walks at most this many hop-by-hop, routing and
+/// destination options headers, of at most this many bytes together.
+const WALKED_HEADERS: usize = 3;
+const WALKED_SPAN: usize = 128;
+
+/// The dual-stack test groups: group 0 is `replica(i)` (IPv4), group 1
+/// `replica6(i)`, on the same ports, so an address of the wrong family on
+/// a member's port is a near miss.
+const CLIENT6: [u8; 16] = [0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+
+fn replica6(i: usize) -> ([u8; 16], u16) {
+    let mut addr = CLIENT6;
+    addr[15] = 0x10 + i as u8;
+    (addr, replica(i).1)
+}
 
 // ---------------------------------------------------------------------------
 // The seams the kernel changes in flight will move: kept here, and small.
@@ -200,46 +241,110 @@ impl Direction {
 // ---------------------------------------------------------------------------
 // The oracle: independent of the kernel code, from the header rules alone.
 
-/// Why the selector must leave a frame alone (the first rule it breaks).
+/// Why the selector must leave a frame alone (the first rule it breaks, in
+/// the order a receiver checks them: link, IP header, transport).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum NotOwned {
     ShorterThanEthernet,
-    NotIpv4Ethertype,
+    NotIpEthertype,
     TruncatedIpv4Header,
     NotIpv4Version,
     IpOptions,
     BadIpChecksum,
     IpTotalBeyondFrame,
-    Fragment,
+    IpTotalBelowHeader,
     SourceNotUnicast,
     DestinationNotUnicast,
     NotUdp,
+    Fragment,
     IpTooShortForUdp,
     UdpLengthBelowHeader,
     UdpLengthBeyondIp,
+    TruncatedIpv6Header,
+    NotIpv6Version,
+    Ipv6PayloadLengthZero,
+    Ipv6PayloadBeyondFrame,
+    Ipv4MappedAddress,
+    Ipv6Fragment,
+    UnwalkedExtensionHeader,
+    ExtensionHeadersBeyondPayload,
+    ZeroUdpChecksumOverIpv6,
     NotABackend,
     NoRequestId,
+}
+
+impl NotOwned {
+    /// The "passed untouched" counter a frame broken this way belongs to.
+    fn pass_reason(self) -> PassReason {
+        match self {
+            NotOwned::ShorterThanEthernet | NotOwned::NotIpEthertype | NotOwned::NotUdp => {
+                PassReason::NotIpUdp
+            }
+            NotOwned::Fragment | NotOwned::Ipv6Fragment => PassReason::Fragment,
+            NotOwned::UnwalkedExtensionHeader => PassReason::ExtensionHeader,
+            NotOwned::ZeroUdpChecksumOverIpv6 => PassReason::ZeroChecksum,
+            NotOwned::NotABackend => PassReason::NotBackend,
+            NotOwned::NoRequestId => PassReason::NoRequestId,
+            NotOwned::TruncatedIpv4Header
+            | NotOwned::NotIpv4Version
+            | NotOwned::IpOptions
+            | NotOwned::BadIpChecksum
+            | NotOwned::IpTotalBeyondFrame
+            | NotOwned::IpTotalBelowHeader
+            | NotOwned::SourceNotUnicast
+            | NotOwned::DestinationNotUnicast
+            | NotOwned::IpTooShortForUdp
+            | NotOwned::UdpLengthBelowHeader
+            | NotOwned::UdpLengthBeyondIp
+            | NotOwned::TruncatedIpv6Header
+            | NotOwned::NotIpv6Version
+            | NotOwned::Ipv6PayloadLengthZero
+            | NotOwned::Ipv6PayloadBeyondFrame
+            | NotOwned::Ipv4MappedAddress
+            | NotOwned::ExtensionHeadersBeyondPayload => PassReason::BadHeader,
+        }
+    }
 }
 
 impl fmt::Display for NotOwned {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let text = match self {
             NotOwned::ShorterThanEthernet => "shorter than an Ethernet header",
-            NotOwned::NotIpv4Ethertype => "not IPv4 (ethertype, after at most one 802.1Q tag)",
+            NotOwned::NotIpEthertype => {
+                "not IPv4 or IPv6 (ethertype, after at most one 802.1Q or 802.1ad tag)"
+            }
             NotOwned::TruncatedIpv4Header => "truncated in the IPv4 header",
             NotOwned::NotIpv4Version => "IP version is not 4",
             NotOwned::IpOptions => "IHL is not 5 (options or a bogus length)",
             NotOwned::BadIpChecksum => "bad IPv4 header checksum",
             NotOwned::IpTotalBeyondFrame => "IP total length beyond the frame",
+            NotOwned::IpTotalBelowHeader => "IP total length shorter than the header",
             NotOwned::Fragment => "a fragment (MF or offset)",
-            NotOwned::SourceNotUnicast => "source not unicast (0, broadcast, multicast, loopback)",
+            NotOwned::SourceNotUnicast => {
+                "source not unicast (0/8, 127/8, 224/4, 240/4; ::, ::1, ff00::/8)"
+            }
             NotOwned::DestinationNotUnicast => {
-                "destination not unicast (0, broadcast, multicast, loopback)"
+                "destination not unicast (0/8, 127/8, 224/4, 240/4; ::, ::1, ff00::/8)"
             }
             NotOwned::NotUdp => "protocol is not UDP",
-            NotOwned::IpTooShortForUdp => "IP total length leaves no room for a UDP header",
+            NotOwned::IpTooShortForUdp => "IP length leaves no room for a UDP header",
             NotOwned::UdpLengthBelowHeader => "UDP length below 8",
             NotOwned::UdpLengthBeyondIp => "UDP length beyond the IP payload",
+            NotOwned::TruncatedIpv6Header => "truncated in the IPv6 header",
+            NotOwned::NotIpv6Version => "IPv6 ethertype, version is not 6",
+            NotOwned::Ipv6PayloadLengthZero => "IPv6 payload length 0 (a jumbogram)",
+            NotOwned::Ipv6PayloadBeyondFrame => "IPv6 payload length beyond the frame",
+            NotOwned::Ipv4MappedAddress => {
+                "IPv6 with an IPv4-mapped address (never on the wire, RFC 4291 2.5.5.2)"
+            }
+            NotOwned::Ipv6Fragment => "an IPv6 fragment header before UDP",
+            NotOwned::UnwalkedExtensionHeader => {
+                "IPv6 extension headers not walked (other type, a 4th, over 128 bytes, truncated)"
+            }
+            NotOwned::ExtensionHeadersBeyondPayload => {
+                "IPv6 extension headers beyond the payload length"
+            }
+            NotOwned::ZeroUdpChecksumOverIpv6 => "UDP checksum 0 over IPv6",
             NotOwned::NotABackend => "not to (egress) / from (ingress) a configured backend",
             NotOwned::NoRequestId => "payload too short for the request id",
         };
@@ -255,9 +360,25 @@ fn ipv4(bytes: &[u8], at: usize) -> [u8; 4] {
     bytes[at..at + 4].try_into().unwrap()
 }
 
+fn ipv6(bytes: &[u8], at: usize) -> [u8; 16] {
+    bytes[at..at + 16].try_into().unwrap()
+}
+
+/// An address a unicast sender or receiver may have: not "this network"
+/// (0/8), loopback (127/8), multicast (224/4) or reserved and the limited
+/// broadcast (240/4).
 fn is_unicast(addr: [u8; 4]) -> bool {
-    let multicast = (224..=239).contains(&addr[0]);
-    addr != [0; 4] && addr != [255; 4] && !multicast && addr[0] != 127
+    !matches!(addr[0], 0 | 127 | 224..=255)
+}
+
+/// Not multicast (ff00::/8), the unspecified address or the loopback.
+fn is_unicast6(addr: [u8; 16]) -> bool {
+    let loopback = std::net::Ipv6Addr::LOCALHOST.octets();
+    addr[0] != 0xff && addr != [0; 16] && addr != loopback
+}
+
+fn is_ipv4_mapped(addr: [u8; 16]) -> bool {
+    std::net::Ipv6Addr::from(addr).to_ipv4_mapped().is_some()
 }
 
 /// RFC 1071 sum of 16-bit words, carries folded.
@@ -272,8 +393,12 @@ fn ones_complement_sum(bytes: &[u8]) -> u16 {
     sum as u16
 }
 
-fn is_backend(addr: [u8; 4], port: u16) -> bool {
-    (0..REPLICAS).any(|i| replica(i) == (addr, port))
+/// A member of the group of the frame's family.
+fn is_backend(addr: IpAddr, port: u16) -> bool {
+    (0..REPLICAS).any(|i| match addr {
+        IpAddr::V4(a) => replica(i) == (a.octets(), port),
+        IpAddr::V6(a) => replica6(i) == (a.octets(), port),
+    })
 }
 
 /// Ok if the selector owns `frame` in `direction`: a well-formed request to
@@ -283,16 +408,29 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::ShorterThanEthernet);
     }
     let mut l3 = ETH_LEN;
-    if frame[12..14] == ETH_P_8021Q {
+    if is_tagged(frame) {
         if frame.len() < ETH_LEN + VLAN_TAG_LEN {
-            return Err(NotOwned::NotIpv4Ethertype);
+            return Err(NotOwned::NotIpEthertype);
         }
         l3 += VLAN_TAG_LEN;
     }
-    if frame[l3 - 2..l3] != ETH_P_IPV4 {
-        return Err(NotOwned::NotIpv4Ethertype);
+    match [frame[l3 - 2], frame[l3 - 1]] {
+        ETH_P_IPV4 => ipv4_ownership(&frame[l3..], direction),
+        ETH_P_IPV6 => ipv6_ownership(&frame[l3..], direction),
+        _ => Err(NotOwned::NotIpEthertype),
     }
-    let ip = &frame[l3..];
+}
+
+fn unicast_rules(src_unicast: bool, dst_unicast: bool) -> Result<(), NotOwned> {
+    match (src_unicast, dst_unicast) {
+        (false, _) => Err(NotOwned::SourceNotUnicast),
+        (_, false) => Err(NotOwned::DestinationNotUnicast),
+        _ => Ok(()),
+    }
+}
+
+/// `ip`: the frame from the IPv4 header on.
+fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
     if ip.len() < IPV4_HEADER_LEN {
         return Err(NotOwned::TruncatedIpv4Header);
     }
@@ -309,19 +447,17 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
     if total > ip.len() {
         return Err(NotOwned::IpTotalBeyondFrame);
     }
+    if total < IPV4_HEADER_LEN {
+        return Err(NotOwned::IpTotalBelowHeader);
+    }
+    let (src, dst) = (ipv4(ip, IP_SRC), ipv4(ip, IP_DST));
+    unicast_rules(is_unicast(src), is_unicast(dst))?;
+    if ip[IP_PROTOCOL] != IPPROTO_UDP {
+        return Err(NotOwned::NotUdp);
+    }
     let fragment = be16(ip, IP_FRAGMENT) & 0x3fff;
     if fragment != 0 && direction == Direction::Egress {
         return Err(NotOwned::Fragment);
-    }
-    let (src, dst) = (ipv4(ip, IP_SRC), ipv4(ip, IP_DST));
-    if !is_unicast(src) {
-        return Err(NotOwned::SourceNotUnicast);
-    }
-    if !is_unicast(dst) {
-        return Err(NotOwned::DestinationNotUnicast);
-    }
-    if ip[IP_PROTOCOL] != IPPROTO_UDP {
-        return Err(NotOwned::NotUdp);
     }
     // Replies may be fragmented: the first fragment is a reply like any
     // other, and a later one from a backend's address is rewritten when
@@ -335,49 +471,221 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
             Err(NotOwned::Fragment)
         };
     }
-    if total < IPV4_HEADER_LEN + UDP_HEADER_LEN {
-        return Err(NotOwned::IpTooShortForUdp);
-    }
-    let udp = &ip[IPV4_HEADER_LEN..];
-    let udp_len = usize::from(be16(udp, UDP_LEN));
-    if udp_len < UDP_HEADER_LEN {
-        return Err(NotOwned::UdpLengthBelowHeader);
-    }
-    // A first fragment's UDP length covers the whole datagram.
-    if udp_len > total - IPV4_HEADER_LEN && !first_fragment {
-        return Err(NotOwned::UdpLengthBeyondIp);
-    }
-    let (src_port, dst_port) = (be16(udp, UDP_SRC_PORT), be16(udp, UDP_DST_PORT));
-    let to_or_from_backend = match direction {
-        Direction::Egress => is_backend(dst, dst_port),
-        Direction::Ingress => is_backend(src, src_port),
+    let datagram = Datagram {
+        bytes: &ip[IPV4_HEADER_LEN..total],
+        src: IpAddr::from(src),
+        dst: IpAddr::from(dst),
+        first_fragment,
     };
-    if !to_or_from_backend {
-        return Err(NotOwned::NotABackend);
+    datagram.ownership(direction)
+}
+
+/// `ip`: the frame from the IPv6 header on.
+fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
+    if ip.len() < IPV6_HEADER_LEN {
+        return Err(NotOwned::TruncatedIpv6Header);
     }
-    if udp_len - UDP_HEADER_LEN < MEMCACHED_ID_SPAN {
-        return Err(NotOwned::NoRequestId);
+    if ip[0] >> 4 != 6 {
+        return Err(NotOwned::NotIpv6Version);
     }
-    Ok(())
+    let payload_len = usize::from(be16(ip, IP6_PAYLOAD_LEN));
+    if payload_len == 0 {
+        return Err(NotOwned::Ipv6PayloadLengthZero);
+    }
+    if IPV6_HEADER_LEN + payload_len > ip.len() {
+        return Err(NotOwned::Ipv6PayloadBeyondFrame);
+    }
+    let (src, dst) = (ipv6(ip, IP6_SRC), ipv6(ip, IP6_DST));
+    unicast_rules(is_unicast6(src), is_unicast6(dst))?;
+    if is_ipv4_mapped(src) || is_ipv4_mapped(dst) {
+        return Err(NotOwned::Ipv4MappedAddress);
+    }
+    // The extension headers before UDP: up to three hop-by-hop, routing
+    // or destination options headers, 128 bytes together, each read from
+    // the frame.
+    let mut next = ip[IP6_NEXT_HEADER];
+    let mut l4 = IPV6_HEADER_LEN;
+    let mut walked = 0;
+    while next != IPPROTO_UDP {
+        match next {
+            IPPROTO_FRAGMENT => return Err(NotOwned::Ipv6Fragment),
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS if walked < WALKED_HEADERS => {}
+            _ => return Err(NotOwned::UnwalkedExtensionHeader),
+        }
+        if l4 + 2 > ip.len() {
+            return Err(NotOwned::UnwalkedExtensionHeader);
+        }
+        next = ip[l4];
+        l4 += (usize::from(ip[l4 + 1]) + 1) * 8;
+        walked += 1;
+        if l4 - IPV6_HEADER_LEN > WALKED_SPAN {
+            return Err(NotOwned::UnwalkedExtensionHeader);
+        }
+    }
+    let end = IPV6_HEADER_LEN + payload_len;
+    if l4 > end {
+        return Err(NotOwned::ExtensionHeadersBeyondPayload);
+    }
+    let datagram = Datagram {
+        bytes: &ip[l4..end],
+        src: IpAddr::from(src),
+        dst: IpAddr::from(dst),
+        first_fragment: false,
+    };
+    datagram.ownership(direction)
+}
+
+/// The UDP part of a packet, for the rules both families share.
+struct Datagram<'a> {
+    /// From the UDP header to the end of the IP packet.
+    bytes: &'a [u8],
+    src: IpAddr,
+    dst: IpAddr,
+    /// An IPv4 first fragment: its UDP length covers the whole datagram.
+    first_fragment: bool,
+}
+
+impl Datagram<'_> {
+    fn ownership(&self, direction: Direction) -> Result<(), NotOwned> {
+        let udp = self.bytes;
+        if udp.len() < UDP_HEADER_LEN {
+            return Err(NotOwned::IpTooShortForUdp);
+        }
+        let udp_len = usize::from(be16(udp, UDP_LEN));
+        if udp_len < UDP_HEADER_LEN {
+            return Err(NotOwned::UdpLengthBelowHeader);
+        }
+        if udp_len > udp.len() && !self.first_fragment {
+            return Err(NotOwned::UdpLengthBeyondIp);
+        }
+        // Optional over IPv4, mandatory over IPv6 (RFC 8200 8.1).
+        if self.dst.is_ipv6() && be16(udp, UDP_CHECKSUM) == 0 {
+            return Err(NotOwned::ZeroUdpChecksumOverIpv6);
+        }
+        let (src_port, dst_port) = (be16(udp, UDP_SRC_PORT), be16(udp, UDP_DST_PORT));
+        let to_or_from_backend = match direction {
+            Direction::Egress => is_backend(self.dst, dst_port),
+            Direction::Ingress => is_backend(self.src, src_port),
+        };
+        if !to_or_from_backend {
+            return Err(NotOwned::NotABackend);
+        }
+        if udp_len.min(udp.len()) - UDP_HEADER_LEN < MEMCACHED_ID_SPAN {
+            return Err(NotOwned::NoRequestId);
+        }
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------
 // Frame surgery for the mutations: offsets found the way a parser would,
 // every write bounds-checked (a mutation that does not fit does nothing).
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    const ALL: [Family; 2] = [Family::V4, Family::V6];
+
+    /// The group of this family in the fuzzed settings.
+    fn group(self) -> usize {
+        match self {
+            Family::V4 => 0,
+            Family::V6 => 1,
+        }
+    }
+}
+
+/// Member `i` of the group of `family`.
+fn member(family: Family, i: usize) -> SocketAddr {
+    match family {
+        Family::V4 => replica(i).into(),
+        Family::V6 => replica6(i).into(),
+    }
+}
+
+/// One 802.1Q or 802.1ad tag: the selector looks behind one, not two.
+fn is_tagged(frame: &[u8]) -> bool {
+    [ETH_P_8021Q, ETH_P_8021AD].contains(&[frame[12], frame[13]])
+}
+
 fn l3_offset(frame: &[u8]) -> usize {
-    if frame.len() >= ETH_LEN + VLAN_TAG_LEN && frame[12..14] == ETH_P_8021Q {
+    if frame.len() >= ETH_LEN + VLAN_TAG_LEN && is_tagged(frame) {
         ETH_LEN + VLAN_TAG_LEN
     } else {
         ETH_LEN
     }
 }
 
-/// Where UDP starts per the IHL (at least 20 bytes in).
+/// The family the (innermost) ethertype claims.
+fn family_of(frame: &[u8]) -> Option<Family> {
+    let l3 = l3_offset(frame);
+    match frame.get(l3 - 2..l3)? {
+        [0x08, 0x00] => Some(Family::V4),
+        [0x86, 0xdd] => Some(Family::V6),
+        _ => None,
+    }
+}
+
+/// An IPv6 frame's extension headers as laid out, whatever their type or
+/// number: (offset, length) of each, the offset after them and the next
+/// header value found there.
+struct Chain {
+    headers: Vec<(usize, usize)>,
+    end: usize,
+    next: u8,
+}
+
+fn ipv6_chain(frame: &[u8]) -> Chain {
+    let l3 = l3_offset(frame);
+    let mut chain = Chain {
+        headers: Vec::new(),
+        end: l3 + IPV6_HEADER_LEN,
+        next: frame
+            .get(l3 + IP6_NEXT_HEADER)
+            .copied()
+            .unwrap_or(IPPROTO_UDP),
+    };
+    while chain.headers.len() < 8 && chain.end + 2 <= frame.len() {
+        let len_field = usize::from(frame[chain.end + 1]);
+        let len = match chain.next {
+            IPPROTO_FRAGMENT => 8,
+            IPPROTO_AH => (len_field + 2) * 4,
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_MOBILITY => {
+                (len_field + 1) * 8
+            }
+            _ => break,
+        };
+        chain.headers.push((chain.end, len));
+        chain.next = frame[chain.end];
+        chain.end += len;
+    }
+    chain
+}
+
+/// Where UDP starts: per the IHL (at least 20 bytes in), or after the
+/// IPv6 extension headers.
 fn l4_offset(frame: &[u8]) -> usize {
+    if family_of(frame) == Some(Family::V6) {
+        return ipv6_chain(frame).end;
+    }
     let l3 = l3_offset(frame);
     let ihl = frame.get(l3).map_or(5, |b| usize::from(b & 0xf)).max(5);
     l3 + ihl * 4
+}
+
+/// The IP length field's offset and the header bytes its value does not
+/// count: IPv4's total length counts the header, IPv6's payload length
+/// does not.
+fn ip_length_field(frame: &[u8]) -> (usize, usize) {
+    let l3 = l3_offset(frame);
+    match family_of(frame) {
+        Some(Family::V6) => (l3 + IP6_PAYLOAD_LEN, IPV6_HEADER_LEN),
+        _ => (l3 + IP_TOTAL_LEN, 0),
+    }
 }
 
 fn read16(frame: &[u8], at: usize) -> Option<u16> {
@@ -408,6 +716,82 @@ fn fix_ip_checksum(frame: &mut [u8]) {
     write16(frame, l3 + IP_CHECKSUM, !sum);
 }
 
+/// The ones' complement sum over an IPv6 UDP datagram and its
+/// pseudo-header (the IPv6 header's addresses, the UDP length, next header
+/// 17): 0xffff when its checksum verifies. With the UDP offset, or None if
+/// the frame has no IPv6 UDP header.
+fn udp6_sum(frame: &[u8]) -> Option<(u16, usize)> {
+    let l3 = l3_offset(frame);
+    let chain = ipv6_chain(frame);
+    let l4 = chain.end;
+    if family_of(frame) != Some(Family::V6) || chain.next != IPPROTO_UDP {
+        return None;
+    }
+    let udp_len = read16(frame, l4 + UDP_LEN)?;
+    let end = (l4 + usize::from(udp_len)).min(frame.len());
+    let mut summed = frame.get(l3 + IP6_SRC..l3 + IP6_DST + 16)?.to_vec();
+    summed.extend_from_slice(&u32::from(udp_len).to_be_bytes());
+    summed.extend_from_slice(&[0, 0, 0, IPPROTO_UDP]);
+    summed.extend_from_slice(frame.get(l4..end)?);
+    Some((ones_complement_sum(&summed), l4))
+}
+
+/// Recomputes an IPv6 UDP checksum (0 is sent as 0xffff).
+fn fix_udp6_checksum(frame: &mut [u8]) {
+    let Some((_, l4)) = udp6_sum(frame) else {
+        return;
+    };
+    write16(frame, l4 + UDP_CHECKSUM, 0);
+    if let Some((sum, _)) = udp6_sum(frame) {
+        let checksum = match !sum {
+            0 => 0xffff,
+            c => c,
+        };
+        write16(frame, l4 + UDP_CHECKSUM, checksum);
+    }
+}
+
+/// Inserts `header` (its first byte, the next header, is filled in) as
+/// extension header number `position` of an IPv6 frame, of type `kind`,
+/// and grows the payload length.
+fn insert_extension(frame: &mut Vec<u8>, position: usize, kind: u8, mut header: Vec<u8>) {
+    let l3 = l3_offset(frame);
+    let chain = ipv6_chain(frame);
+    let position = position.min(chain.headers.len());
+    let (pointer, at) = match position {
+        0 => (l3 + IP6_NEXT_HEADER, l3 + IPV6_HEADER_LEN),
+        p => (
+            chain.headers[p - 1].0,
+            chain.headers[p - 1].0 + chain.headers[p - 1].1,
+        ),
+    };
+    if at > frame.len() {
+        return;
+    }
+    header[0] = frame[pointer];
+    frame[pointer] = kind;
+    let grown = header.len();
+    frame.splice(at..at, header);
+    let payload_len = read16(frame, l3 + IP6_PAYLOAD_LEN).unwrap_or(0);
+    write16(
+        frame,
+        l3 + IP6_PAYLOAD_LEN,
+        payload_len.wrapping_add(grown as u16),
+    );
+}
+
+/// An extension header of `len` bytes (a multiple of 8) with its length
+/// field set and Pad1 options (zeros) after it; a routing header of type 0
+/// with no segments left.
+fn extension_header(kind: u8, len: usize) -> Vec<u8> {
+    let mut header = vec![0; len];
+    header[1] = match kind {
+        IPPROTO_AH => (len / 4 - 2) as u8,
+        _ => (len / 8 - 1) as u8,
+    };
+    header
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Mutation {
     FlipByte,
@@ -436,24 +820,27 @@ enum Mutation {
     AddVlan,
     DoubleVlan,
     RemoveVlan,
+    // IPv6 only.
+    NextHeader,
+    InsertExtension,
+    ExtensionLengthField,
+    PayloadLengthZero,
+    ZeroUdpChecksum,
+    Ipv4MappedAddress,
 }
 
-const MUTATIONS: [Mutation; 26] = [
+/// Mutations for frames of either family; the length ones act on IPv4's
+/// total length or IPv6's payload length.
+const MUTATIONS_ANY: [Mutation; 20] = [
     Mutation::FlipByte,
     Mutation::FlipBit,
     Mutation::Truncate,
     Mutation::ExtendJunk,
     Mutation::IpTotalBeyondFrame,
     Mutation::IpTotalShorter,
-    Mutation::BadIpChecksum,
-    Mutation::IpOptions,
-    Mutation::IhlOnly,
     Mutation::IpVersion,
-    Mutation::MoreFragments,
-    Mutation::FragmentOffset,
     Mutation::SourceSpecial,
     Mutation::DestinationSpecial,
-    Mutation::Protocol,
     Mutation::Ethertype,
     Mutation::UdpLengthBelowHeader,
     Mutation::UdpLengthBeyondIp,
@@ -467,12 +854,36 @@ const MUTATIONS: [Mutation; 26] = [
     Mutation::RemoveVlan,
 ];
 
+/// The IPv4 header's own: options, IHL, fragment flags, protocol, header
+/// checksum.
+const MUTATIONS_V4: [Mutation; 6] = [
+    Mutation::BadIpChecksum,
+    Mutation::IpOptions,
+    Mutation::IhlOnly,
+    Mutation::MoreFragments,
+    Mutation::FragmentOffset,
+    Mutation::Protocol,
+];
+
+/// IPv6's own: next header values, extension headers, payload length 0, a
+/// zero UDP checksum, IPv4-mapped addresses.
+const MUTATIONS_V6: [Mutation; 6] = [
+    Mutation::NextHeader,
+    Mutation::InsertExtension,
+    Mutation::ExtensionLengthField,
+    Mutation::PayloadLengthZero,
+    Mutation::ZeroUdpChecksum,
+    Mutation::Ipv4MappedAddress,
+];
+
 // ---------------------------------------------------------------------------
 // The generator: templates, mutations, random frames, and which program a
 // frame goes through.
 
 struct Case {
     program: Program,
+    /// The family of the template it was made from; None: random bytes.
+    family: Option<Family>,
     frame: Vec<u8>,
     /// What the frame was made from and what was done to it.
     label: String,
@@ -488,9 +899,9 @@ struct PrimedRequest {
 struct Generator {
     rng: Rng,
     next_request_id: u16,
-    /// Recent primed requests, so replies (and retransmits) carry ids that
-    /// are really in flight.
-    primed: VecDeque<PrimedRequest>,
+    /// Recent primed requests of each family, so replies (and
+    /// retransmits) carry ids that are really in flight.
+    primed: [VecDeque<PrimedRequest>; 2],
 }
 
 const RECENT_PRIMED: usize = 256;
@@ -500,7 +911,7 @@ impl Generator {
         Self {
             rng: Rng::new(seed),
             next_request_id: 0,
-            primed: VecDeque::new(),
+            primed: Default::default(),
         }
     }
 
@@ -510,24 +921,33 @@ impl Generator {
         id
     }
 
-    fn recent_primed(&mut self) -> Option<PrimedRequest> {
-        let i = self.rng.below(self.primed.len().max(1));
-        self.primed.get(i).copied()
+    fn recent_primed(&mut self, family: Family) -> Option<PrimedRequest> {
+        let primed = &self.primed[family.group()];
+        let i = self.rng.below(primed.len().max(1));
+        primed.get(i).copied()
     }
 
-    /// A well-formed get with a new id to a random member, as the
-    /// application would send it.
+    fn family(&mut self) -> Family {
+        self.rng.pick(&Family::ALL)
+    }
+
+    /// A well-formed get with a new id to a random member of either group,
+    /// as the application would send it (over IPv6 without extension
+    /// headers).
     fn primed_get(&mut self) -> Vec<u8> {
+        let family = self.family();
         let request = PrimedRequest {
             id: self.fresh_request_id(),
             backend: self.rng.below(REPLICAS),
         };
-        if self.primed.len() == RECENT_PRIMED {
-            self.primed.pop_front();
+        let primed = &mut self.primed[family.group()];
+        if primed.len() == RECENT_PRIMED {
+            primed.pop_front();
         }
-        self.primed.push_back(request);
+        primed.push_back(request);
         let payload = self.memcached_request(request.id, "get");
-        udp((CLIENT, CLIENT_PORT), replica(request.backend), &payload)
+        let client = Self::client_at(family, CLIENT_PORT);
+        datagram(client, member(family, request.backend), &payload, &[])
     }
 
     fn memcached_header(id: u16) -> Vec<u8> {
@@ -566,20 +986,27 @@ impl Generator {
         message
     }
 
-    fn client(&mut self) -> ([u8; 4], u16) {
+    fn client_at(family: Family, port: u16) -> SocketAddr {
+        match family {
+            Family::V4 => (CLIENT, port).into(),
+            Family::V6 => (CLIENT6, port).into(),
+        }
+    }
+
+    fn client(&mut self, family: Family) -> SocketAddr {
         // Mostly the one client port the primed requests use.
         let port = if self.rng.percent(90) {
             CLIENT_PORT
         } else {
             CLIENT_PORT + 1 + self.rng.below(3) as u16
         };
-        (CLIENT, port)
+        Self::client_at(family, port)
     }
 
     /// A new id, the id of a primed request (a retransmit, or the
     /// application's own failover), or any id.
-    fn request_id_for_request(&mut self) -> u16 {
-        match (self.rng.below(10), self.recent_primed()) {
+    fn request_id_for_request(&mut self, family: Family) -> u16 {
+        match (self.rng.below(10), self.recent_primed(family)) {
             (0..=3, Some(primed)) => primed.id,
             (4..=7, _) => self.fresh_request_id(),
             _ => self.rng.u16(),
@@ -589,9 +1016,9 @@ impl Generator {
     /// (request id, backend) of a reply: mostly a primed request's id, from
     /// the backend it was addressed to (where it went unless redirected) or
     /// from any member; sometimes any id.
-    fn reply_to(&mut self) -> (u16, usize) {
+    fn reply_to(&mut self, family: Family) -> (u16, usize) {
         let any_backend = self.rng.below(REPLICAS);
-        match self.recent_primed() {
+        match self.recent_primed(family) {
             Some(primed) if self.rng.percent(75) => {
                 let backend = if self.rng.percent(50) {
                     primed.backend
@@ -604,22 +1031,57 @@ impl Generator {
         }
     }
 
+    /// IPv6 extension headers for a template: mostly none, else 1-3
+    /// walked ones (hop-by-hop, routing, destination options), mostly
+    /// within the 128 bytes the selector walks, sometimes over them.
+    fn extensions(&mut self, family: Family) -> Vec<(u8, usize)> {
+        if family == Family::V4 || self.rng.percent(50) {
+            return Vec::new();
+        }
+        let count = self.rng.within(1..=WALKED_HEADERS);
+        let over = self.rng.percent(15);
+        let mut used = 0;
+        (0..count)
+            .map(|i| {
+                let kind = self
+                    .rng
+                    .pick(&[IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_DSTOPTS]);
+                let units = if over {
+                    self.rng.within(1..=WALKED_SPAN / 8)
+                } else if i + 1 == count && self.rng.percent(30) {
+                    // All that is left: exactly the span.
+                    (WALKED_SPAN - used) / 8
+                } else {
+                    self.rng.within(1..=4)
+                };
+                used += units * 8;
+                (kind, units * 8)
+            })
+            .collect()
+    }
+
     /// A valid frame of some kind, its label, and the program it belongs to.
-    fn template(&mut self) -> (Vec<u8>, String, Program) {
+    fn template(&mut self) -> (Vec<u8>, String, Program, Family) {
+        let family = self.family();
         let backend = self.rng.below(REPLICAS);
+        let extensions = self.extensions(family);
+        let via = match extensions.len() {
+            0 => format!(" over {family:?}"),
+            _ => format!(" over {family:?} via {}", describe_chain(&extensions)),
+        };
         let ingress = if self.rng.percent(50) {
             Program::IngressXdp
         } else {
             Program::IngressTc
         };
-        match self.rng.below(100) {
+        let (frame, label, program) = match self.rng.below(100) {
             0..=37 => {
-                let id = self.request_id_for_request();
+                let id = self.request_id_for_request(family);
                 // Reads (which may be redirected) and writes (never).
                 let command = self.rng.pick(&["get", "gets", "set", "delete"]);
                 let payload = self.memcached_request(id, command);
-                let client = self.client();
-                let frame = udp(client, replica(backend), &payload);
+                let client = self.client(family);
+                let frame = datagram(client, member(family, backend), &payload, &extensions);
                 (
                     frame,
                     format!("memcached request to backend {backend}"),
@@ -627,86 +1089,106 @@ impl Generator {
                 )
             }
             38..=75 => {
-                let (id, backend) = self.reply_to();
+                let (id, backend) = self.reply_to(family);
                 let payload = self.memcached_value(id);
-                let client = self.client();
-                let frame = udp(replica(backend), client, &payload);
+                let client = self.client(family);
+                let frame = datagram(member(family, backend), client, &payload, &extensions);
                 (
                     frame,
                     format!("memcached VALUE from backend {backend}"),
                     ingress,
                 )
             }
-            76..=83 => {
-                let id = self.request_id_for_request();
+            76..=84 => {
+                let id = self.request_id_for_request(family);
                 let payload = self.dns_message(id, false);
                 // To the backend's memcached port (owned) or to port 53 (not).
-                let mut dst = replica(backend);
+                let mut dst = member(family, backend);
                 if self.rng.percent(30) {
-                    dst.1 = 53;
+                    dst.set_port(53);
                 }
-                let frame = udp(self.client(), dst, &payload);
-                (
-                    frame,
-                    format!("DNS query to {}", endpoint(dst)),
-                    Program::Egress,
-                )
+                let frame = datagram(self.client(family), dst, &payload, &extensions);
+                (frame, format!("DNS query to {dst}"), Program::Egress)
             }
-            84..=91 => {
-                let (id, backend) = self.reply_to();
+            85..=93 => {
+                let (id, backend) = self.reply_to(family);
                 let payload = self.dns_message(id, true);
-                let mut src = replica(backend);
+                let mut src = member(family, backend);
                 if self.rng.percent(30) {
-                    src.1 = 53;
+                    src.set_port(53);
                 }
-                let frame = udp(src, self.client(), &payload);
-                (frame, format!("DNS answer from {}", endpoint(src)), ingress)
-            }
-            92..=94 => {
-                let mut frame = Vec::new();
-                let payload = self.memcached_request(0x1234, "get");
-                PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
-                    .ipv6([0xfd; 16], [0xfe; 16], 64)
-                    .udp(CLIENT_PORT, replica(backend).1)
-                    .write(&mut frame, &payload)
-                    .unwrap();
-                (frame, "IPv6 UDP to a backend port".into(), Program::Egress)
+                let frame = datagram(src, self.client(family), &payload, &extensions);
+                (frame, format!("DNS answer from {src}"), ingress)
             }
             _ => {
                 let mut frame = Vec::new();
                 let payload = self.memcached_request(0x1234, "get");
-                PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC)
-                    .ipv4(CLIENT, replica(backend).0, 64)
-                    .tcp(CLIENT_PORT, replica(backend).1, 1, 1000)
+                let to = member(family, backend);
+                let builder = PacketBuilder::ethernet2(CLIENT_MAC, PRIMARY_MAC);
+                let builder = match to.ip() {
+                    IpAddr::V4(a) => builder.ipv4(CLIENT, a.octets(), 64),
+                    IpAddr::V6(a) => builder.ipv6(CLIENT6, a.octets(), 64),
+                };
+                builder
+                    .tcp(CLIENT_PORT, to.port(), 1, 1000)
                     .write(&mut frame, &payload)
                     .unwrap();
                 (frame, "TCP to a backend".into(), Program::Egress)
             }
-        }
+        };
+        (frame, label + &via, program, family)
     }
 
     /// A special (not unicast) IPv4 address.
     fn special_address(&mut self) -> [u8; 4] {
-        match self.rng.below(4) {
+        match self.rng.below(5) {
             0 => [0; 4],
             1 => [255; 4],
             2 => [
-                224 + self.rng.below(16) as u8,
+                224 + self.rng.below(32) as u8,
                 self.rng.byte(),
                 self.rng.byte(),
                 self.rng.byte(),
             ],
+            3 => [0, self.rng.byte(), self.rng.byte(), self.rng.byte()],
             _ => [127, self.rng.byte(), self.rng.byte(), self.rng.byte()],
         }
     }
 
+    /// An IPv6 address the selector must not take for a member: multicast,
+    /// unspecified, loopback; or one it is not (link-local, the IPv4-
+    /// compatible form of a member, a member's address off by one bit).
+    fn special_address6(&mut self) -> [u8; 16] {
+        let mut addr = [0u8; 16];
+        match self.rng.below(6) {
+            0 => {
+                addr[0] = 0xff;
+                let random = self.rng.byte();
+                addr[1] = self.rng.pick(&[0x01, 0x02, 0x05, 0x0e, random]);
+                addr[15] = self.rng.byte();
+            }
+            1 => {}
+            2 => addr[15] = 1,
+            3 => {
+                addr[..2].copy_from_slice(&[0xfe, 0x80]);
+                addr[15] = 0x10 + self.rng.below(REPLICAS) as u8;
+            }
+            4 => addr[12..].copy_from_slice(&replica(self.rng.below(REPLICAS)).0),
+            _ => {
+                addr = replica6(self.rng.below(REPLICAS)).0;
+                addr[self.rng.below(16)] ^= 1 << self.rng.below(8);
+            }
+        }
+        addr
+    }
+
     /// A byte offset, mostly inside the headers where a flip matters most.
-    fn interesting_offset(&mut self, len: usize) -> usize {
+    fn interesting_offset(&mut self, frame: &[u8]) -> usize {
         if self.rng.percent(70) {
-            self.rng
-                .below(len.min(ETH_LEN + VLAN_TAG_LEN + IPV4_HEADER_LEN + 12))
+            let headers = l4_offset(frame) + UDP_HEADER_LEN + 4;
+            self.rng.below(frame.len().min(headers))
         } else {
-            self.rng.below(len)
+            self.rng.below(frame.len())
         }
     }
 
@@ -714,50 +1196,58 @@ impl Generator {
     fn mutate(&mut self, frame: &mut Vec<u8>, mutation: Mutation) -> String {
         let l3 = l3_offset(frame);
         let l4 = l4_offset(frame);
-        let rng = &mut self.rng;
+        let v6 = family_of(frame) == Some(Family::V6);
+        let (length_field, uncounted) = ip_length_field(frame);
+        let (src_field, dst_field, address_len) = if v6 {
+            (IP6_SRC, IP6_DST, 16)
+        } else {
+            (IP_SRC, IP_DST, 4)
+        };
         match mutation {
             Mutation::FlipByte if !frame.is_empty() => {
-                let at = self.interesting_offset(frame.len());
+                let at = self.interesting_offset(frame);
                 let flip = 1 + self.rng.below(255) as u8;
                 frame[at] ^= flip;
                 format!("byte {at} ^= {flip:#04x}")
             }
             Mutation::FlipBit if !frame.is_empty() => {
-                let at = self.interesting_offset(frame.len());
+                let at = self.interesting_offset(frame);
                 let bit = self.rng.below(8);
                 frame[at] ^= 1 << bit;
                 format!("bit {bit} of byte {at}")
             }
             Mutation::Truncate if !frame.is_empty() => {
-                let len = rng.below(frame.len());
+                let len = self.rng.below(frame.len());
                 frame.truncate(len);
                 format!("truncated to {len}")
             }
             Mutation::ExtendJunk => {
-                let junk = rng.within(1..=200);
-                let bytes = rng.bytes(junk);
+                let junk = self.rng.within(1..=200);
+                let bytes = self.rng.bytes(junk);
                 frame.extend_from_slice(&bytes);
                 format!("{junk} junk bytes appended")
             }
             Mutation::IpTotalBeyondFrame => {
-                let total = (frame.len().saturating_sub(l3) + rng.within(1..=64)).min(0xffff);
-                write16(frame, l3 + IP_TOTAL_LEN, total as u16);
-                format!("IP total length {total} beyond the frame")
+                let beyond = frame.len().saturating_sub(l3) + self.rng.within(1..=64);
+                let value = beyond.saturating_sub(uncounted).min(0xffff);
+                write16(frame, length_field, value as u16);
+                format!("IP length field {value} beyond the frame")
             }
             Mutation::IpTotalShorter => {
-                let current = read16(frame, l3 + IP_TOTAL_LEN).unwrap_or(0);
-                let total = rng.below(usize::from(current) + 1) as u16;
-                write16(frame, l3 + IP_TOTAL_LEN, total);
-                format!("IP total length {total}")
+                let current = read16(frame, length_field).unwrap_or(0);
+                let value = self.rng.below(usize::from(current) + 1) as u16;
+                write16(frame, length_field, value);
+                format!("IP length field {value}")
             }
             // Applied last, after any checksum repair (see `case`).
             Mutation::BadIpChecksum => "bad IP checksum".into(),
+            Mutation::ZeroUdpChecksum => "UDP checksum 0".into(),
             Mutation::IpOptions if frame.len() >= l3 + IPV4_HEADER_LEN => {
-                let words = rng.within(1..=10);
+                let words = self.rng.within(1..=10);
                 let options: Vec<u8> = (0..words * 4)
                     .map(|_| {
-                        let random = rng.byte();
-                        rng.pick(&[1, 1, 1, 0, random])
+                        let random = self.rng.byte();
+                        self.rng.pick(&[1, 1, 1, 0, random])
                     })
                     .collect();
                 let at = l3 + IPV4_HEADER_LEN;
@@ -772,12 +1262,16 @@ impl Generator {
                 format!("{} bytes of IP options", words * 4)
             }
             Mutation::IhlOnly if frame.len() > l3 => {
-                let ihl = rng.pick(&[0u8, 1, 4, 6, 7, 15]);
+                let ihl = self.rng.pick(&[0u8, 1, 4, 6, 7, 15]);
                 frame[l3] = (frame[l3] & 0xf0) | ihl;
                 format!("IHL {ihl}")
             }
             Mutation::IpVersion if frame.len() > l3 => {
-                let version = rng.pick(&[0u8, 5, 6, 15]);
+                let version = if v6 {
+                    self.rng.pick(&[0u8, 4, 5, 7, 15])
+                } else {
+                    self.rng.pick(&[0u8, 5, 6, 15])
+                };
                 frame[l3] = (frame[l3] & 0x0f) | version << 4;
                 format!("IP version {version}")
             }
@@ -787,95 +1281,199 @@ impl Generator {
                 "more fragments".into()
             }
             Mutation::FragmentOffset => {
-                let offset = rng.within(1..=0x1fff) as u16;
+                let offset = self.rng.within(1..=0x1fff) as u16;
                 let flags = read16(frame, l3 + IP_FRAGMENT).unwrap_or(0) & 0xe000;
                 write16(frame, l3 + IP_FRAGMENT, flags | offset);
                 format!("fragment offset {offset}")
             }
             Mutation::SourceSpecial | Mutation::DestinationSpecial => {
-                let address = self.special_address();
                 let (field, name) = match mutation {
-                    Mutation::SourceSpecial => (IP_SRC, "source"),
-                    _ => (IP_DST, "destination"),
+                    Mutation::SourceSpecial => (src_field, "source"),
+                    _ => (dst_field, "destination"),
                 };
-                write_bytes(frame, l3 + field, &address);
-                format!("{name} {}", std::net::Ipv4Addr::from(address))
+                let address = if v6 {
+                    IpAddr::from(self.special_address6())
+                } else {
+                    IpAddr::from(self.special_address())
+                };
+                let bytes = match address {
+                    IpAddr::V4(a) => a.octets().to_vec(),
+                    IpAddr::V6(a) => a.octets().to_vec(),
+                };
+                write_bytes(frame, l3 + field, &bytes);
+                format!("{name} {address}")
+            }
+            Mutation::Ipv4MappedAddress => {
+                // A member's IPv4 address, mapped: on a member's port it
+                // names the IPv4 member, which an IPv6 datagram never
+                // reaches.
+                let (field, name) = self
+                    .rng
+                    .pick(&[(src_field, "source"), (dst_field, "destination")]);
+                let v4 = if self.rng.percent(80) {
+                    replica(self.rng.below(REPLICAS)).0
+                } else {
+                    CLIENT
+                };
+                let mapped = std::net::Ipv4Addr::from(v4).to_ipv6_mapped();
+                write_bytes(frame, l3 + field, &mapped.octets());
+                format!("{name} {mapped}")
             }
             Mutation::Protocol if frame.len() > l3 + IP_PROTOCOL => {
-                let protocol = rng.pick(&[0u8, 1, 6, 132, 136, 255, 16, 18]);
+                let protocol = self.rng.pick(&[0u8, 1, 6, 132, 136, 255, 16, 18]);
                 frame[l3 + IP_PROTOCOL] = protocol;
                 format!("IP protocol {protocol}")
             }
+            Mutation::NextHeader => {
+                // In the IPv6 header or in one of the extension headers.
+                let chain = ipv6_chain(frame);
+                let pointer = match self.rng.below(chain.headers.len() + 1) {
+                    0 => l3 + IP6_NEXT_HEADER,
+                    i => chain.headers[i - 1].0,
+                };
+                let random = self.rng.byte();
+                let next = self.rng.pick(&[
+                    IPPROTO_HOPOPTS,
+                    IPPROTO_ROUTING,
+                    IPPROTO_DSTOPTS,
+                    IPPROTO_FRAGMENT,
+                    IPPROTO_TCP,
+                    IPPROTO_ICMPV6,
+                    IPPROTO_NONE,
+                    IPPROTO_ESP,
+                    IPPROTO_AH,
+                    IPPROTO_MOBILITY,
+                    IPPROTO_UDP,
+                    random,
+                ]);
+                write_bytes(frame, pointer, &[next]);
+                format!("next header {next} at {pointer}")
+            }
+            Mutation::InsertExtension => {
+                // A walked header (sometimes past the span, or a 4th), a
+                // fragment header, or one the selector does not walk.
+                let kind = match self.rng.below(10) {
+                    0..=5 => self
+                        .rng
+                        .pick(&[IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_DSTOPTS]),
+                    6..=7 => IPPROTO_FRAGMENT,
+                    _ => self.rng.pick(&[IPPROTO_AH, IPPROTO_MOBILITY, 139, 253]),
+                };
+                let header = if kind == IPPROTO_FRAGMENT {
+                    // Offset and M flag, from an atomic fragment (0, 0) on.
+                    let random = self.rng.u16();
+                    let offset_flags = self.rng.pick(&[0u16, 1, 0x0008, 0x0009, random]);
+                    let mut header = vec![0, 0];
+                    header.extend_from_slice(&offset_flags.to_be_bytes());
+                    header.extend_from_slice(&self.rng.bytes(4));
+                    header
+                } else {
+                    let units = if self.rng.percent(70) {
+                        self.rng.within(1..=3)
+                    } else {
+                        self.rng.within(4..=17)
+                    };
+                    extension_header(kind, units * 8)
+                };
+                let len = header.len();
+                let position = self.rng.below(ipv6_chain(frame).headers.len() + 1);
+                insert_extension(frame, position, kind, header);
+                format!("extension header {kind} ({len} bytes) inserted at {position}")
+            }
+            Mutation::ExtensionLengthField => {
+                let chain = ipv6_chain(frame);
+                if chain.headers.is_empty() {
+                    return "no extension header to resize".into();
+                }
+                let (at, _) = chain.headers[self.rng.below(chain.headers.len())];
+                let random = self.rng.byte();
+                let len = self.rng.pick(&[0u8, 1, 2, 7, 14, 15, 16, 31, 255, random]);
+                write_bytes(frame, at + 1, &[len]);
+                format!("extension header at {at} length field {len}")
+            }
+            Mutation::PayloadLengthZero => {
+                write16(frame, l3 + IP6_PAYLOAD_LEN, 0);
+                "IPv6 payload length 0".into()
+            }
             Mutation::Ethertype => {
-                let random = rng.u16();
-                let ethertype = rng.pick(&[0x86dd, 0x0806, 0x88a8, 0x8100, 0x0801, random]);
+                let random = self.rng.u16();
+                let ethertype = self
+                    .rng
+                    .pick(&[0x86dd, 0x0800, 0x0806, 0x88a8, 0x8100, 0x0801, random]);
                 // The outer type, or the inner one of a tagged frame.
                 write16(frame, l3 - 2, ethertype);
                 format!("ethertype {ethertype:#06x} at {}", l3 - 2)
             }
             Mutation::UdpLengthBelowHeader => {
-                let len = rng.below(UDP_HEADER_LEN) as u16;
+                let len = self.rng.below(UDP_HEADER_LEN) as u16;
                 write16(frame, l4 + UDP_LEN, len);
                 format!("UDP length {len}")
             }
             Mutation::UdpLengthBeyondIp => {
-                let total = usize::from(read16(frame, l3 + IP_TOTAL_LEN).unwrap_or(0));
-                let len = (total.saturating_sub(IPV4_HEADER_LEN) + rng.within(1..=64)) as u16;
+                let ip_len = usize::from(read16(frame, length_field).unwrap_or(0)) + uncounted;
+                let ip_end = l3 + ip_len;
+                let len = (ip_end.saturating_sub(l4) + self.rng.within(1..=64)) as u16;
                 write16(frame, l4 + UDP_LEN, len);
                 format!("UDP length {len} beyond the IP payload")
             }
             Mutation::UdpLengthShorter => {
                 let current = usize::from(read16(frame, l4 + UDP_LEN).unwrap_or(8)).max(8);
-                let len = rng.within(UDP_HEADER_LEN..=current) as u16;
+                let len = self.rng.within(UDP_HEADER_LEN..=current) as u16;
                 write16(frame, l4 + UDP_LEN, len);
                 format!("UDP length {len}")
             }
             Mutation::PayloadCut if frame.len() >= l4 + UDP_HEADER_LEN => {
                 // A consistent datagram with 0-3 payload bytes.
-                let payload = rng.below(4).min(frame.len() - l4 - UDP_HEADER_LEN);
+                let payload = self.rng.below(4).min(frame.len() - l4 - UDP_HEADER_LEN);
                 frame.truncate(l4 + UDP_HEADER_LEN + payload);
                 write16(frame, l4 + UDP_LEN, (UDP_HEADER_LEN + payload) as u16);
-                let total = l4 - l3 + UDP_HEADER_LEN + payload;
-                write16(frame, l3 + IP_TOTAL_LEN, total as u16);
+                let ip_len = l4 - l3 + UDP_HEADER_LEN + payload - uncounted;
+                write16(frame, length_field, ip_len as u16);
                 format!("payload cut to {payload} bytes")
             }
             Mutation::PortChange => {
-                let field = rng.pick(&[UDP_SRC_PORT, UDP_DST_PORT]);
+                let field = self.rng.pick(&[UDP_SRC_PORT, UDP_DST_PORT]);
                 let current = read16(frame, l4 + field).unwrap_or(0);
-                let port = if rng.percent(50) {
-                    current.wrapping_add(rng.pick(&[1u16, 2, 0xffff, 0xfffe]))
+                let port = if self.rng.percent(50) {
+                    current.wrapping_add(self.rng.pick(&[1u16, 2, 0xffff, 0xfffe]))
                 } else {
-                    rng.u16()
+                    self.rng.u16()
                 };
                 write16(frame, l4 + field, port);
                 format!("UDP port at +{field} = {port}")
             }
             Mutation::AddressChange => {
-                let field = rng.pick(&[IP_SRC, IP_DST]);
-                let random = rng.byte();
-                let last = rng.pick(&[1, 9, 10, 11, 12, 13, random]);
-                if frame.len() >= l3 + field + 4 {
-                    frame[l3 + field + 3] = last;
-                }
-                format!("IP address at +{field} ends in .{last}")
+                let field = self.rng.pick(&[src_field, dst_field]);
+                let random = self.rng.byte();
+                let last = if v6 {
+                    self.rng.pick(&[1, 0x0f, 0x10, 0x11, 0x12, 0x13, random])
+                } else {
+                    self.rng.pick(&[1, 9, 10, 11, 12, 13, random])
+                };
+                write_bytes(frame, l3 + field + address_len - 1, &[last]);
+                format!("IP address at +{field} ends in {last:#04x}")
             }
             Mutation::RequestId => {
-                let id = rng.u16();
+                let id = self.rng.u16();
                 write16(frame, l4 + UDP_HEADER_LEN, id);
                 format!("request id {id:#06x}")
             }
             Mutation::AddVlan | Mutation::DoubleVlan if frame.len() >= ETH_LEN => {
-                let already_tagged = frame[12..14] == ETH_P_8021Q;
-                if matches!(mutation, Mutation::AddVlan) && already_tagged {
+                if matches!(mutation, Mutation::AddVlan) && is_tagged(frame) {
                     return "already tagged".into();
                 }
-                let vlan = rng.within(1..=4094) as u16;
-                let tag = [0x81, 0x00, (vlan >> 8) as u8, vlan as u8];
+                let vlan = self.rng.within(1..=4094) as u16;
+                let (tpid, name) = if self.rng.percent(80) {
+                    (ETH_P_8021Q, "802.1Q")
+                } else {
+                    (ETH_P_8021AD, "802.1ad")
+                };
+                let tag = [tpid[0], tpid[1], (vlan >> 8) as u8, vlan as u8];
                 frame.splice(12..12, tag);
-                format!("802.1Q tag, VLAN {vlan}")
+                format!("{name} tag, VLAN {vlan}")
             }
             Mutation::RemoveVlan if frame.len() >= ETH_LEN + VLAN_TAG_LEN => {
-                if frame[12..14] == ETH_P_8021Q {
+                if is_tagged(frame) {
                     frame.drain(12..16);
                     "tag removed".into()
                 } else {
@@ -891,7 +1489,7 @@ impl Generator {
         if self.rng.percent(10) {
             return self.random_case();
         }
-        let (mut frame, mut label, natural) = self.template();
+        let (mut frame, mut label, natural, family) = self.template();
         if self.rng.percent(20) {
             label += &format!(", {}", self.mutate(&mut frame, Mutation::AddVlan));
         }
@@ -901,21 +1499,38 @@ impl Generator {
             60..=84 => 2,
             _ => 3,
         };
-        let mut break_checksum = false;
+        let own: &[Mutation] = match family {
+            Family::V4 => &MUTATIONS_V4,
+            Family::V6 => &MUTATIONS_V6,
+        };
+        let (mut break_checksum, mut zero_checksum) = (false, false);
         for _ in 0..mutations {
-            let mutation = self.rng.pick(&MUTATIONS);
+            let i = self.rng.below(MUTATIONS_ANY.len() + own.len());
+            let mutation = match MUTATIONS_ANY.get(i) {
+                Some(&any) => any,
+                None => own[i - MUTATIONS_ANY.len()],
+            };
             break_checksum |= matches!(mutation, Mutation::BadIpChecksum);
+            zero_checksum |= matches!(mutation, Mutation::ZeroUdpChecksum);
             label += &format!(", {}", self.mutate(&mut frame, mutation));
         }
         // Most mutated headers keep a valid checksum, so the other rules
-        // are tested on their own and not all shadowed by this one.
+        // are tested on their own and not all shadowed by this one (over
+        // IPv6, so rewritten outputs can be checked).
         if mutations > 0 && self.rng.percent(85) {
-            fix_ip_checksum(&mut frame);
+            match family {
+                Family::V4 => fix_ip_checksum(&mut frame),
+                Family::V6 => fix_udp6_checksum(&mut frame),
+            }
         }
         if break_checksum {
             let at = l3_offset(&frame) + IP_CHECKSUM;
             let current = read16(&frame, at).unwrap_or(0);
             write16(&mut frame, at, current ^ self.rng.within(1..=0xffff) as u16);
+        }
+        if zero_checksum {
+            let at = l4_offset(&frame) + UDP_CHECKSUM;
+            write16(&mut frame, at, 0);
         }
         // Mostly through the program the frame was made for, sometimes
         // through another one (requests at ingress, replies at egress).
@@ -924,27 +1539,37 @@ impl Generator {
         } else {
             self.rng.pick(&Program::ALL)
         };
-        Self::case_for(program, frame, label)
+        Self::case_for(program, Some(family), frame, label)
     }
 
     fn random_case(&mut self) -> Case {
         let len = self.rng.below(1601);
         let mut frame = self.rng.bytes(len);
         let mut label = format!("{len} random bytes");
-        // Half of them claim IPv4, so they reach the IP header checks.
-        if len >= ETH_LEN && self.rng.percent(50) {
-            frame[12..14].copy_from_slice(&ETH_P_IPV4);
+        // Two in three claim IPv4 or IPv6, so they reach the IP header
+        // checks.
+        if len >= ETH_LEN {
+            let (ethertype, first, name) = match self.rng.below(3) {
+                0 => (ETH_P_IPV4, 0x45, "IPv4"),
+                1 => (ETH_P_IPV6, 0x60, "IPv6"),
+                _ => (
+                    [frame[12], frame[13]],
+                    frame.get(ETH_LEN).copied().unwrap_or(0),
+                    "any",
+                ),
+            };
+            frame[12..14].copy_from_slice(&ethertype);
             if len > ETH_LEN {
-                frame[ETH_LEN] = 0x45;
+                frame[ETH_LEN] = first;
             }
-            label += " with IPv4 ethertype";
+            label += &format!(" with {name} ethertype");
         }
         let program = self.rng.pick(&Program::ALL);
-        Self::case_for(program, frame, label)
+        Self::case_for(program, None, frame, label)
     }
 
     /// TC frames the skb harness would refuse go through XDP instead.
-    fn case_for(program: Program, frame: Vec<u8>, label: String) -> Case {
+    fn case_for(program: Program, family: Option<Family>, frame: Vec<u8>, label: String) -> Case {
         let program = if program != Program::IngressXdp && !fits_skb_test_run(&frame) {
             Program::IngressXdp
         } else {
@@ -952,10 +1577,52 @@ impl Generator {
         };
         Case {
             program,
+            family,
             frame,
             label,
         }
     }
+}
+
+/// Ethernet + IP + UDP from `src` to `dst` (one family) with a correct
+/// checksum; over IPv6 with the extension headers `(type, bytes)` in that
+/// order.
+fn datagram(
+    src: SocketAddr,
+    dst: SocketAddr,
+    payload: &[u8],
+    extensions: &[(u8, usize)],
+) -> Vec<u8> {
+    match (src.ip(), dst.ip()) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            udp((s.octets(), src.port()), (d.octets(), dst.port()), payload)
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut frame = udp6((s.octets(), src.port()), (d.octets(), dst.port()), payload);
+            for (position, &(kind, len)) in extensions.iter().enumerate() {
+                insert_extension(&mut frame, position, kind, extension_header(kind, len));
+            }
+            fix_udp6_checksum(&mut frame);
+            frame
+        }
+        _ => panic!("{src} and {dst} are of different families"),
+    }
+}
+
+fn describe_chain(extensions: &[(u8, usize)]) -> String {
+    let names: Vec<String> = extensions
+        .iter()
+        .map(|&(kind, len)| {
+            let name = match kind {
+                IPPROTO_HOPOPTS => "hop-by-hop",
+                IPPROTO_ROUTING => "routing",
+                IPPROTO_DSTOPTS => "destination options",
+                _ => "other",
+            };
+            format!("{name} {len}")
+        })
+        .collect();
+    names.join(", ")
 }
 
 // ---------------------------------------------------------------------------
@@ -1021,6 +1688,7 @@ fn forbidden_changes(
     before: &FrameCounters,
     after: &FrameCounters,
     direction: Direction,
+    reason: PassReason,
 ) -> Vec<String> {
     let mut changes = Vec::new();
     for (backend, (b, a)) in before.stats.iter().zip(&after.stats).enumerate() {
@@ -1042,24 +1710,41 @@ fn forbidden_changes(
         }
     }
     if let (Some(b), Some(a)) = (&before.passed, &after.passed) {
-        changes.extend(pass_count_errors(b, a, direction));
+        changes.extend(pass_count_errors(b, a, direction, reason));
     }
     changes
 }
 
-/// Each frame passed untouched is counted exactly once, in its direction.
-fn pass_count_errors(before: &[u64], after: &[u64], direction: Direction) -> Vec<String> {
+/// Each frame passed untouched is counted exactly once, in its direction,
+/// under `reason`.
+fn pass_count_errors(
+    before: &[u64],
+    after: &[u64],
+    direction: Direction,
+    reason: PassReason,
+) -> Vec<String> {
     let mut errors = Vec::new();
     let grown: i128 = before.iter().zip(after).map(|(b, a)| delta(*b, *a)).sum();
     if grown != 1 {
         errors.push(format!("PASSED total {grown:+} (expected +1)"));
     }
     let own = direction.index() * PASS_REASONS..(direction.index() + 1) * PASS_REASONS;
+    let expected = own.start + reason as usize;
     for (i, (b, a)) in before.iter().zip(after).enumerate() {
-        if a != b && !own.contains(&i) {
+        if a == b {
+            continue;
+        }
+        if !own.contains(&i) {
             errors.push(format!(
                 "PASSED[{i}] {:+} in the wrong direction",
                 delta(*b, *a)
+            ));
+        } else if i != expected {
+            errors.push(format!(
+                "passed as {} {:+}, expected as {}",
+                PassReason::ALL[i - own.start].name(),
+                delta(*b, *a),
+                reason.name()
             ));
         }
     }
@@ -1087,8 +1772,9 @@ struct Failure {
 
 #[derive(Default)]
 struct Tally {
-    /// (program, None for owned or the reason) -> frames.
-    frames: BTreeMap<(Program, Option<NotOwned>), usize>,
+    /// (program, template family or None for random bytes, None for owned
+    /// or the reason) -> frames.
+    frames: BTreeMap<(Program, Option<Family>, Option<NotOwned>), usize>,
     /// (program, oracle reason or None for owned) -> failing frames.
     failing: BTreeMap<(Program, Option<NotOwned>), FailingFrames>,
     failures: usize,
@@ -1098,6 +1784,8 @@ struct Tally {
     batch_failures: Vec<String>,
     refused_by_harness: usize,
     primed: usize,
+    /// Owned IPv6 datagrams rewritten whose output checksum was checked.
+    ipv6_rewrites_checked: usize,
 }
 
 impl Tally {
@@ -1116,6 +1804,13 @@ impl Tally {
         }
     }
 
+    fn owned(&self, program: Program, family: Option<Family>) -> usize {
+        self.frames
+            .get(&(program, family, None))
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn summary(&self, seed: u64, elapsed: Duration, sel: &Selector) -> String {
         use fmt::Write as _;
         let mut out = String::new();
@@ -1126,28 +1821,35 @@ impl Tally {
             self.primed, self.refused_by_harness, elapsed
         );
         for program in Program::ALL {
-            let owned = self.frames.get(&(program, None)).copied().unwrap_or(0);
-            let not_owned: Vec<String> = self
-                .frames
-                .iter()
-                .filter(|((p, _), _)| *p == program)
-                .filter_map(|((_, reason), n)| reason.map(|r| format!("{r:?} {n}")))
-                .collect();
+            for family in [Some(Family::V4), Some(Family::V6), None] {
+                let not_owned: Vec<String> = self
+                    .frames
+                    .iter()
+                    .filter(|((p, f, _), _)| *p == program && *f == family)
+                    .filter_map(|((_, _, reason), n)| reason.map(|r| format!("{r:?} {n}")))
+                    .collect();
+                let made_from = family.map_or("random".to_string(), |f| format!("{f:?}"));
+                let _ = writeln!(
+                    out,
+                    "  {program:?} {made_from}: {} owned; not owned: {}",
+                    self.owned(program, family),
+                    not_owned.join(", ")
+                );
+            }
+        }
+        for family in Family::ALL {
+            let totals = group_stats(sel, family);
             let _ = writeln!(
                 out,
-                "  {program:?}: {owned} owned; not owned: {}",
-                not_owned.join(", ")
+                "  {family:?} group state reached: {} requests tracked, {} redirected, {} replies completed a request, {} unmatched",
+                totals.requests, totals.redirected_to, totals.responses, totals.unmatched_responses,
             );
         }
-        let totals = total_stats(sel);
         let _ = writeln!(
             out,
-            "  state reached: {} requests tracked, {} redirected, {} replies completed a request, {} unmatched, {} in flight at the end",
-            totals.requests,
-            totals.redirected_to,
-            totals.responses,
-            totals.unmatched_responses,
-            inflight_count(sel)
+            "  {} in flight at the end; {} rewritten IPv6 datagrams' checksums checked",
+            inflight_count(sel),
+            self.ipv6_rewrites_checked
         );
         if self.failures == 0 && self.batch_failures.is_empty() {
             let _ = writeln!(out, "  no failures");
@@ -1189,17 +1891,19 @@ impl Tally {
     }
 }
 
-/// Per-backend statistics summed over the group.
-fn total_stats(sel: &Selector) -> BackendStats {
+/// Per-backend statistics summed over the group of `family` (the agent
+/// lists backends group by group).
+fn group_stats(sel: &Selector, family: Family) -> BackendStats {
     let mut total = BackendStats::default();
-    for s in sel.stats().expect("read STATS") {
-        total.add(&s);
+    let stats = sel.stats().expect("read STATS");
+    for s in stats
+        .chunks(REPLICAS)
+        .nth(family.group())
+        .expect("two groups")
+    {
+        total.add(s);
     }
     total
-}
-
-fn endpoint((addr, port): ([u8; 4], u16)) -> String {
-    std::net::SocketAddrV4::new(addr.into(), port).to_string()
 }
 
 fn hex(frame: &[u8]) -> String {
@@ -1227,13 +1931,22 @@ fn prime(sel: &mut Selector, generator: &mut Generator, tally: &mut Tally) {
     tally.primed += 1;
 }
 
-/// An owned frame: the program must not fail; anything else it may do.
+/// An owned frame: the program must not fail, and an IPv6 datagram it
+/// rewrites must leave with a nonzero checksum that verifies if it came in
+/// with one that did; anything else it may do.
 fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
-    *tally.frames.entry((case.program, None)).or_default() += 1;
+    *tally
+        .frames
+        .entry((case.program, case.family, None))
+        .or_default() += 1;
     let problem = match case.program.run(sel, &case.frame) {
         Err(e) => Some(("test run failed", format!("BPF_PROG_TEST_RUN: {e}"))),
         Ok((verdict, _)) if !case.program.sane_verdicts().contains(&verdict) => {
             Some(("unexpected verdict", format!("verdict {verdict}")))
+        }
+        Ok((_, out)) if out != case.frame && family_of(&case.frame) == Some(Family::V6) => {
+            tally.ipv6_rewrites_checked += 1;
+            rewritten_udp6_problem(&case.frame, &out)
         }
         Ok(_) => None,
     };
@@ -1246,6 +1959,26 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
             frame: case.frame,
         };
         tally.record(failure, &[kind]);
+    }
+}
+
+/// What is wrong with the UDP checksum of `out`, an IPv6 datagram the
+/// selector rewrote from `input`.
+fn rewritten_udp6_problem(input: &[u8], out: &[u8]) -> Option<(&'static str, String)> {
+    let Some((sum, l4)) = udp6_sum(out) else {
+        return Some(("rewritten badly", "no IPv6 UDP header left".into()));
+    };
+    let checksum = be16(out, l4 + UDP_CHECKSUM);
+    let input_verified = udp6_sum(input).is_some_and(|(sum, _)| sum == 0xffff);
+    if checksum == 0 {
+        Some(("zero checksum", "rewritten with UDP checksum 0".into()))
+    } else if input_verified && sum != 0xffff {
+        Some((
+            "bad checksum",
+            format!("rewritten UDP checksum {checksum:#06x} does not verify (sum {sum:#06x})"),
+        ))
+    } else {
+        None
     }
 }
 
@@ -1265,7 +1998,7 @@ fn run_unowned_batch(
     for (case, reason) in batch {
         *tally
             .frames
-            .entry((case.program, Some(reason)))
+            .entry((case.program, case.family, Some(reason)))
             .or_default() += 1;
         let mut problems = Vec::new();
         let mut kinds = Vec::new();
@@ -1297,7 +2030,12 @@ fn run_unowned_batch(
             }
         }
         let after = FrameCounters::read(sel);
-        let changes = forbidden_changes(&before, &after, case.program.direction());
+        let changes = forbidden_changes(
+            &before,
+            &after,
+            case.program.direction(),
+            reason.pass_reason(),
+        );
         if !changes.is_empty() {
             problems.push(format!("counters: {}", changes.join(", ")));
             kinds.push("counted");
@@ -1361,10 +2099,14 @@ fn frames_the_selector_does_not_own_pass_untouched_and_uncounted() {
     let seed = seed();
     println!("fuzz: seed {seed} (FUZZ_SEED={seed} reproduces this run)");
     let started = Instant::now();
+    let ipv4 = settings_for(Descriptor::memcached(), replica);
+    let ipv6_group = (0..REPLICAS).map(|i| member(Family::V6, i)).collect();
     let settings = Settings {
         // The agent's default: the run never fills it (fewer than 65,536 ids).
         inflight_max: DEFAULT_INFLIGHT_MAX,
-        ..settings_for(Descriptor::memcached(), replica)
+        // One dual-stack agent: group 0 over IPv4, group 1 over IPv6.
+        groups: vec![ipv4.groups[0].clone(), ipv6_group],
+        ..ipv4
     };
     let mut sel = Selector::load(&settings).expect("load the selector");
     let mut generator = Generator::new(seed);
@@ -1392,17 +2134,25 @@ fn frames_the_selector_does_not_own_pass_untouched_and_uncounted() {
     }
     println!("{summary}");
     // Guard against a generator that stopped reaching the interesting paths.
-    let totals = total_stats(&sel);
     for program in Program::ALL {
-        let owned = tally.frames.get(&(program, None)).copied().unwrap_or(0);
+        for family in Family::ALL {
+            let owned = tally.owned(program, Some(family));
+            assert!(
+                owned > 1_000,
+                "only {owned} owned {family:?} frames through {program:?}"
+            );
+        }
+    }
+    for family in Family::ALL {
+        let totals = group_stats(&sel, family);
         assert!(
-            owned > 1_000,
-            "only {owned} owned frames through {program:?}"
+            totals.responses > 100 && totals.redirected_to > 100,
+            "too few {family:?} replies completed requests or requests redirected:\n{summary}"
         );
     }
     assert!(
-        totals.responses > 100 && totals.redirected_to > 100,
-        "too few replies completed requests or requests redirected:\n{summary}"
+        tally.ipv6_rewrites_checked > 100,
+        "too few rewritten IPv6 datagrams checked:\n{summary}"
     );
 }
 
@@ -1425,11 +2175,14 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
     let mut tagged = request.clone();
     tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
     assert_eq!(ownership(&tagged, Direction::Egress), Ok(()));
-    let mut double_tagged = tagged.clone();
+    let mut service_tagged = request.clone();
+    service_tagged.splice(12..12, [0x88, 0xa8, 0x00, 0x07]);
+    assert_eq!(ownership(&service_tagged, Direction::Egress), Ok(()));
+    let mut double_tagged = service_tagged.clone();
     double_tagged.splice(12..12, [0x81, 0x00, 0x00, 0x08]);
     assert_eq!(
         ownership(&double_tagged, Direction::Egress),
-        Err(NotOwned::NotIpv4Ethertype)
+        Err(NotOwned::NotIpEthertype)
     );
     let short = udp((CLIENT, CLIENT_PORT), replica(1), b"\x12");
     assert_eq!(
@@ -1486,26 +2239,181 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
         ownership(&frame, Direction::Egress),
         Err(NotOwned::BadIpChecksum)
     );
+
+    ipv6_rules();
+}
+
+/// A change to a frame that breaks one rule.
+type Edit<'a> = dyn Fn(&mut Vec<u8>) + 'a;
+
+/// The IPv6 half of the oracle's rules, and its frame builder and checksum
+/// repair cross-checked with etherparse.
+fn ipv6_rules() {
+    let client = Generator::client_at(Family::V6, CLIENT_PORT);
+    let backend = member(Family::V6, 1);
+    let request = |extensions: &[(u8, usize)]| datagram(client, backend, GET, extensions);
+    let plain = request(&[]);
+    assert_eq!(
+        plain,
+        udp6((CLIENT6, CLIENT_PORT), replica6(1), GET),
+        "the builder without extension headers is etherparse's"
+    );
+    assert_eq!(ownership(&plain, Direction::Egress), Ok(()));
+    let reply = datagram(backend, client, VALUE, &[]);
+    assert_eq!(ownership(&reply, Direction::Ingress), Ok(()));
+    assert_eq!(
+        ownership(&reply, Direction::Egress),
+        Err(NotOwned::NotABackend)
+    );
+    let mut tagged = plain.clone();
+    tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
+    assert_eq!(ownership(&tagged, Direction::Egress), Ok(()));
+    // A member's address with another member's port is no member.
+    let mut crossed = backend;
+    crossed.set_port(replica6(2).1);
+    assert_eq!(
+        ownership(&datagram(client, crossed, GET, &[]), Direction::Egress),
+        Err(NotOwned::NotABackend)
+    );
+
+    use NotOwned::*;
+    let (hop, routing, options) = (IPPROTO_HOPOPTS, IPPROTO_ROUTING, IPPROTO_DSTOPTS);
+    let walked = [
+        request(&[(hop, 8), (options, 16), (routing, 24)]),
+        request(&[(hop, 8), (routing, 8), (options, 112)]),
+        request(&[(routing, 128)]),
+    ];
+    for frame in &walked {
+        assert_eq!(ownership(frame, Direction::Egress), Ok(()));
+        // etherparse walks the same chain to the same UDP header, and the
+        // repaired checksum is its own.
+        let parsed = etherparse::SlicedPacket::from_ethernet(frame).unwrap();
+        let Some(etherparse::TransportSlice::Udp(udp)) = parsed.transport else {
+            panic!("etherparse finds no UDP header");
+        };
+        let etherparse::NetSlice::Ipv6(ip) = parsed.net.unwrap() else {
+            panic!("not IPv6");
+        };
+        let expected = udp
+            .to_header()
+            .calc_checksum_ipv6(&ip.header().to_header(), udp.payload())
+            .unwrap();
+        assert_eq!(udp.checksum(), expected);
+        assert_eq!(udp6_sum(frame).map(|(sum, _)| sum), Some(0xffff));
+    }
+    let not_walked = [
+        request(&[(hop, 8), (options, 8), (routing, 8), (options, 8)]),
+        request(&[(hop, 64), (routing, 72)]),
+        request(&[(IPPROTO_AH, 16)]),
+        request(&[(hop, 8), (IPPROTO_MOBILITY, 8)]),
+    ];
+    for frame in &not_walked {
+        assert_eq!(
+            ownership(frame, Direction::Egress),
+            Err(UnwalkedExtensionHeader)
+        );
+    }
+    let mut fragment = plain.clone();
+    insert_extension(&mut fragment, 0, IPPROTO_FRAGMENT, vec![0; 8]);
+    assert_eq!(ownership(&fragment, Direction::Egress), Err(Ipv6Fragment));
+    let mut fourth_fragment = walked[0].clone();
+    insert_extension(&mut fourth_fragment, 3, IPPROTO_FRAGMENT, vec![0; 8]);
+    assert_eq!(
+        ownership(&fourth_fragment, Direction::Ingress),
+        Err(Ipv6Fragment)
+    );
+
+    // One rule broken, the UDP checksum repaired after.
+    let broken = |edit: &Edit<'_>| {
+        let mut frame = walked[0].clone();
+        edit(&mut frame);
+        fix_udp6_checksum(&mut frame);
+        ownership(&frame, Direction::Egress)
+    };
+    let ip = ETH_LEN;
+    let chain_end = ip + IPV6_HEADER_LEN + 48;
+    let mapped = std::net::Ipv4Addr::from(replica(1).0).to_ipv6_mapped();
+    let set_address = |at: usize, addr: [u8; 16]| {
+        move |f: &mut Vec<u8>| f[ip + at..ip + at + 16].copy_from_slice(&addr)
+    };
+    let mut multicast = [0; 16];
+    multicast[..2].copy_from_slice(&[0xff, 0x02]);
+    multicast[15] = 1;
+    let cases: [(&Edit<'_>, NotOwned); 12] = [
+        (&|f| f[ip] = 0x40, NotIpv6Version),
+        (
+            &|f| write16(f, ip + IP6_PAYLOAD_LEN, 0),
+            Ipv6PayloadLengthZero,
+        ),
+        (
+            &|f| {
+                let beyond = (f.len() - ip - IPV6_HEADER_LEN + 1) as u16;
+                write16(f, ip + IP6_PAYLOAD_LEN, beyond)
+            },
+            Ipv6PayloadBeyondFrame,
+        ),
+        (&set_address(IP6_SRC, multicast), SourceNotUnicast),
+        (&set_address(IP6_DST, [0; 16]), DestinationNotUnicast),
+        (
+            &set_address(IP6_DST, std::net::Ipv6Addr::LOCALHOST.octets()),
+            DestinationNotUnicast,
+        ),
+        (&set_address(IP6_DST, mapped.octets()), Ipv4MappedAddress),
+        (
+            &|f| f[ip + IPV6_HEADER_LEN] = IPPROTO_TCP,
+            UnwalkedExtensionHeader,
+        ),
+        (
+            &|f| f[ip + IPV6_HEADER_LEN + 1] = 16,
+            UnwalkedExtensionHeader,
+        ),
+        (
+            &|f| write16(f, ip + IP6_PAYLOAD_LEN, 40),
+            ExtensionHeadersBeyondPayload,
+        ),
+        (
+            &|f| write16(f, ip + IP6_PAYLOAD_LEN, 48 + 4),
+            IpTooShortForUdp,
+        ),
+        (&|f| write16(f, chain_end + UDP_LEN, 500), UdpLengthBeyondIp),
+    ];
+    for (edit, reason) in cases {
+        assert_eq!(broken(edit), Err(reason), "{reason}");
+    }
+    let mut zero = walked[0].clone();
+    write16(&mut zero, chain_end + UDP_CHECKSUM, 0);
+    assert_eq!(
+        ownership(&zero, Direction::Egress),
+        Err(ZeroUdpChecksumOverIpv6)
+    );
+    // Padding after the payload length is not part of the datagram.
+    let mut padded = walked[0].clone();
+    padded.extend_from_slice(&[0; 20]);
+    assert_eq!(ownership(&padded, Direction::Egress), Ok(()));
 }
 
 #[test]
 fn a_pass_is_counted_exactly_once_in_its_own_direction() {
     let before = vec![0; 2 * PASS_REASONS];
-    let mut counted_at_egress = before.clone();
-    counted_at_egress[3] = 1;
-    assert!(pass_count_errors(&before, &counted_at_egress, Direction::Egress).is_empty());
-    assert_eq!(
-        pass_count_errors(&before, &counted_at_egress, Direction::Ingress).len(),
-        1
-    );
-    assert_eq!(
-        pass_count_errors(&before, &before, Direction::Egress).len(),
-        1
-    );
-    let mut counted_twice = counted_at_egress.clone();
-    counted_twice[4] = 1;
-    assert_eq!(
-        pass_count_errors(&before, &counted_twice, Direction::Egress).len(),
-        1
-    );
+    // Reasons of both families: any, and ones only IPv6 frames have.
+    for reason in [
+        PassReason::NotBackend,
+        PassReason::ExtensionHeader,
+        PassReason::ZeroChecksum,
+    ] {
+        let mut counted_at_egress = before.clone();
+        counted_at_egress[reason as usize] = 1;
+        let errors = |after: &[u64], direction, reason| {
+            pass_count_errors(&before, after, direction, reason).len()
+        };
+        assert_eq!(errors(&counted_at_egress, Direction::Egress, reason), 0);
+        assert_eq!(errors(&counted_at_egress, Direction::Ingress, reason), 1);
+        assert_eq!(errors(&before, Direction::Egress, reason), 1);
+        let other = PassReason::ALL[(reason as usize + 1) % PASS_REASONS];
+        assert_eq!(errors(&counted_at_egress, Direction::Egress, other), 1);
+        let mut counted_twice = counted_at_egress.clone();
+        counted_twice[other as usize] = 1;
+        // Once too many, and under another reason.
+        assert_eq!(errors(&counted_twice, Direction::Egress, reason), 2);
+    }
 }
