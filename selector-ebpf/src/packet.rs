@@ -338,8 +338,15 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
             IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
             _ => return Err(PassReason::ExtensionHeader),
         }
-        let e: [u8; 2] =
+        // Every extension header is at least 8 bytes long.
+        let e: [u8; 4] =
             read_bytes(pkt, l3 + IPV6_LEN + extensions).map_err(|_| PassReason::ExtensionHeader)?;
+        // A routing header with segments left: the header's destination is
+        // a waypoint, not the final one the UDP checksum and the member
+        // match are about.
+        if next == IPPROTO_ROUTING && e[3] != 0 {
+            return Err(PassReason::ExtensionHeader);
+        }
         next = e[0];
         extensions += (usize::from(e[1]) + 1) * 8;
         if extensions > MAX_EXTENSION_SPAN {

@@ -90,8 +90,11 @@ fn reply6(from: usize, payload: &[u8]) -> Vec<u8> {
     udp6(replica6(from), (CLIENT6, CLIENT_PORT), payload)
 }
 
+const IPPROTO_ROUTING: u8 = 43;
+
 /// `frame` with an extension header of type `kind` (8 bytes: its next
-/// header, length 0, a PadN option) inserted first after the IPv6 header.
+/// header, length 0, a PadN option or an exhausted routing header) inserted
+/// first after the IPv6 header.
 /// The UDP checksum stays right: its pseudo header has the same addresses
 /// and UDP length.
 fn with_extension(frame: &[u8], kind: u8) -> Vec<u8> {
@@ -106,7 +109,12 @@ fn with_long_extension(frame: &[u8], kind: u8, units: u8) -> Vec<u8> {
     out[20] = kind;
     let len = u16::from_be_bytes([out[18], out[19]]) + bytes as u16;
     out[18..20].copy_from_slice(&len.to_be_bytes());
-    let mut header = vec![next, units, 1, (bytes - 4) as u8];
+    // Options: one PadN over the rest. Routing: type 4 (segment routing),
+    // no segments left.
+    let mut header = match kind {
+        IPPROTO_ROUTING => vec![next, units, 4, 0],
+        _ => vec![next, units, 1, (bytes - 4) as u8],
+    };
     header.resize(bytes, 0);
     out.extend_from_slice(&header);
     out.extend_from_slice(&frame[54..]);
@@ -273,6 +281,28 @@ fn unknown_extension_headers_and_fragments_pass_untouched_and_counted() {
         assert_eq!(passed(&sel, Direction::Ingress, reason), 1, "kind {kind}");
         assert_eq!(sel.inflight().unwrap().len(), 1, "kind {kind}");
     }
+}
+
+/// A routing header with segments left names a waypoint as the IPv6
+/// destination: the datagram is not (yet) to a member, and its UDP
+/// checksum is over the final destination. It passes untouched.
+#[test]
+fn a_routing_header_with_segments_left_passes_untouched_and_counted() {
+    let mut sel = selector();
+    let mut input = with_extension(&request6(GET), IPPROTO_ROUTING);
+    // Segments left: the routing header's fourth byte (after Ethernet and
+    // the 40-byte IPv6 header).
+    input[54 + 3] = 1;
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+    assert_eq!(
+        passed(&sel, Direction::Egress, PassReason::ExtensionHeader),
+        1
+    );
+    assert_eq!(sel.inflight().unwrap().len(), 0);
+    // With none left it is walked, and the read is tracked.
+    let walked = with_extension(&request6(GET), IPPROTO_ROUTING);
+    egress(&mut sel, &walked);
+    assert_eq!(sel.inflight().unwrap().len(), 1);
 }
 
 /// Found by the fuzzer: the parser reads IPv4 addresses IPv4-mapped, so an

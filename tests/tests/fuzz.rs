@@ -267,6 +267,7 @@ enum NotOwned {
     Ipv4MappedAddress,
     Ipv6Fragment,
     UnwalkedExtensionHeader,
+    RoutingSegmentsLeft,
     ExtensionHeadersBeyondPayload,
     ZeroUdpChecksumOverIpv6,
     NotABackend,
@@ -281,7 +282,9 @@ impl NotOwned {
                 PassReason::NotIpUdp
             }
             NotOwned::Fragment | NotOwned::Ipv6Fragment => PassReason::Fragment,
-            NotOwned::UnwalkedExtensionHeader => PassReason::ExtensionHeader,
+            NotOwned::UnwalkedExtensionHeader | NotOwned::RoutingSegmentsLeft => {
+                PassReason::ExtensionHeader
+            }
             NotOwned::ZeroUdpChecksumOverIpv6 => PassReason::ZeroChecksum,
             NotOwned::NotABackend => PassReason::NotBackend,
             NotOwned::NoRequestId => PassReason::NoRequestId,
@@ -340,6 +343,9 @@ impl fmt::Display for NotOwned {
             NotOwned::Ipv6Fragment => "an IPv6 fragment header before UDP",
             NotOwned::UnwalkedExtensionHeader => {
                 "IPv6 extension headers not walked (other type, a 4th, over 128 bytes, truncated)"
+            }
+            NotOwned::RoutingSegmentsLeft => {
+                "an IPv6 routing header with segments left (the destination is a waypoint)"
             }
             NotOwned::ExtensionHeadersBeyondPayload => {
                 "IPv6 extension headers beyond the payload length"
@@ -512,8 +518,12 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS if walked < WALKED_HEADERS => {}
             _ => return Err(NotOwned::UnwalkedExtensionHeader),
         }
-        if l4 + 2 > ip.len() {
+        // Next header, length, and a routing header's type and segments left.
+        if l4 + 4 > ip.len() {
             return Err(NotOwned::UnwalkedExtensionHeader);
+        }
+        if next == IPPROTO_ROUTING && ip[l4 + 3] != 0 {
+            return Err(NotOwned::RoutingSegmentsLeft);
         }
         next = ip[l4];
         l4 += (usize::from(ip[l4 + 1]) + 1) * 8;
@@ -824,6 +834,7 @@ enum Mutation {
     NextHeader,
     InsertExtension,
     ExtensionLengthField,
+    RoutingSegmentsLeft,
     PayloadLengthZero,
     ZeroUdpChecksum,
     Ipv4MappedAddress,
@@ -867,10 +878,11 @@ const MUTATIONS_V4: [Mutation; 6] = [
 
 /// IPv6's own: next header values, extension headers, payload length 0, a
 /// zero UDP checksum, IPv4-mapped addresses.
-const MUTATIONS_V6: [Mutation; 6] = [
+const MUTATIONS_V6: [Mutation; 7] = [
     Mutation::NextHeader,
     Mutation::InsertExtension,
     Mutation::ExtensionLengthField,
+    Mutation::RoutingSegmentsLeft,
     Mutation::PayloadLengthZero,
     Mutation::ZeroUdpChecksum,
     Mutation::Ipv4MappedAddress,
@@ -1390,6 +1402,26 @@ impl Generator {
                 let len = self.rng.pick(&[0u8, 1, 2, 7, 14, 15, 16, 31, 255, random]);
                 write_bytes(frame, at + 1, &[len]);
                 format!("extension header at {at} length field {len}")
+            }
+            Mutation::RoutingSegmentsLeft => {
+                // A header's type is the next header field before it.
+                let chain = ipv6_chain(frame);
+                let mut kind_at = l3 + IP6_NEXT_HEADER;
+                let mut routing = Vec::new();
+                for &(at, _) in &chain.headers {
+                    if frame[kind_at] == IPPROTO_ROUTING && at + 4 <= frame.len() {
+                        routing.push(at);
+                    }
+                    kind_at = at;
+                }
+                if routing.is_empty() {
+                    return "no routing header".into();
+                }
+                let at = routing[self.rng.below(routing.len())];
+                let random = self.rng.byte();
+                let left = self.rng.pick(&[1u8, 2, 255, random]);
+                write_bytes(frame, at + 3, &[left]);
+                format!("routing header at {at} with {left} segments left")
             }
             Mutation::PayloadLengthZero => {
                 write16(frame, l3 + IP6_PAYLOAD_LEN, 0);
