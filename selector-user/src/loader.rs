@@ -153,7 +153,7 @@ impl Selector {
         crate::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let (settings, choice) = &resolve_ingress(settings)?;
-        let mut selector = Self::load_with(settings, None)?;
+        let mut selector = Self::load_with(settings, None, 1)?;
         selector.ingress_choice = choice.clone();
         selector.attach_fresh()
     }
@@ -170,13 +170,13 @@ impl Selector {
         let (settings, choice) = &resolve_ingress(settings)?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
-            let mut selector = Self::load_with(settings, Some(pins))?;
+            let mut selector = Self::load_with(settings, Some(pins), 1)?;
             selector.ingress_choice = choice.clone();
             selector.adopt_links()?;
             return Ok(selector);
         }
         let fresh = refuse_if_attached(&settings.iface)
-            .and_then(|()| Self::load_with(settings, Some(pins.clone())))
+            .and_then(|()| Self::load_with(settings, Some(pins.clone()), 1))
             .map(|mut s| {
                 s.ingress_choice = choice.clone();
                 s
@@ -261,12 +261,22 @@ impl Selector {
     /// maps, without attaching (packet-fixture tests and benchmarks run the
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
-        Self::load_with(settings, None)
+        Self::load_with(settings, None, 1)
+    }
+
+    /// As [`Self::load`], with room for `entries` in the map of the
+    /// per-packet cost benchmark's reference programs (one otherwise).
+    pub fn load_with_reference(settings: &Settings, entries: u32) -> Result<Self> {
+        Self::load_with(settings, None, entries.max(1))
     }
 
     /// As [`Self::load`]; with `pins`, every map is pinned there, or taken
     /// from there when an earlier agent pinned it (after checking it fits).
-    fn load_with(settings: &Settings, pins: Option<PinDir>) -> Result<Self> {
+    fn load_with(
+        settings: &Settings,
+        pins: Option<PinDir>,
+        reference_entries: u32,
+    ) -> Result<Self> {
         let backends = settings.plan()?;
         let slot_count = slots_for(settings.inflight_max);
         let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
@@ -280,6 +290,7 @@ impl Selector {
         };
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::INFLIGHT, slot_count);
+        loader.map_max_entries(names::REFERENCE, reference_entries);
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
         }

@@ -57,10 +57,11 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/selector";
 /// `statfs` type of a bpf filesystem.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// Maps private to each load: aya-log's records, and the read-only
-/// constants (`.rodata*`, frozen at load). Anything else holds state.
+/// Maps private to each load: aya-log's records, the read-only constants
+/// (`.rodata*`, frozen at load) and the map of the benchmark's reference
+/// programs, which are never attached. Anything else holds state.
 pub fn is_private_map(name: &str) -> bool {
-    name == "AYA_LOGS" || name.starts_with(".rodata")
+    name == "AYA_LOGS" || name.starts_with(".rodata") || name == selector_common::names::REFERENCE
 }
 
 /// A link the selector pins.

@@ -554,6 +554,16 @@ impl Report {
                 met: targeted.iter().all(|c| spread(c) <= 1.2),
             });
         }
+        for r in super::packet_cost::reference_ratios(&self.costs) {
+            t.push(Target {
+                name: format!("{} at most 1.5x", r.path),
+                measured: format!(
+                    "{:.2}x / {:.2}x (small / large table); without the empty program's time {:.2}x / {:.2}x",
+                    r.small, r.large, r.small_net, r.large_net
+                ),
+                met: r.worst() <= 1.5,
+            });
+        }
         t
     }
 
