@@ -53,6 +53,7 @@ pub mod names {
     pub const COUNTERS: &str = "COUNTERS";
     pub const CLIENT_PENDING: &str = "CLIENT_PENDING";
     pub const INFLIGHT: &str = "INFLIGHT";
+    pub const INFLIGHT_MARKS: &str = "INFLIGHT_MARKS";
     pub const SEQUENCE: &str = "SEQUENCE";
     pub const STATS: &str = "STATS";
     pub const PASSED: &str = "PASSED";

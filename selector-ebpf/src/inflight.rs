@@ -16,12 +16,12 @@ use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, phase, probe, sequence, state,
-        with_phase,
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe,
+        sequence, state, with_phase,
     },
 };
 
-use crate::maps::{INFLIGHT, SEQUENCE};
+use crate::maps::{INFLIGHT, INFLIGHT_MARKS, SEQUENCE};
 
 /// What a reader needs of an occupied slot, read consistently, and the
 /// state it was read in.
@@ -145,11 +145,28 @@ pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
     while i < PROBE_WINDOW {
         let index = probe(hash, i, mask);
         if cas(index, FREE, writing) {
+            mark(index);
             return Some(Reserved { index, seq });
         }
         i += 1;
     }
     None
+}
+
+/// Sets slot `index`'s mark, after the slot was taken, so the agent's sweep
+/// visits it. A bit already set (the sweep has not cleared it since the
+/// slot's last use) is left alone, sparing a write to a shared line.
+#[inline(always)]
+fn mark(index: u32) {
+    let (word, bit) = mark_of(index);
+    let Some(p) = INFLIGHT_MARKS.get_ptr_mut(word) else {
+        return;
+    };
+    unsafe {
+        if read_volatile(p) & bit == 0 {
+            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(p, bit);
+        }
+    }
 }
 
 /// The fields of a new request.

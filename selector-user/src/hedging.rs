@@ -438,18 +438,18 @@ impl Selector {
     /// Hedged reads whose hedge target has not answered or expired yet:
     /// its reply may still need rewriting, so a stopping agent waits for them.
     pub fn hedges_in_flight(&self) -> usize {
-        (0..self.slots.len())
-            .filter(|&i| {
-                // SAFETY: words of a live shared element.
-                let (state, word) = unsafe {
-                    let p = self.slots.ptr(i);
-                    (load(&raw mut (*p).state), load(&raw mut (*p).hedge))
-                };
-                matches!(phase(state), PHASE_LIVE | PHASE_LINGER)
-                    && hedge::same_instance(word, state)
-                    && settling_word(word).is_some()
-            })
-            .count()
+        let mut settling = 0;
+        self.for_each_occupied(|(i, state)| {
+            // SAFETY: a word of a live shared element.
+            let word = unsafe { load(&raw mut (*self.slots.ptr(i)).hedge) };
+            if matches!(phase(state), PHASE_LIVE | PHASE_LINGER)
+                && hedge::same_instance(word, state)
+                && settling_word(word).is_some()
+            {
+                settling += 1;
+            }
+        });
+        settling
     }
 
     /// Moves slot `i`'s hedge word, while it holds the instance of `state`,

@@ -7,6 +7,7 @@ pub mod control;
 pub mod hedging;
 pub mod interface;
 pub mod loader;
+mod marks;
 pub mod metrics;
 pub mod neighbours;
 pub mod next_hops;

@@ -21,7 +21,7 @@ use log::debug;
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupService,
     MAX_GROUPS, PassReason, Policy,
-    inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
+    inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     names, pass_index, programs, split_backend_id,
 };
 
@@ -41,6 +41,8 @@ pub struct Selector {
     pub backends: Vec<BackendPlan>,
     /// The in-flight slots, shared with the kernel.
     pub(crate) slots: SharedArray<InflightSlot>,
+    /// One bit per slot that may be occupied (`crate::marks`).
+    pub(crate) marks: SharedArray<u64>,
     /// Issued/completed/expired per group, shared with the kernel.
     pub(crate) counters: SharedArray<GroupCounters>,
     /// Pending per client-socket slot, shared with the kernel.
@@ -290,6 +292,7 @@ impl Selector {
         };
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::INFLIGHT, slot_count);
+        loader.map_max_entries(names::INFLIGHT_MARKS, mark_words(slot_count));
         loader.map_max_entries(names::REFERENCE, reference_entries);
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
@@ -308,6 +311,7 @@ impl Selector {
             }
         }
         let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
+        let marks = share(&ebpf, names::INFLIGHT_MARKS, mark_words(slot_count))?;
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
@@ -324,6 +328,7 @@ impl Selector {
             settings: settings.clone(),
             backends,
             slots,
+            marks,
             counters,
             clients,
             service,
@@ -610,16 +615,14 @@ impl Selector {
     /// Copies of the requests in flight now (`LIVE` slots).
     pub fn inflight(&self) -> Result<Vec<InflightSlot>> {
         let mut out = Vec::new();
-        for i in 0..self.slots.len() {
-            // SAFETY: the state word of a live shared element.
-            let state = unsafe { load(&raw mut (*self.slots.ptr(i)).state) };
-            if phase(state) == PHASE_LIVE && state != 0 {
+        self.for_each_occupied(|(i, state)| {
+            if phase(state) == PHASE_LIVE {
                 let slot = self.slots.read(i);
                 if slot.state == state {
                     out.push(slot);
                 }
             }
-        }
+        });
         Ok(out)
     }
 
