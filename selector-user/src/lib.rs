@@ -11,6 +11,7 @@ mod marks;
 pub mod metrics;
 pub mod neighbours;
 pub mod next_hops;
+pub mod percpu_batch;
 pub mod pinning;
 pub mod plant;
 pub mod preflight;

@@ -601,15 +601,18 @@ impl Selector {
     /// Latency histogram buckets per backend, summed over CPUs.
     pub fn latency(&self) -> Result<Vec<Vec<u64>>> {
         use selector_common::latency::LATENCY_BUCKETS;
-        let hist: PerCpuArray<_, u64> = PerCpuArray::try_from(self.map(names::LATENCY)?)?;
-        self.backends
+        // Every backend's buckets in a few batch reads, up to the last
+        // configured backend's.
+        let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
+        let all = crate::percpu_batch::sum_u64(self.map(names::LATENCY)?, end * LATENCY_BUCKETS)?;
+        Ok(self
+            .backends
             .iter()
             .map(|b| {
-                (0..LATENCY_BUCKETS)
-                    .map(|i| Ok(hist.get(&(b.index * LATENCY_BUCKETS + i), 0)?.iter().sum()))
-                    .collect()
+                let first = (b.index * LATENCY_BUCKETS) as usize;
+                all[first..first + LATENCY_BUCKETS as usize].to_vec()
             })
-            .collect()
+            .collect())
     }
 
     /// Copies of the requests in flight now (`LIVE` slots).
