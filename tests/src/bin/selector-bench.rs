@@ -81,6 +81,8 @@ struct Args {
     ingress: String,
     /// Run only these rows (ids as in results.csv and overload.csv, or the
     /// part of an id before `_`, e.g. `overload`; comma-separated).
+    /// `throughput` and `scale` select those measurements; `cost`, which
+    /// names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Overload scenario: reads per second, all client processes together.
