@@ -741,6 +741,21 @@ impl Report {
                 c.large_over_small()
             );
         }
+        let ratios = super::packet_cost::reference_ratios(&self.costs);
+        if !ratios.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nAgainst the reference programs (target: at most 1.5x), small / large table; \
+                 in brackets without the empty program's time:\n"
+            );
+            for r in ratios {
+                let _ = writeln!(
+                    md,
+                    "- {}: {:.2}x / {:.2}x ({:.2}x / {:.2}x)",
+                    r.path, r.small, r.large, r.small_net, r.large_net
+                );
+            }
+        }
     }
 
     fn notes_markdown(&self, md: &mut String) {
