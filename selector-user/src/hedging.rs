@@ -24,7 +24,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, MapData, RingBuf};
 use selector_common::{
     Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id, checksum,
     hedge::{
@@ -404,17 +404,13 @@ impl Selector {
 
     /// Hedging counters per backend, in `backends` order.
     pub fn hedge_counts(&self) -> Result<Vec<HedgeCounts>> {
-        let stats: PerCpuArray<_, HedgeStats> =
-            PerCpuArray::try_from(self.map(hedge::names::STATS)?)?;
+        let stats = self.sum_per_backend(hedge::names::STATS, |t: &mut HedgeStats, s| t.add(s))?;
         let control = &self.hedging.control;
         let on = control.enabled.load(Ordering::SeqCst);
         self.backends
             .iter()
             .map(|b| {
-                let mut k = HedgeStats::default();
-                for s in stats.get(&b.index, 0)?.iter() {
-                    k.add(s);
-                }
+                let k = stats[b.index as usize];
                 let a = &control.counts[b.index as usize];
                 let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
                 Ok(HedgeCounts {

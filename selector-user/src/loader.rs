@@ -585,17 +585,32 @@ impl Selector {
 
     /// Per-backend statistics summed over CPUs.
     pub fn stats(&self) -> Result<Vec<BackendStats>> {
-        let stats: PerCpuArray<_, BackendStats> = PerCpuArray::try_from(self.map(names::STATS)?)?;
-        self.backends
+        let all = self.sum_per_backend(names::STATS, |total: &mut BackendStats, s| total.add(s))?;
+        Ok(self
+            .backends
             .iter()
-            .map(|b| {
-                let mut total = BackendStats::default();
-                for s in stats.get(&b.index, 0)?.iter() {
-                    total.add(s);
-                }
-                Ok(total)
-            })
-            .collect()
+            .map(|b| all[b.index as usize])
+            .collect())
+    }
+
+    /// Every backend id's element of the per-CPU map `name` (up to the
+    /// last configured backend's), summed over CPUs with `add`, read in
+    /// batches.
+    pub(crate) fn sum_per_backend<T: Copy + Default>(
+        &self,
+        name: &str,
+        add: impl Fn(&mut T, &T),
+    ) -> Result<Vec<T>> {
+        let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
+        let mut out = Vec::with_capacity(end as usize);
+        crate::percpu_batch::for_each(self.map(name)?, end, |_, per_cpu: &[T]| {
+            let mut total = T::default();
+            for v in per_cpu {
+                add(&mut total, v);
+            }
+            out.push(total);
+        })?;
+        Ok(out)
     }
 
     /// Latency histogram buckets per backend, summed over CPUs.

@@ -3,7 +3,7 @@
 //! sweep or a count costs the slots in use since the last sweep plus a
 //! read of the mark words (1/512 of the table), not the whole table.
 
-use std::sync::atomic::Ordering;
+use std::{ops::Range, sync::atomic::Ordering};
 
 use selector_common::inflight::{FREE, MARK_BITS};
 
@@ -11,6 +11,22 @@ use crate::{
     Selector,
     shared::{atomic, load},
 };
+
+/// Mark words whose slots are prefetched together.
+const PREFETCH_WORDS: usize = 32;
+
+/// A hint to bring the line at `p` into the cache (no effect elsewhere
+/// than x86-64).
+#[inline(always)]
+fn prefetch(p: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults, whatever the address.
+    unsafe {
+        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(p);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
 
 /// An occupied slot: its index and the state it was seen in.
 pub(crate) type Occupied = (usize, u64);
@@ -74,9 +90,43 @@ impl Selector {
     /// Calls `visit` with every occupied slot, one mark word at a time.
     pub(crate) fn for_each_occupied(&self, mut visit: impl FnMut(Occupied)) {
         let mut found = Vec::with_capacity(MARK_BITS as usize);
-        for w in 0..self.mark_words() {
-            self.occupied_in(w, &mut found);
-            found.iter().copied().for_each(&mut visit);
+        for words in self.mark_runs() {
+            self.prefetch_marked(words.clone());
+            for w in words {
+                self.occupied_in(w, &mut found);
+                found.iter().copied().for_each(&mut visit);
+            }
+        }
+    }
+
+    /// The mark words in runs of `PREFETCH_WORDS`, to be given to
+    /// [`Self::prefetch_marked`] before they are visited.
+    pub(crate) fn mark_runs(&self) -> impl Iterator<Item = Range<usize>> + use<> {
+        let words = self.mark_words();
+        (0..words)
+            .step_by(PREFETCH_WORDS)
+            .map(move |start| start..(start + PREFETCH_WORDS).min(words))
+    }
+
+    /// Asks the CPU for the state lines of the marked slots of `words`: a
+    /// marked slot is a random place in a table of up to 256 MB, and one
+    /// miss after another made those loads most of the agent's time at
+    /// 100 k requests/s; fetched together they overlap.
+    pub(crate) fn prefetch_marked(&self, words: Range<usize>) {
+        for w in words {
+            self.prefetch_word(w);
+        }
+    }
+
+    fn prefetch_word(&self, w: usize) {
+        // SAFETY: a word of a live shared element.
+        let mut bits = unsafe { load(self.marks.ptr(w)) };
+        while bits != 0 {
+            let i = w * MARK_BITS as usize + bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if i < self.slots.len() {
+                prefetch(self.slots.ptr(i).cast_const().cast());
+            }
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Reading a per-CPU array in a few system calls (BPF_MAP_LOOKUP_BATCH)
 //! instead of one per element: the latency histograms alone are
 //! 512 backends x 96 buckets, and one lookup each made the agent's
-//! per-interval snapshot cost more than everything else it does.
+//! per-interval snapshot cost more than everything else it does; the
+//! per-backend counters are 512 more each.
 
 use std::os::fd::{AsFd as _, AsRawFd as _};
 
@@ -16,19 +17,37 @@ const CHUNK: u32 = 4096;
 /// Elements `0..len` of the per-CPU array of `u64`s behind `map`, each
 /// summed over CPUs.
 pub fn sum_u64(map: &Map, len: u32) -> Result<Vec<u64>> {
+    let mut out = Vec::with_capacity(len as usize);
+    for_each(map, len, |_, per_cpu: &[u64]| {
+        out.push(per_cpu.iter().sum())
+    })?;
+    Ok(out)
+}
+
+/// Calls `f` with each element `0..len` of the per-CPU array of `T`s
+/// behind `map`: its index and its value on every CPU.
+pub fn for_each<T: Copy + Default>(
+    map: &Map,
+    len: u32,
+    mut f: impl FnMut(u32, &[T]),
+) -> Result<()> {
     let Map::PerCpuArray(data) = map else {
         bail!("not a per-CPU array");
     };
+    // The kernel lays per-CPU values out at 8-byte strides.
+    if !size_of::<T>().is_multiple_of(8) {
+        bail!("per-CPU values of {} bytes", size_of::<T>());
+    }
     let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
     let fd = data.fd().as_fd().as_raw_fd();
-    let mut out = Vec::with_capacity(len as usize);
     let mut keys = vec![0u32; CHUNK as usize];
-    let mut values = vec![0u64; CHUNK as usize * cpus];
+    let mut values = vec![T::default(); CHUNK as usize * cpus];
     // An array's batch cursor is the next key.
     let mut cursor = None;
-    while (out.len() as u32) < len {
-        let want = CHUNK.min(len - out.len() as u32);
-        // SAFETY: room for `want` keys and `want` per-CPU u64 values.
+    let mut seen = 0u32;
+    while seen < len {
+        let want = CHUNK.min(len - seen);
+        // SAFETY: room for `want` keys and `want` values on every CPU.
         let (filled, next, done) = unsafe {
             lookup_batch(
                 fd,
@@ -39,23 +58,17 @@ pub fn sum_u64(map: &Map, len: u32) -> Result<Vec<u64>> {
             )
         }
         .context("BPF_MAP_LOOKUP_BATCH")?;
-        let filled = filled.min(want as usize);
-        out.extend(
-            values
-                .chunks_exact(cpus)
-                .take(filled)
-                .map(|per_cpu| per_cpu.iter().sum::<u64>()),
-        );
+        for per_cpu in values.chunks_exact(cpus).take(filled.min(want as usize)) {
+            f(seen, per_cpu);
+            seen += 1;
+        }
         if done || filled == 0 {
             break;
         }
         cursor = Some(next);
     }
-    if (out.len() as u32) < len {
-        bail!(
-            "BPF_MAP_LOOKUP_BATCH returned {} of {len} elements",
-            out.len()
-        );
+    if seen < len {
+        bail!("BPF_MAP_LOOKUP_BATCH returned {seen} of {len} elements");
     }
-    Ok(out)
+    Ok(())
 }

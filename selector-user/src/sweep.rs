@@ -80,10 +80,13 @@ impl Selector {
         };
         let mut report = SweepReport::default();
         let mut occupied = Vec::with_capacity(MARK_BITS as usize);
-        for w in 0..self.mark_words() {
-            self.occupied_in(w, &mut occupied);
-            for &(i, state) in &occupied {
-                self.sweep_slot(i, state, &ages, &mut report);
+        for words in self.mark_runs() {
+            self.prefetch_marked(words.clone());
+            for w in words {
+                self.occupied_in(w, &mut occupied);
+                for &(i, state) in &occupied {
+                    self.sweep_slot(i, state, &ages, &mut report);
+                }
             }
         }
         Ok(report)
