@@ -451,7 +451,7 @@ const CASES: [(&str, &str, Method, bool); 9] = [
 const REFERENCE_TC: &str = "reference (TC)";
 const REFERENCE_XDP: &str = "reference (XDP)";
 const REFERENCE_REQUEST_CASE: &str = "request: one hash insert";
-const REFERENCE_REPLY_CASE: &str = "reply: one lookup, one delete";
+const REFERENCE_REPLY_CASE: &str = "reply: one lookup and one delete";
 
 /// One of the selector's paths over the reference's, measured the same
 /// way in the same run.
