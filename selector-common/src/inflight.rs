@@ -23,11 +23,18 @@
 //! Marks: one bit per slot in a second array, so the agent's sweep visits
 //! only the slots that may be occupied instead of the whole table (at 1 M
 //! requests the table is 4 M slots, 256 MB). An inserter sets its slot's
-//! bit after it takes the slot; only the sweep clears bits, of slots it saw
-//! free, and then reads those slots' states again and sets the bit back for
-//! any taken meanwhile. So a slot that stays occupied has its bit set from
-//! just after it was taken until it is free again: an inserter whose bit
-//! the sweep cleared took the slot before that second read, which sees it.
+//! bit after it takes the slot. The sweep and the reply path clear bits.
+//! The sweep clears bits of slots it saw free, then reads those slots'
+//! states again and sets the bit back for any taken meanwhile. The reply
+//! path clears the bit just before the compare-and-swap that frees the
+//! slot (an inserter can take the slot only after that, so its bit comes
+//! later) and sets it back if the claim loses. So a slot that stays
+//! occupied has its bit set from just after it was taken until it is free
+//! again, except for a moment in two races (between the sweep's clear and
+//! its second read; a losing reply between its clear and its restore),
+//! which at worst hides the slot from one sweep. The sweep therefore
+//! visits the requests still in flight and the slots it freed or saw freed
+//! since, never the slot of a request answered and freed by its reply.
 
 use crate::maps::InflightKey;
 

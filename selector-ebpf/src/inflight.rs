@@ -8,7 +8,7 @@
 //! on.
 
 use core::{
-    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd, atomic_xchg},
+    intrinsics::{AtomicOrdering, atomic_and, atomic_cxchg, atomic_or, atomic_xadd, atomic_xchg},
     ptr::{read_volatile, write_volatile},
 };
 
@@ -106,6 +106,28 @@ pub fn cas(index: u32, from: u64, to: u64) -> bool {
             to,
         )
     };
+    won
+}
+
+/// The reply path's claim: moves slot `index` from `from` to `to` like
+/// [`cas`]. A claim that frees the slot clears its mark first, so the
+/// agent's sweep never visits an answered request; a new inserter can take
+/// the slot only after the free, so its own mark comes after this clear.
+/// A claim that loses puts the mark back (the slot is someone else's now).
+#[inline(always)]
+pub fn claim(index: u32, from: u64, to: u64) -> bool {
+    if to != FREE {
+        return cas(index, from, to);
+    }
+    let (word, bit) = mark_of(index);
+    let Some(p) = INFLIGHT_MARKS.get_ptr_mut(word) else {
+        return cas(index, from, to);
+    };
+    unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(p, !bit) };
+    let won = cas(index, from, to);
+    if !won {
+        unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(p, bit) };
+    }
     won
 }
 
