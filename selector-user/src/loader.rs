@@ -57,6 +57,8 @@ pub struct Selector {
     pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
     adopted: bool,
+    /// The latency histograms last read, by backend id (`Self::latency`).
+    latency_cache: std::sync::Mutex<std::collections::HashMap<u32, CachedHistogram>>,
     /// Why the reply path is where it is, when `--ingress auto` chose it.
     pub ingress_choice: Option<String>,
     /// The hedge thread and its settings.
@@ -146,6 +148,14 @@ fn resolve_ingress(settings: &Settings) -> Result<(Settings, Option<String>)> {
         },
         Some(why),
     ))
+}
+
+/// A backend's latency histogram as last read, and its completed count then.
+struct CachedHistogram {
+    completed: u64,
+    /// The count had moved at that read.
+    moved: bool,
+    buckets: Vec<u64>,
 }
 
 impl Selector {
@@ -337,6 +347,7 @@ impl Selector {
             pins,
             adopted,
             ingress_choice: None,
+            latency_cache: Default::default(),
             hedging: Default::default(),
         };
         selector.write_tables()?;
@@ -603,7 +614,7 @@ impl Selector {
     ) -> Result<Vec<T>> {
         let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
         let mut out = Vec::with_capacity(end as usize);
-        crate::percpu_batch::for_each(self.map(name)?, end, |_, per_cpu: &[T]| {
+        crate::percpu_batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
             let mut total = T::default();
             for v in per_cpu {
                 add(&mut total, v);
@@ -616,18 +627,37 @@ impl Selector {
     /// Latency histogram buckets per backend, summed over CPUs.
     pub fn latency(&self) -> Result<Vec<Vec<u64>>> {
         use selector_common::latency::LATENCY_BUCKETS;
-        // Every backend's buckets in a few batch reads, up to the last
-        // configured backend's.
-        let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
-        let all = crate::percpu_batch::sum_u64(self.map(names::LATENCY)?, end * LATENCY_BUCKETS)?;
-        Ok(self
-            .backends
+        let map = self.map(names::LATENCY)?;
+        let accounting = self.accounting()?;
+        let mut cache = self.latency_cache.lock().unwrap_or_else(|e| e.into_inner());
+        self.backends
             .iter()
-            .map(|b| {
-                let first = (b.index * LATENCY_BUCKETS) as usize;
-                all[first..first + LATENCY_BUCKETS as usize].to_vec()
+            .zip(accounting)
+            .map(|(b, (_, completed, _))| {
+                // A histogram changes only with its backend's completed
+                // count, in the same program run: read it (in one batch)
+                // when the count moved since the last read, and once more
+                // after, for a bucket added just after the count.
+                let known = cache.get(&b.index);
+                let moved = known.is_none_or(|k| k.completed != completed);
+                if moved || known.is_some_and(|k| k.moved) {
+                    let buckets = crate::percpu_batch::sum_u64(
+                        map,
+                        b.index * LATENCY_BUCKETS,
+                        LATENCY_BUCKETS,
+                    )?;
+                    cache.insert(
+                        b.index,
+                        CachedHistogram {
+                            completed,
+                            moved,
+                            buckets,
+                        },
+                    );
+                }
+                Ok(cache[&b.index].buckets.clone())
             })
-            .collect())
+            .collect()
     }
 
     /// Copies of the requests in flight now (`LIVE` slots).

@@ -14,20 +14,21 @@ use crate::sys::lookup_batch;
 /// Elements asked for per call.
 const CHUNK: u32 = 4096;
 
-/// Elements `0..len` of the per-CPU array of `u64`s behind `map`, each
-/// summed over CPUs.
-pub fn sum_u64(map: &Map, len: u32) -> Result<Vec<u64>> {
+/// Elements `first..first + len` of the per-CPU array of `u64`s behind
+/// `map`, each summed over CPUs.
+pub fn sum_u64(map: &Map, first: u32, len: u32) -> Result<Vec<u64>> {
     let mut out = Vec::with_capacity(len as usize);
-    for_each(map, len, |_, per_cpu: &[u64]| {
-        out.push(per_cpu.iter().sum())
+    for_each(map, first, len, |_, per_cpu: &[u64]| {
+        out.push(per_cpu.iter().sum());
     })?;
     Ok(out)
 }
 
-/// Calls `f` with each element `0..len` of the per-CPU array of `T`s
-/// behind `map`: its index and its value on every CPU.
+/// Calls `f` with each element `first..first + len` of the per-CPU array
+/// of `T`s behind `map`: its index and its value on every CPU.
 pub fn for_each<T: Copy + Default>(
     map: &Map,
+    first: u32,
     len: u32,
     mut f: impl FnMut(u32, &[T]),
 ) -> Result<()> {
@@ -42,8 +43,8 @@ pub fn for_each<T: Copy + Default>(
     let fd = data.fd().as_fd().as_raw_fd();
     let mut keys = vec![0u32; CHUNK as usize];
     let mut values = vec![T::default(); CHUNK as usize * cpus];
-    // An array's batch cursor is the next key.
-    let mut cursor = None;
+    // An array's batch cursor is the last key read; none: from key 0.
+    let mut cursor = first.checked_sub(1);
     let mut seen = 0u32;
     while seen < len {
         let want = CHUNK.min(len - seen);
@@ -59,7 +60,7 @@ pub fn for_each<T: Copy + Default>(
         }
         .context("BPF_MAP_LOOKUP_BATCH")?;
         for per_cpu in values.chunks_exact(cpus).take(filled.min(want as usize)) {
-            f(seen, per_cpu);
+            f(first + seen, per_cpu);
             seen += 1;
         }
         if done || filled == 0 {
