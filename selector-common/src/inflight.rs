@@ -19,6 +19,22 @@
 //! `WRITING` (owned by one inserter) and never change while `LIVE`, so a
 //! reader that sees the same state word before and after reading them has a
 //! consistent copy.
+//!
+//! Marks: one bit per slot in a second array, so the agent's sweep visits
+//! only the slots that may be occupied instead of the whole table (at 1 M
+//! requests the table is 4 M slots, 256 MB). An inserter sets its slot's
+//! bit after it takes the slot. The sweep and the reply path clear bits.
+//! The sweep clears bits of slots it saw free, then reads those slots'
+//! states again and sets the bit back for any taken meanwhile. The reply
+//! path clears the bit just before the compare-and-swap that frees the
+//! slot (an inserter can take the slot only after that, so its bit comes
+//! later) and sets it back if the claim loses. So a slot that stays
+//! occupied has its bit set from just after it was taken until it is free
+//! again, except for a moment in two races (between the sweep's clear and
+//! its second read; a losing reply between its clear and its restore),
+//! which at worst hides the slot from one sweep. The sweep therefore
+//! visits the requests still in flight and the slots it freed or saw freed
+//! since, never the slot of a request answered and freed by its reply.
 
 use crate::maps::InflightKey;
 
@@ -177,6 +193,21 @@ pub const fn slots_for(inflight_max: u32) -> u32 {
     }
 }
 
+/// Slots per mark word.
+pub const MARK_BITS: u32 = 64;
+
+/// Mark words for a table of `slots` slots (at least one).
+pub const fn mark_words(slots: u32) -> u32 {
+    let words = slots.div_ceil(MARK_BITS);
+    if words == 0 { 1 } else { words }
+}
+
+/// Slot `index`'s mark: (word, bit within it).
+#[inline(always)]
+pub const fn mark_of(index: u32) -> (u32, u64) {
+    (index / MARK_BITS, 1 << (index % MARK_BITS))
+}
+
 /// The `i`-th slot of the probe window of `hash` in a table of `mask + 1`
 /// slots.
 #[inline(always)]
@@ -244,6 +275,24 @@ mod tests {
         assert_eq!(slots_for(1000), 4096);
         assert_eq!(slots_for(65536), 262144);
         assert_eq!(slots_for(u32::MAX), 1 << 31);
+    }
+
+    #[test]
+    fn every_slot_has_its_own_mark() {
+        assert_eq!(mark_words(4), 1);
+        assert_eq!(mark_words(64), 1);
+        assert_eq!(mark_words(65), 2);
+        assert_eq!(mark_words(slots_for(1_000_000)), (1 << 22) / 64);
+        let slots = 256u32;
+        let mut seen = [0u64; 4];
+        for i in 0..slots {
+            let (word, bit) = mark_of(i);
+            assert!(word < mark_words(slots));
+            assert_eq!(bit.count_ones(), 1);
+            assert_eq!(seen[word as usize] & bit, 0, "slot {i} shares a mark");
+            seen[word as usize] |= bit;
+        }
+        assert!(seen.iter().all(|&w| w == u64::MAX));
     }
 
     #[test]

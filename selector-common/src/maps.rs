@@ -53,6 +53,7 @@ pub mod names {
     pub const COUNTERS: &str = "COUNTERS";
     pub const CLIENT_PENDING: &str = "CLIENT_PENDING";
     pub const INFLIGHT: &str = "INFLIGHT";
+    pub const INFLIGHT_MARKS: &str = "INFLIGHT_MARKS";
     pub const SEQUENCE: &str = "SEQUENCE";
     pub const STATS: &str = "STATS";
     pub const PASSED: &str = "PASSED";
@@ -61,6 +62,8 @@ pub mod names {
     pub const NEXT_HOPS: &str = "NEXT_HOPS";
     pub const SERVICE: &str = "SERVICE";
     pub const SCRATCH: &str = "SCRATCH";
+    /// The reference programs' hash map (benchmark only, never pinned).
+    pub const REFERENCE: &str = "REFERENCE";
 }
 
 /// Program names, as the kernel object declares them.
@@ -71,6 +74,10 @@ pub mod programs {
     /// Empty programs, the baselines for per-packet cost measurements.
     pub const BASELINE_TC: &str = "selector_baseline_tc";
     pub const BASELINE_XDP: &str = "selector_baseline_xdp";
+    /// The least work of a request tracker (one hash insert per request,
+    /// one lookup and one delete per reply), for per-packet cost ratios.
+    pub const REFERENCE_REQUEST: &str = "selector_reference_request";
+    pub const REFERENCE_REPLY: &str = "selector_reference_reply";
 }
 
 /// An IP endpoint. Addresses are 16 bytes in network order, IPv4 as

@@ -196,13 +196,21 @@ struct Proposal {
 /// service times.
 #[inline(always)]
 fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> {
+    let policy = Policy::from_u32(config.policy).unwrap_or(Policy::Observe);
+    if policy == Policy::Observe {
+        // Never moves a read, and `admit` reads no best member under it:
+        // no counts or service times to read on every packet.
+        return Some(Proposal {
+            chosen: primary_pos,
+            best: None,
+        });
+    }
     let mut load = accounting::group_load(group)?;
     if config.tie_break == TieBreak::Random as u32 {
         load.tie_break = TieBreak::Random;
         load.random = unsafe { bpf_get_prandom_u32() };
     }
     let service = accounting::group_service(group)?;
-    let policy = Policy::from_u32(config.policy).unwrap_or(Policy::Observe);
     let budget_ns = u64::from(config.budget_us) * 1000;
     let best = policy::best_member(policy, primary_pos, &load, service, budget_ns);
     let chosen = policy::choose_given(

@@ -8,7 +8,7 @@
 //! on.
 
 use core::{
-    intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd, atomic_xchg},
+    intrinsics::{AtomicOrdering, atomic_and, atomic_cxchg, atomic_or, atomic_xadd, atomic_xchg},
     ptr::{read_volatile, write_volatile},
 };
 
@@ -16,12 +16,12 @@ use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, phase, probe, sequence, state,
-        with_phase,
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe,
+        sequence, state, with_phase,
     },
 };
 
-use crate::maps::{INFLIGHT, SEQUENCE};
+use crate::maps::{INFLIGHT, INFLIGHT_MARKS, SEQUENCE};
 
 /// What a reader needs of an occupied slot, read consistently, and the
 /// state it was read in.
@@ -109,6 +109,28 @@ pub fn cas(index: u32, from: u64, to: u64) -> bool {
     won
 }
 
+/// The reply path's claim: moves slot `index` from `from` to `to` like
+/// [`cas`]. A claim that frees the slot clears its mark first, so the
+/// agent's sweep never visits an answered request; a new inserter can take
+/// the slot only after the free, so its own mark comes after this clear.
+/// A claim that loses puts the mark back (the slot is someone else's now).
+#[inline(always)]
+pub fn claim(index: u32, from: u64, to: u64) -> bool {
+    if to != FREE {
+        return cas(index, from, to);
+    }
+    let (word, bit) = mark_of(index);
+    let Some(p) = INFLIGHT_MARKS.get_ptr_mut(word) else {
+        return cas(index, from, to);
+    };
+    unsafe { atomic_and::<u64, u64, { AtomicOrdering::SeqCst }>(p, !bit) };
+    let won = cas(index, from, to);
+    if !won {
+        unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(p, bit) };
+    }
+    won
+}
+
 /// A unique instance number for a new request. The per-CPU counter is
 /// bumped atomically: on a preemptible kernel two programs can interleave
 /// on one CPU, and they must still get different numbers.
@@ -145,11 +167,28 @@ pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
     while i < PROBE_WINDOW {
         let index = probe(hash, i, mask);
         if cas(index, FREE, writing) {
+            mark(index);
             return Some(Reserved { index, seq });
         }
         i += 1;
     }
     None
+}
+
+/// Sets slot `index`'s mark, after the slot was taken, so the agent's sweep
+/// visits it. A bit already set (the sweep has not cleared it since the
+/// slot's last use) is left alone, sparing a write to a shared line.
+#[inline(always)]
+fn mark(index: u32) {
+    let (word, bit) = mark_of(index);
+    let Some(p) = INFLIGHT_MARKS.get_ptr_mut(word) else {
+        return;
+    };
+    unsafe {
+        if read_volatile(p) & bit == 0 {
+            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(p, bit);
+        }
+    }
 }
 
 /// The fields of a new request.

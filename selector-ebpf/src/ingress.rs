@@ -200,7 +200,7 @@ fn complete<C: Packet>(
         // More datagrams to come: the request stays pending.
         return;
     }
-    if inflight::cas(
+    if inflight::claim(
         live.index,
         live.state,
         inflight::claimed_state(live, hedged),

@@ -13,6 +13,7 @@ mod ingress;
 mod maps;
 mod nexthop;
 mod packet;
+mod reference;
 mod reject;
 mod rewrite;
 
@@ -67,6 +68,20 @@ pub fn selector_baseline_tc(_ctx: TcContext) -> i32 {
 /// Does nothing: the XDP baseline for per-packet costs.
 #[xdp]
 pub fn selector_baseline_xdp(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
+/// The per-packet cost benchmark's reference request path (`reference`).
+#[classifier]
+pub fn selector_reference_request(ctx: TcContext) -> i32 {
+    reference::request(&ctx);
+    TC_CONTINUE
+}
+
+/// The per-packet cost benchmark's reference reply path (`reference`).
+#[xdp]
+pub fn selector_reference_reply(ctx: XdpContext) -> u32 {
+    reference::reply(&ctx);
     xdp_action::XDP_PASS
 }
 

@@ -1,6 +1,6 @@
 //! The maps. Each has a fixed bound and a defined behaviour when full:
 //! - `INFLIGHT` (slots): no free slot in a key's probe window, the request
-//!   passes untracked and is counted;
+//!   passes untracked and is counted (`INFLIGHT_MARKS` has a bit per slot);
 //! - `FRAGMENTS` (LRU): the oldest fragment series is forgotten; its later
 //!   fragments then pass unrewritten, as any lost fragment would;
 //! - `HEDGE_EVENTS` (ring buffer): no room, the read is not hedged, counted
@@ -16,7 +16,7 @@ use selector_common::{
     GroupCounters, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac,
     PASS_REASONS, PassReason,
     hedge::{self, HedgeConfig, HedgeStats},
-    inflight::{InflightSlot, slots_for},
+    inflight::{InflightSlot, mark_words, slots_for},
     latency::LATENCY_BUCKETS,
     pass_index, split_backend_id,
 };
@@ -55,6 +55,13 @@ pub static CLIENT_PENDING: Array<u64> = Array::with_max_entries(CLIENT_SLOTS, BP
 #[map]
 pub static INFLIGHT: Array<InflightSlot> =
     Array::with_max_entries(slots_for(DEFAULT_INFLIGHT_MAX), BPF_F_MMAPABLE);
+
+/// One bit per `INFLIGHT` slot: set by the inserter once it holds the slot,
+/// cleared by the agent's sweep (see `selector_common::inflight`), which
+/// visits only marked slots. Sized with `INFLIGHT`.
+#[map]
+pub static INFLIGHT_MARKS: Array<u64> =
+    Array::with_max_entries(mark_words(slots_for(DEFAULT_INFLIGHT_MAX)), BPF_F_MMAPABLE);
 
 /// Per-CPU scratch words the request path writes and reads back so the
 /// verifier forgets what it knew of them (see `egress::forget`).

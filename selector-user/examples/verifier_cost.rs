@@ -27,10 +27,12 @@ fn main() -> Result<()> {
         programs::EGRESS,
         programs::INGRESS_TC,
         programs::INGRESS_XDP,
+        programs::REFERENCE_REQUEST,
+        programs::REFERENCE_REPLY,
     ] {
         let program = ebpf.program_mut(name).context(name)?;
         let began = Instant::now();
-        if name == programs::INGRESS_XDP {
+        if name == programs::INGRESS_XDP || name == programs::REFERENCE_REPLY {
             let p: &mut Xdp = program.try_into()?;
             p.load()?;
         } else {

@@ -157,7 +157,7 @@ pub enum Reply {
 ///     "budget_us": 2000,           latency policy's budget, microseconds
 ///     "tie_break": "first"         first | random
 ///   },
-///   "in_flight": 3,                entries in the in-flight table now
+///   "in_flight": 3,                requests pending now, all backends (the sum of `pending`; a hedge copy counts at its target)
 ///   "last_interval": {             the last interval ended; null before
 ///     "number": 12,                from 1; a new number means new blame
 ///     "length_ms": 1000,

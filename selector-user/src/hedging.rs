@@ -24,7 +24,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Array, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, MapData, RingBuf};
 use selector_common::{
     Endpoint, Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     hedge::{
@@ -410,17 +410,13 @@ impl Selector {
 
     /// Hedging counters per backend, in `backends` order.
     pub fn hedge_counts(&self) -> Result<Vec<HedgeCounts>> {
-        let stats: PerCpuArray<_, HedgeStats> =
-            PerCpuArray::try_from(self.map(hedge::names::STATS)?)?;
+        let stats = self.sum_per_backend(hedge::names::STATS, |t: &mut HedgeStats, s| t.add(s))?;
         let control = &self.hedging.control;
         let on = control.enabled.load(Ordering::SeqCst);
         self.backends
             .iter()
             .map(|b| {
-                let mut k = HedgeStats::default();
-                for s in stats.get(&b.index, 0)?.iter() {
-                    k.add(s);
-                }
+                let k = stats[b.index as usize];
                 let a = &control.counts[b.index as usize];
                 let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
                 Ok(HedgeCounts {
@@ -444,18 +440,18 @@ impl Selector {
     /// Hedged reads whose hedge target has not answered or expired yet:
     /// its reply may still need rewriting, so a stopping agent waits for them.
     pub fn hedges_in_flight(&self) -> usize {
-        (0..self.slots.len())
-            .filter(|&i| {
-                // SAFETY: words of a live shared element.
-                let (state, word) = unsafe {
-                    let p = self.slots.ptr(i);
-                    (load(&raw mut (*p).state), load(&raw mut (*p).hedge))
-                };
-                matches!(phase(state), PHASE_LIVE | PHASE_LINGER)
-                    && hedge::same_instance(word, state)
-                    && settling_word(word).is_some()
-            })
-            .count()
+        let mut settling = 0;
+        self.for_each_occupied(|(i, state)| {
+            // SAFETY: a word of a live shared element.
+            let word = unsafe { load(&raw mut (*self.slots.ptr(i)).hedge) };
+            if matches!(phase(state), PHASE_LIVE | PHASE_LINGER)
+                && hedge::same_instance(word, state)
+                && settling_word(word).is_some()
+            {
+                settling += 1;
+            }
+        });
+        settling
     }
 
     /// Moves slot `i`'s hedge word, while it holds the instance of `state`,

@@ -21,7 +21,7 @@ use log::debug;
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupService,
     MAX_GROUPS, PassReason, Policy,
-    inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
+    inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     names, pass_index, programs, split_backend_id,
 };
 
@@ -41,6 +41,8 @@ pub struct Selector {
     pub backends: Vec<BackendPlan>,
     /// The in-flight slots, shared with the kernel.
     pub(crate) slots: SharedArray<InflightSlot>,
+    /// One bit per slot that may be occupied (`crate::marks`).
+    pub(crate) marks: SharedArray<u64>,
     /// Issued/completed/expired per group, shared with the kernel.
     pub(crate) counters: SharedArray<GroupCounters>,
     /// Pending per client-socket slot, shared with the kernel.
@@ -55,6 +57,8 @@ pub struct Selector {
     pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
     adopted: bool,
+    /// The latency histograms last read, by backend id (`Self::latency`).
+    latency_cache: std::sync::Mutex<std::collections::HashMap<u32, CachedHistogram>>,
     /// Why the reply path is where it is, when `--ingress auto` chose it.
     pub ingress_choice: Option<String>,
     /// The hedge thread and its settings.
@@ -149,6 +153,14 @@ fn resolve_ingress(settings: &Settings) -> Result<(Settings, Option<String>)> {
     ))
 }
 
+/// A backend's latency histogram as last read, and its completed count then.
+struct CachedHistogram {
+    completed: u64,
+    /// The count had moved at that read.
+    moved: bool,
+    buckets: Vec<u64>,
+}
+
 impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
@@ -156,7 +168,7 @@ impl Selector {
         crate::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let (settings, choice) = &resolve_ingress(settings)?;
-        let mut selector = Self::load_with(settings, None)?;
+        let mut selector = Self::load_with(settings, None, 1)?;
         selector.ingress_choice = choice.clone();
         selector.attach_fresh()
     }
@@ -173,13 +185,13 @@ impl Selector {
         let (settings, choice) = &resolve_ingress(settings)?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
-            let mut selector = Self::load_with(settings, Some(pins))?;
+            let mut selector = Self::load_with(settings, Some(pins), 1)?;
             selector.ingress_choice = choice.clone();
             selector.adopt_links()?;
             return Ok(selector);
         }
         let fresh = refuse_if_attached(&settings.iface)
-            .and_then(|()| Self::load_with(settings, Some(pins.clone())))
+            .and_then(|()| Self::load_with(settings, Some(pins.clone()), 1))
             .map(|mut s| {
                 s.ingress_choice = choice.clone();
                 s
@@ -264,12 +276,22 @@ impl Selector {
     /// maps, without attaching (packet-fixture tests and benchmarks run the
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
-        Self::load_with(settings, None)
+        Self::load_with(settings, None, 1)
+    }
+
+    /// As [`Self::load`], with room for `entries` in the map of the
+    /// per-packet cost benchmark's reference programs (one otherwise).
+    pub fn load_with_reference(settings: &Settings, entries: u32) -> Result<Self> {
+        Self::load_with(settings, None, entries.max(1))
     }
 
     /// As [`Self::load`]; with `pins`, every map is pinned there, or taken
     /// from there when an earlier agent pinned it (after checking it fits).
-    fn load_with(settings: &Settings, pins: Option<PinDir>) -> Result<Self> {
+    fn load_with(
+        settings: &Settings,
+        pins: Option<PinDir>,
+        reference_entries: u32,
+    ) -> Result<Self> {
         let backends = settings.plan()?;
         let slot_count = slots_for(settings.inflight_max);
         let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
@@ -283,6 +305,8 @@ impl Selector {
         };
         let mut loader = EbpfLoader::new();
         loader.map_max_entries(names::INFLIGHT, slot_count);
+        loader.map_max_entries(names::INFLIGHT_MARKS, mark_words(slot_count));
+        loader.map_max_entries(names::REFERENCE, reference_entries);
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
         }
@@ -300,6 +324,7 @@ impl Selector {
             }
         }
         let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
+        let marks = share(&ebpf, names::INFLIGHT_MARKS, mark_words(slot_count))?;
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
@@ -316,6 +341,7 @@ impl Selector {
             settings: settings.clone(),
             backends,
             slots,
+            marks,
             counters,
             clients,
             service,
@@ -324,6 +350,7 @@ impl Selector {
             pins,
             adopted,
             ingress_choice: None,
+            latency_cache: Default::default(),
             hedging: Default::default(),
         };
         selector.write_tables()?;
@@ -572,29 +599,66 @@ impl Selector {
 
     /// Per-backend statistics summed over CPUs.
     pub fn stats(&self) -> Result<Vec<BackendStats>> {
-        let stats: PerCpuArray<_, BackendStats> = PerCpuArray::try_from(self.map(names::STATS)?)?;
-        self.backends
+        let all = self.sum_per_backend(names::STATS, |total: &mut BackendStats, s| total.add(s))?;
+        Ok(self
+            .backends
             .iter()
-            .map(|b| {
-                let mut total = BackendStats::default();
-                for s in stats.get(&b.index, 0)?.iter() {
-                    total.add(s);
-                }
-                Ok(total)
-            })
-            .collect()
+            .map(|b| all[b.index as usize])
+            .collect())
+    }
+
+    /// Every backend id's element of the per-CPU map `name` (up to the
+    /// last configured backend's), summed over CPUs with `add`, read in
+    /// batches.
+    pub(crate) fn sum_per_backend<T: Copy + Default>(
+        &self,
+        name: &str,
+        add: impl Fn(&mut T, &T),
+    ) -> Result<Vec<T>> {
+        let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
+        let mut out = Vec::with_capacity(end as usize);
+        crate::percpu_batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
+            let mut total = T::default();
+            for v in per_cpu {
+                add(&mut total, v);
+            }
+            out.push(total);
+        })?;
+        Ok(out)
     }
 
     /// Latency histogram buckets per backend, summed over CPUs.
     pub fn latency(&self) -> Result<Vec<Vec<u64>>> {
         use selector_common::latency::LATENCY_BUCKETS;
-        let hist: PerCpuArray<_, u64> = PerCpuArray::try_from(self.map(names::LATENCY)?)?;
+        let map = self.map(names::LATENCY)?;
+        let accounting = self.accounting()?;
+        let mut cache = self.latency_cache.lock().unwrap_or_else(|e| e.into_inner());
         self.backends
             .iter()
-            .map(|b| {
-                (0..LATENCY_BUCKETS)
-                    .map(|i| Ok(hist.get(&(b.index * LATENCY_BUCKETS + i), 0)?.iter().sum()))
-                    .collect()
+            .zip(accounting)
+            .map(|(b, (_, completed, _))| {
+                // A histogram changes only with its backend's completed
+                // count, in the same program run: read it (in one batch)
+                // when the count moved since the last read, and once more
+                // after, for a bucket added just after the count.
+                let known = cache.get(&b.index);
+                let moved = known.is_none_or(|k| k.completed != completed);
+                if moved || known.is_some_and(|k| k.moved) {
+                    let buckets = crate::percpu_batch::sum_u64(
+                        map,
+                        b.index * LATENCY_BUCKETS,
+                        LATENCY_BUCKETS,
+                    )?;
+                    cache.insert(
+                        b.index,
+                        CachedHistogram {
+                            completed,
+                            moved,
+                            buckets,
+                        },
+                    );
+                }
+                Ok(cache[&b.index].buckets.clone())
             })
             .collect()
     }
@@ -602,16 +666,14 @@ impl Selector {
     /// Copies of the requests in flight now (`LIVE` slots).
     pub fn inflight(&self) -> Result<Vec<InflightSlot>> {
         let mut out = Vec::new();
-        for i in 0..self.slots.len() {
-            // SAFETY: the state word of a live shared element.
-            let state = unsafe { load(&raw mut (*self.slots.ptr(i)).state) };
-            if phase(state) == PHASE_LIVE && state != 0 {
+        self.for_each_occupied(|(i, state)| {
+            if phase(state) == PHASE_LIVE {
                 let slot = self.slots.read(i);
                 if slot.state == state {
                     out.push(slot);
                 }
             }
-        }
+        });
         Ok(out)
     }
 

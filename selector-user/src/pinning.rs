@@ -39,7 +39,7 @@ use aya::{
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupService, MAX_BACKENDS,
     MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS, hedge,
-    inflight::{InflightSlot, PHASE_LIVE, phase, slots_for},
+    inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     latency::LATENCY_BUCKETS,
     names,
 };
@@ -57,10 +57,11 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/selector";
 /// `statfs` type of a bpf filesystem.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// Maps private to each load: aya-log's records, and the read-only
-/// constants (`.rodata*`, frozen at load). Anything else holds state.
+/// Maps private to each load: aya-log's records, the read-only constants
+/// (`.rodata*`, frozen at load) and the map of the benchmark's reference
+/// programs, which are never attached. Anything else holds state.
 pub fn is_private_map(name: &str) -> bool {
-    name == "AYA_LOGS" || name.starts_with(".rodata")
+    name == "AYA_LOGS" || name.starts_with(".rodata") || name == selector_common::names::REFERENCE
 }
 
 /// A link the selector pins.
@@ -105,7 +106,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 17] {
+fn shapes(inflight_max: u32) -> [Shape; 18] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -151,6 +152,13 @@ fn shapes(inflight_max: u32) -> [Shape; 17] {
             u32s,
             size_of::<InflightSlot>(),
             slots_for(inflight_max),
+        ),
+        shape(
+            names::INFLIGHT_MARKS,
+            MapType::Array,
+            u32s,
+            u64s,
+            mark_words(slots_for(inflight_max)),
         ),
         shape(names::SEQUENCE, MapType::PerCpuArray, u32s, u64s, 1),
         shape(

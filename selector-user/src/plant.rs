@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes, probe, sequence,
-        state,
+        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes, mark_of, probe,
+        sequence, state,
     },
     split_backend_id,
 };
@@ -48,6 +48,9 @@ impl Selector {
             {
                 continue;
             }
+            let (mark, bit) = mark_of(index as u32);
+            // SAFETY: a word of a live shared element.
+            unsafe { atomic(self.marks.ptr(mark as usize)) }.fetch_or(bit, Ordering::SeqCst);
             let slot = InflightSlot {
                 state: writing,
                 request_id: key.request_id,

@@ -418,13 +418,15 @@ impl Selector {
     /// Whether any in-flight slot (live or lingering) names backend `id`
     /// as primary or as the member it went to.
     fn referenced(&self, id: u32) -> bool {
-        (0..self.slots.len()).any(|i| {
+        let mut named = false;
+        self.for_each_occupied(|(i, _)| {
             let slot = self.slots.read(i);
-            slot.state != FREE
+            named |= slot.state != FREE
                 && (phase(slot.state) == PHASE_WRITING
                     || u32::from(slot.primary) == id
-                    || u32::from(slot.chosen) == id)
-        })
+                    || u32::from(slot.chosen) == id);
+        });
+        named
     }
 
     /// Forgets the retiring members of `table` whose requests are done:

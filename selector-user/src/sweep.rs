@@ -10,7 +10,9 @@ use std::sync::atomic::Ordering;
 use anyhow::Result;
 use selector_common::{
     MAX_GROUP_MEMBERS, MAX_TIMEOUT_MS,
-    inflight::{FREE, InflightSlot, PHASE_LINGER, PHASE_LIVE, client_slot, phase, with_phase},
+    inflight::{
+        FREE, InflightSlot, MARK_BITS, PHASE_LINGER, PHASE_LIVE, client_slot, phase, with_phase,
+    },
     split_backend_id,
 };
 
@@ -39,6 +41,13 @@ struct Stale {
     slot: InflightSlot,
 }
 
+/// The sweep's clock and limits, in ns.
+struct Ages {
+    now_ns: u64,
+    timeout_ns: u64,
+    linger_ns: u64,
+}
+
 /// Reads slot `i` and checks its state did not change meanwhile.
 fn read_consistent(slots: &SharedArray<InflightSlot>, i: usize, state: u64) -> Option<Stale> {
     let slot = slots.read(i);
@@ -57,58 +66,72 @@ fn cas(slots: &SharedArray<InflightSlot>, i: usize, from: u64, to: u64) -> bool 
 
 impl Selector {
     /// Expires requests older than the timeout and frees lingering slots
-    /// older than timeout + grace, as of `now_ns` (CLOCK_MONOTONIC).
+    /// older than timeout + grace, as of `now_ns` (CLOCK_MONOTONIC). Visits
+    /// only marked slots (`crate::marks`): the cost follows the requests
+    /// sent since the last sweep and those still in flight, not the size
+    /// of the table.
     pub fn sweep(&mut self, now_ns: u64) -> Result<SweepReport> {
         let ms = |d: std::time::Duration| d.as_millis().min(u128::from(MAX_TIMEOUT_MS)) as u64;
         let timeout_ns = ms(self.settings.timeout) * 1_000_000;
-        let linger_ns = timeout_ns + ms(self.settings.grace) * 1_000_000;
+        let ages = Ages {
+            now_ns,
+            timeout_ns,
+            linger_ns: timeout_ns + ms(self.settings.grace) * 1_000_000,
+        };
         let mut report = SweepReport::default();
-        for i in 0..self.slots.len() {
-            // SAFETY: the state word of a live shared element.
-            let state = unsafe { load(&raw mut (*self.slots.ptr(i)).state) };
-            if state == FREE {
-                continue;
-            }
-            let age_over = |limit: u64| {
-                // SAFETY: as above. A slot being rewritten may show a newer
-                // time: then it is not stale.
-                let sent = unsafe { load(&raw mut (*self.slots.ptr(i)).sent_ns) };
-                now_ns.saturating_sub(sent) >= limit
-            };
-            match phase(state) {
-                PHASE_LIVE if age_over(timeout_ns) => {
-                    let Some(stale) = read_consistent(&self.slots, i, state) else {
-                        report.lost_race += 1;
-                        continue;
-                    };
-                    // No hedge may start once the read expires; one already
-                    // sent keeps the slot lingering for the target's reply.
-                    let hedged = self.close_hedge(i, state);
-                    if self.expire(i, &stale, hedged) {
-                        report.expired += 1;
-                    } else {
-                        report.lost_race += 1;
-                    }
-                    if hedged && self.expire_hedge(i, state, u32::from(stale.slot.group)) {
-                        report.hedges_expired += 1;
-                    }
+        let mut occupied = Vec::with_capacity(MARK_BITS as usize);
+        for words in self.mark_runs() {
+            self.prefetch_marked(words.clone());
+            for w in words {
+                self.occupied_in(w, &mut occupied);
+                for &(i, state) in &occupied {
+                    self.sweep_slot(i, state, &ages, &mut report);
                 }
-                PHASE_LINGER if age_over(timeout_ns) => {
-                    // A hedge target that never answered: its count ends
-                    // at the timeout, before the slot may be freed.
-                    if let Some(stale) = read_consistent(&self.slots, i, state)
-                        && self.expire_hedge(i, state, u32::from(stale.slot.group))
-                    {
-                        report.hedges_expired += 1;
-                    }
-                    if age_over(linger_ns) && cas(&self.slots, i, state, FREE) {
-                        report.freed += 1;
-                    }
-                }
-                _ => {}
             }
         }
         Ok(report)
+    }
+
+    /// Sweeps slot `i`, seen occupied in `state`.
+    fn sweep_slot(&mut self, i: usize, state: u64, ages: &Ages, report: &mut SweepReport) {
+        let age_over = |limit: u64| {
+            // SAFETY: a field of a live shared element. A slot being
+            // rewritten may show a newer time: then it is not stale.
+            let sent = unsafe { load(&raw mut (*self.slots.ptr(i)).sent_ns) };
+            ages.now_ns.saturating_sub(sent) >= limit
+        };
+        match phase(state) {
+            PHASE_LIVE if age_over(ages.timeout_ns) => {
+                let Some(stale) = read_consistent(&self.slots, i, state) else {
+                    report.lost_race += 1;
+                    return;
+                };
+                // No hedge may start once the read expires; one already
+                // sent keeps the slot lingering for the target's reply.
+                let hedged = self.close_hedge(i, state);
+                if self.expire(i, &stale, hedged) {
+                    report.expired += 1;
+                } else {
+                    report.lost_race += 1;
+                }
+                if hedged && self.expire_hedge(i, state, u32::from(stale.slot.group)) {
+                    report.hedges_expired += 1;
+                }
+            }
+            PHASE_LINGER if age_over(ages.timeout_ns) => {
+                // A hedge target that never answered: its count ends at
+                // the timeout, before the slot may be freed.
+                if let Some(stale) = read_consistent(&self.slots, i, state)
+                    && self.expire_hedge(i, state, u32::from(stale.slot.group))
+                {
+                    report.hedges_expired += 1;
+                }
+                if age_over(ages.linger_ns) && cas(&self.slots, i, state, FREE) {
+                    report.freed += 1;
+                }
+            }
+            _ => {}
+        }
     }
 
     /// Claims a stale request; if the claim wins, counts it expired at its

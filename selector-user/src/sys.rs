@@ -80,52 +80,82 @@ pub fn lookup_all<K: Default + Copy, V: Default + Copy>(map_fd: RawFd) -> io::Re
     let mut chunk = 1024usize;
     let mut out = Vec::new();
     // The hash map's batch cursor is a bucket index.
-    let mut cursor: u32 = 0;
-    let mut next: u32 = 0;
-    let mut first = true;
+    let mut cursor = None;
     loop {
         let mut keys = vec![K::default(); chunk];
         let mut values = vec![V::default(); chunk];
-        let mut attr = BatchAttr {
-            in_batch: if first {
-                0
-            } else {
-                &cursor as *const u32 as u64
-            },
-            out_batch: &mut next as *mut u32 as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: chunk as u32,
-            map_fd: map_fd as u32,
-            elem_flags: 0,
-            flags: 0,
-        };
-        // SAFETY: the buffers hold `count` keys and values of the map's sizes.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &mut attr as *mut BatchAttr,
-                std::mem::size_of::<BatchAttr>() as u32,
+        // SAFETY: the buffers hold `chunk` keys and values of the map's sizes.
+        let step = unsafe {
+            lookup_batch(
+                map_fd,
+                cursor,
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                chunk as u32,
             )
         };
-        let err = (rc != 0).then(io::Error::last_os_error);
-        // The kernel writes back how many it filled, also on ENOENT.
-        let filled = unsafe { std::ptr::read_volatile(&attr.count) } as usize;
-        match err.as_ref().and_then(io::Error::raw_os_error) {
-            Some(libc::ENOSPC) => {
-                // One bucket holds more than a chunk: retry it with more room.
+        let (filled, next, done) = match step {
+            // One bucket holds more than a chunk: retry it with more room.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
                 chunk *= 4;
                 continue;
             }
-            Some(libc::ENOENT) | None => {}
-            Some(_) => return Err(err.unwrap()),
-        }
+            r => r?,
+        };
         out.extend(keys.into_iter().zip(values).take(filled));
-        if err.is_some() {
+        if done {
             return Ok(out);
         }
-        cursor = next;
-        first = false;
+        cursor = Some(next);
+    }
+}
+
+/// One BPF_MAP_LOOKUP_BATCH call: up to `count` keys and values from
+/// `cursor` (`None`: from the start) into the buffers. Returns how many it
+/// filled, the cursor to go on from, and whether the map's end was reached
+/// (the kernel's ENOENT, which still fills).
+///
+/// # Safety
+/// `keys` and `values` must have room for `count` of the map's keys and
+/// values (for a per-CPU map, a value is 8-byte-rounded times the CPUs).
+pub(crate) unsafe fn lookup_batch(
+    map_fd: RawFd,
+    cursor: Option<u32>,
+    keys: *mut u8,
+    values: *mut u8,
+    count: u32,
+) -> io::Result<(usize, u32, bool)> {
+    let mut next: u32 = 0;
+    let at = cursor.unwrap_or(0);
+    let mut attr = BatchAttr {
+        in_batch: if cursor.is_some() {
+            &at as *const u32 as u64
+        } else {
+            0
+        },
+        out_batch: &mut next as *mut u32 as u64,
+        keys: keys as u64,
+        values: values as u64,
+        count,
+        map_fd: map_fd as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: per the caller, and the attribute outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_BATCH,
+            &mut attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
+    let err = (rc != 0).then(io::Error::last_os_error);
+    // The kernel writes back how many it filled, also on ENOENT.
+    let filled = unsafe { std::ptr::read_volatile(&attr.count) } as usize;
+    match err {
+        None => Ok((filled, next, false)),
+        Some(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok((filled, next, true)),
+        Some(e) => Err(e),
     }
 }

@@ -49,12 +49,21 @@ impl Snapshot {
 
 impl Selector {
     pub fn snapshot(&self) -> Result<Snapshot> {
+        let accounting = self.accounting()?;
+        // Every live request is pending at exactly one backend: the count
+        // costs no visit of the in-flight table.
+        let inflight = accounting
+            .iter()
+            .map(|&(issued, completed, expired)| {
+                selector_common::pending_of(issued, completed, expired)
+            })
+            .sum::<u64>() as usize;
         Ok(Snapshot {
             at: Instant::now(),
-            accounting: self.accounting()?,
+            accounting,
             stats: self.stats()?,
             latency: self.latency()?,
-            inflight: self.inflight()?.len(),
+            inflight,
             passed: self
                 .passed()?
                 .into_iter()

@@ -131,6 +131,15 @@ fn main() -> Result<()> {
         Task::Bench { args } => {
             setup::setup()?;
             require_root("the benchmark")?;
+            // The agent itself, for the rows that run it as a process.
+            run(cargo().args([
+                "build",
+                "--release",
+                "--package",
+                "selector-user",
+                "--bin",
+                "selector",
+            ]))?;
             run(&mut release_binary(
                 "selector-tests",
                 "selector-bench",

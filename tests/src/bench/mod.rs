@@ -4,13 +4,16 @@
 //! instead, side by side in one run, plus the kernel programs' per-packet
 //! cost. See BENCHMARKS.md for a recorded run.
 
+pub mod agent_process;
 pub mod client;
 pub mod nginx;
 pub mod packet_cost;
 pub mod plots;
 pub mod report;
 pub mod rows;
+pub mod scale;
 pub mod scenario;
+pub mod throughput;
 
 pub use report::Report;
 pub use rows::Row;

@@ -17,15 +17,24 @@
 //! Everything is measured with the in-flight table holding a small and a
 //! large number of other entries (1 thousand and 1 million by default), in
 //! one map sized for the large case.
+//!
+//! The reference programs (the kernel crate's `reference` module: one hash
+//! insert per request, one lookup and one delete per reply) run per packet
+//! beside the selector's stateful paths, their hash map holding the same
+//! other entries, so the selector's request and reply paths are also given
+//! as ratios to the least work a request tracker does.
 
 use std::{net::SocketAddrV4, time::Duration};
 
 use anyhow::{Context as _, Result, bail, ensure};
-use aya::programs::{
-    Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
+use aya::{
+    maps::HashMap,
+    programs::{
+        Program, ProgramError, SchedClassifier, TestRun, TestRunOptions, TestRunResult, Xdp,
+    },
 };
 use etherparse::PacketBuilder;
-use selector_common::{Endpoint, InflightKey, programs};
+use selector_common::{Endpoint, InflightKey, names, programs};
 use selector_user::{Selector, Settings, sys};
 
 use crate::{memcached::frame, netns::Namespace};
@@ -156,10 +165,57 @@ impl Lab {
                 request_id: u64::from(i & 0x3fff),
             };
             if self.sel.plant_inflight(&key, 0, 0, now) {
+                self.reference()?.insert(key, now, 0)?;
                 self.filled += 1;
             }
         }
         Ok(())
+    }
+
+    /// The reference programs' hash map.
+    fn reference(&mut self) -> Result<HashMap<&mut aya::maps::MapData, InflightKey, u64>> {
+        let map = self
+            .sel
+            .ebpf_mut()
+            .map_mut(names::REFERENCE)
+            .context("the reference map")?;
+        Ok(HashMap::try_from(map)?)
+    }
+
+    /// Requests (one per packet) through the reference request program,
+    /// each completed by its reply through the reference reply program:
+    /// (request ns, reply ns). The first request is checked to be inserted
+    /// and then deleted, so both programs did their work.
+    fn reference_requests_and_replies(&mut self, n: u32) -> Result<(f64, f64)> {
+        let (mut requests, mut replies) = (0.0, 0.0);
+        for i in 0..n {
+            let (port, id) = fresh_request(i);
+            let key = InflightKey::ipv4(CLIENT, port, 0, u64::from(id));
+            requests += self
+                .tc(
+                    programs::REFERENCE_REQUEST,
+                    &request(port, id, replica(0)),
+                    1,
+                )?
+                .0;
+            if i == 0 {
+                ensure!(
+                    self.reference()?.get(&key, 0).is_ok(),
+                    "the reference request inserted nothing"
+                );
+            }
+            replies += self
+                .xdp(programs::REFERENCE_REPLY, &response(port, id, 0), 1)?
+                .0;
+            if i == 0 {
+                ensure!(
+                    self.reference()?.get(&key, 0).is_err(),
+                    "the reference reply deleted nothing"
+                );
+            }
+        }
+        let n = f64::from(n);
+        Ok((requests / n, replies / n))
     }
 
     fn add_primary_issued(&mut self, delta: i64) -> Result<()> {
@@ -290,6 +346,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
     let resp = response(50_000, 7, 0);
     let (empty_tc, _) = lab.tc(programs::BASELINE_TC, &req, r)?;
     let (empty_xdp, _) = lab.xdp(programs::BASELINE_XDP, &resp, r)?;
+    let (reference_request, reference_reply) = lab.reference_requests_and_replies(fresh)?;
     let (mut empty_tc_1, mut empty_xdp_1) = (0.0, 0.0);
     for i in 0..o.fresh {
         let (port, id) = fresh_request(i);
@@ -336,6 +393,8 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             completed,
             completed_redirected,
             unmatched,
+            reference_request,
+            reference_reply,
         ],
         empty: vec![
             empty_tc_1,
@@ -345,12 +404,14 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             empty_xdp_1,
             empty_xdp_1,
             empty_xdp,
+            empty_tc_1,
+            empty_xdp_1,
         ],
     })
 }
 
 /// (program, case, method, one of the targets), in row order.
-const CASES: [(&str, &str, Method, bool); 7] = [
+const CASES: [(&str, &str, Method, bool); 9] = [
     ("egress (TC)", "tracked request", Method::PerPacket, true),
     ("egress (TC)", "redirected request", Method::PerPacket, true),
     ("egress (TC)", "packet for no backend", Method::Repeat, true),
@@ -373,7 +434,80 @@ const CASES: [(&str, &str, Method, bool); 7] = [
         Method::Repeat,
         false,
     ),
+    (
+        REFERENCE_TC,
+        REFERENCE_REQUEST_CASE,
+        Method::PerPacket,
+        false,
+    ),
+    (
+        REFERENCE_XDP,
+        REFERENCE_REPLY_CASE,
+        Method::PerPacket,
+        false,
+    ),
 ];
+
+const REFERENCE_TC: &str = "reference (TC)";
+const REFERENCE_XDP: &str = "reference (XDP)";
+const REFERENCE_REQUEST_CASE: &str = "request: one hash insert";
+const REFERENCE_REPLY_CASE: &str = "reply: one lookup and one delete";
+
+/// One of the selector's paths over the reference's, measured the same
+/// way in the same run.
+#[derive(Clone, Debug)]
+pub struct ReferenceRatio {
+    pub path: &'static str,
+    /// ns per packet over the reference's, with the small / large table.
+    pub small: f64,
+    pub large: f64,
+    /// The same with the empty program's time taken off both sides (the
+    /// work of the programs alone).
+    pub small_net: f64,
+    pub large_net: f64,
+}
+
+impl ReferenceRatio {
+    pub fn worst(&self) -> f64 {
+        self.small.max(self.large)
+    }
+}
+
+/// The request path (a new tracked request) over the reference request,
+/// and the reply path (the response that completes it) over the
+/// reference reply; none if the rows are missing.
+pub fn reference_ratios(costs: &[CostRow]) -> Vec<ReferenceRatio> {
+    let row = |program: &str, case: &str| {
+        costs
+            .iter()
+            .find(|c| c.program == program && c.case == case)
+    };
+    let ratio = |path, mine: Option<&CostRow>, base: Option<&CostRow>| {
+        let (m, b) = (mine?, base?);
+        Some(ReferenceRatio {
+            path,
+            small: m.small_ns / b.small_ns,
+            large: m.large_ns / b.large_ns,
+            small_net: (m.small_ns - m.empty_small_ns) / (b.small_ns - b.empty_small_ns),
+            large_net: (m.large_ns - m.empty_large_ns) / (b.large_ns - b.empty_large_ns),
+        })
+    };
+    [
+        ratio(
+            "request path (tracked request / reference request)",
+            row("egress (TC)", "tracked request"),
+            row(REFERENCE_TC, REFERENCE_REQUEST_CASE),
+        ),
+        ratio(
+            "reply path (response / reference reply)",
+            row("ingress (XDP)", "response"),
+            row(REFERENCE_XDP, REFERENCE_REPLY_CASE),
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
 
 fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
     ensure!(o.repeat > 0 && o.fresh > 0 && o.inflight_small < o.inflight_large);
@@ -390,9 +524,14 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();
     for fill in [o.inflight_small, o.inflight_large] {
-        let mut sel = Selector::load(&settings).context("loading the programs")?;
+        // The reference map holds the fill and the measured requests.
+        let reference_entries = o.inflight_large + o.fresh + 16;
+        let mut sel = Selector::load_with_reference(&settings, reference_entries)
+            .context("loading the programs")?;
         program::<SchedClassifier>(&mut sel, programs::BASELINE_TC)?.load()?;
         program::<Xdp>(&mut sel, programs::BASELINE_XDP)?.load()?;
+        program::<SchedClassifier>(&mut sel, programs::REFERENCE_REQUEST)?.load()?;
+        program::<Xdp>(&mut sel, programs::REFERENCE_REPLY)?.load()?;
         let mut lab = Lab {
             sel,
             filled: 0,

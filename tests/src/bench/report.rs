@@ -554,6 +554,16 @@ impl Report {
                 met: targeted.iter().all(|c| spread(c) <= 1.2),
             });
         }
+        for r in super::packet_cost::reference_ratios(&self.costs) {
+            t.push(Target {
+                name: format!("{} at most 1.5x", r.path),
+                measured: format!(
+                    "{:.2}x / {:.2}x (small / large table); without the empty program's time {:.2}x / {:.2}x",
+                    r.small, r.large, r.small_net, r.large_net
+                ),
+                met: r.worst() <= 1.5,
+            });
+        }
         t
     }
 
@@ -730,6 +740,21 @@ impl Report {
                 c.over_empty(),
                 c.large_over_small()
             );
+        }
+        let ratios = super::packet_cost::reference_ratios(&self.costs);
+        if !ratios.is_empty() {
+            let _ = writeln!(
+                md,
+                "\nAgainst the reference programs (target: at most 1.5x), small / large table; \
+                 in brackets without the empty program's time:\n"
+            );
+            for r in ratios {
+                let _ = writeln!(
+                    md,
+                    "- {}: {:.2}x / {:.2}x ({:.2}x / {:.2}x)",
+                    r.path, r.small, r.large, r.small_net, r.large_net
+                );
+            }
         }
     }
 

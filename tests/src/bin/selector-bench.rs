@@ -3,13 +3,18 @@
 //! the per-packet cost of the kernel programs. `--quick` runs a reduced
 //! version in under two minutes. Results go to `--out` (default
 //! `target/bench/`): results.md, results.csv, overload.csv, packet_cost.csv
-//! and PNG plots.
+//! and PNG plots. `--only throughput` (closed-loop throughput with the
+//! agent attached) and `--only scale` (64 groups of 8, a large in-flight
+//! table: sweep cost and agent CPU) write throughput.md and scale.md.
 
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use selector_testbed::bench::{self, packet_cost::CostOptions};
+use selector_testbed::bench::{
+    self, agent_process::agent_beside, packet_cost::CostOptions, scale::ScaleOptions,
+    throughput::ThroughputOptions,
+};
 use selector_user::IngressMode;
 
 #[derive(Parser)]
@@ -76,6 +81,8 @@ struct Args {
     ingress: String,
     /// Run only these rows (ids as in results.csv and overload.csv, or the
     /// part of an id before `_`, e.g. `overload`; comma-separated).
+    /// `throughput` and `scale` select those measurements; `cost`, which
+    /// names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Overload scenario: reads per second, all client processes together.
@@ -94,6 +101,27 @@ struct Args {
     /// Skip the per-packet cost measurement.
     #[arg(long)]
     skip_packet_cost: bool,
+    /// Throughput: concurrent closed-loop gets.
+    #[arg(long, default_value_t = 8)]
+    throughput_concurrency: usize,
+    /// Throughput: seconds per segment [default: 4, quick: 1].
+    #[arg(long)]
+    throughput_segment: Option<f64>,
+    /// Throughput: segments per row [default: 7, quick: 2].
+    #[arg(long)]
+    throughput_rounds: Option<usize>,
+    /// Scale: requests per second of the load.
+    #[arg(long, default_value_t = 100_000)]
+    scale_rate: u32,
+    /// Scale: the agent's --inflight-max.
+    #[arg(long, default_value_t = 1_048_576)]
+    scale_inflight_max: u32,
+    /// Scale: live requests planted for the in-process sweep timing [default: 1000000, quick: 100000].
+    #[arg(long)]
+    scale_planted: Option<u32>,
+    /// Scale: seconds of each agent CPU window [default: 10, quick: 3].
+    #[arg(long)]
+    scale_window: Option<f64>,
     /// Where results and plots go [default: target/bench in the workspace].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -171,6 +199,57 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
             .join(" "),
     };
+    // The measurements that are not rows of the stall experiment, run
+    // first when selected; the rest only if other ids are left.
+    let extra = ["throughput", "scale"];
+    let mut opts = opts;
+    let selected = |id: &str| opts.only.iter().any(|o| o == id);
+    let agent = agent_beside(&std::env::current_exe()?);
+    std::fs::create_dir_all(&out)?;
+    if selected("throughput") {
+        let t = bench::throughput::measure(
+            &ThroughputOptions {
+                concurrency: args.throughput_concurrency.max(1),
+                segment: Duration::from_secs_f64(
+                    args.throughput_segment
+                        .unwrap_or(pick(args.quick, 1.0, 4.0)),
+                ),
+                rounds: args
+                    .throughput_rounds
+                    .unwrap_or(pick(args.quick, 2, 7))
+                    .max(1),
+                keys: opts.keys,
+                agent: agent.clone(),
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("throughput.md"), t.markdown())?;
+        println!("{}", t.markdown());
+    }
+    if selected("scale") {
+        let s = bench::scale::measure(
+            &ScaleOptions {
+                inflight_max: args.scale_inflight_max.max(1),
+                planted: args
+                    .scale_planted
+                    .unwrap_or(pick(args.quick, 100_000, 1_000_000)),
+                rate: args.scale_rate,
+                window: Duration::from_secs_f64(
+                    args.scale_window.unwrap_or(pick(args.quick, 3.0, 10.0)),
+                ),
+                agent,
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("scale.md"), s.markdown())?;
+        println!("{}", s.markdown());
+    }
+    let had_only = !opts.only.is_empty();
+    opts.only.retain(|o| !extra.contains(&o.as_str()));
+    if had_only && opts.only.is_empty() {
+        println!("written to {}", out.display());
+        return Ok(());
+    }
     let report = bench::run(&opts)?;
     println!("{}", report.markdown());
     println!("written to {}", out.display());

@@ -1,0 +1,75 @@
+//! Reading a per-CPU array in a few system calls (BPF_MAP_LOOKUP_BATCH)
+//! instead of one per element: the latency histograms alone are
+//! 512 backends x 96 buckets, and one lookup each made the agent's
+//! per-interval snapshot cost more than everything else it does; the
+//! per-backend counters are 512 more each.
+
+use std::os::fd::{AsFd as _, AsRawFd as _};
+
+use anyhow::{Context as _, Result, bail};
+use aya::maps::Map;
+
+use crate::sys::lookup_batch;
+
+/// Elements asked for per call.
+const CHUNK: u32 = 4096;
+
+/// Elements `first..first + len` of the per-CPU array of `u64`s behind
+/// `map`, each summed over CPUs.
+pub fn sum_u64(map: &Map, first: u32, len: u32) -> Result<Vec<u64>> {
+    let mut out = Vec::with_capacity(len as usize);
+    for_each(map, first, len, |_, per_cpu: &[u64]| {
+        out.push(per_cpu.iter().sum());
+    })?;
+    Ok(out)
+}
+
+/// Calls `f` with each element `first..first + len` of the per-CPU array
+/// of `T`s behind `map`: its index and its value on every CPU.
+pub fn for_each<T: Copy + Default>(
+    map: &Map,
+    first: u32,
+    len: u32,
+    mut f: impl FnMut(u32, &[T]),
+) -> Result<()> {
+    let Map::PerCpuArray(data) = map else {
+        bail!("not a per-CPU array");
+    };
+    // The kernel lays per-CPU values out at 8-byte strides.
+    if !size_of::<T>().is_multiple_of(8) {
+        bail!("per-CPU values of {} bytes", size_of::<T>());
+    }
+    let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+    let fd = data.fd().as_fd().as_raw_fd();
+    let mut keys = vec![0u32; CHUNK as usize];
+    let mut values = vec![T::default(); CHUNK as usize * cpus];
+    // An array's batch cursor is the last key read; none: from key 0.
+    let mut cursor = first.checked_sub(1);
+    let mut seen = 0u32;
+    while seen < len {
+        let want = CHUNK.min(len - seen);
+        // SAFETY: room for `want` keys and `want` values on every CPU.
+        let (filled, next, done) = unsafe {
+            lookup_batch(
+                fd,
+                cursor,
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                want,
+            )
+        }
+        .context("BPF_MAP_LOOKUP_BATCH")?;
+        for per_cpu in values.chunks_exact(cpus).take(filled.min(want as usize)) {
+            f(first + seen, per_cpu);
+            seen += 1;
+        }
+        if done || filled == 0 {
+            break;
+        }
+        cursor = Some(next);
+    }
+    if seen < len {
+        bail!("BPF_MAP_LOOKUP_BATCH returned {seen} of {len} elements");
+    }
+    Ok(())
+}
