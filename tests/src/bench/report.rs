@@ -90,6 +90,18 @@ pub struct RowResult {
     /// Overload rows: datagrams the replicas' hosts dropped because the
     /// memcached socket's receive buffer was full (UDP RcvbufErrors).
     pub replica_buffer_drops: Option<u64>,
+    /// Each appended segment (round) on its own: p99, p99.9 and p99.99
+    /// (microseconds) and reads lost.
+    pub rounds: Vec<Round>,
+}
+
+/// One round (segment) of a row on its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Round {
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub p9999_us: u64,
+    pub lost: u64,
 }
 
 impl RowResult {
@@ -109,6 +121,7 @@ impl RowResult {
             hosts: Vec::new(),
             kernel: None,
             replica_buffer_drops: None,
+            rounds: Vec::new(),
         }
     }
 
@@ -166,6 +179,12 @@ impl RowResult {
     /// Appends a later segment of the same row: its time series after this
     /// one's (time then counts load time, segment after segment).
     pub fn append(&mut self, seg: RowResult) -> Result<()> {
+        self.rounds.push(Round {
+            p99_us: seg.us(0.99),
+            p999_us: seg.us(0.999),
+            p9999_us: seg.us(0.9999),
+            lost: seg.counts.lost,
+        });
         let offset_ms = self.duration.as_millis() as usize;
         let offset = self.duration.as_secs_f64();
         self.hist.add(&seg.hist).context("merging histograms")?;
@@ -216,6 +235,13 @@ impl RowResult {
 
     pub fn served_totals(&self) -> Vec<u64> {
         self.served.iter().map(|s| s.iter().sum()).collect()
+    }
+
+    /// The median over rounds of `of` (the lower middle of an even count).
+    pub fn round_median(&self, of: impl Fn(&Round) -> u64) -> Option<u64> {
+        let mut v: Vec<u64> = self.rounds.iter().map(of).collect();
+        v.sort_unstable();
+        v.get(v.len().saturating_sub(1) / 2).copied()
     }
 
     /// Each replica's share of the answered reads.
@@ -730,6 +756,7 @@ impl Report {
                 r.counts.lost
             );
         }
+        self.rounds_markdown(md);
         let _ = writeln!(md, "\n## Ratios (lower is better)\n");
         let _ = writeln!(
             md,
@@ -901,7 +928,8 @@ impl Report {
              p99_vs_primary,p999_vs_primary,p99_vs_no_stall,p999_vs_no_stall,\
              sent,received,lost,wrong,late,retries,max_send_lag_us,stalls,\
              kernel_requests,kernel_redirected,p9999_us,kernel_hedges_sent,kernel_hedges_won,\
-             offered_per_s\n",
+             offered_per_s,rounds,median_round_p99_us,median_round_p999_us,median_round_p9999_us,\
+             rounds_with_lost\n",
         );
         for r in &self.rows {
             let primary = self.row_at(&Row::PrimaryOnly, r.offered);
@@ -914,9 +942,11 @@ impl Report {
                 base.map_or(String::new(), |b| format!("{:.4}", ratio(r.us(q), b.us(q))))
             };
             let k = r.kernel.unwrap_or_default();
+            let median =
+                |of: fn(&Round) -> u64| r.round_median(of).map_or(String::new(), |v| v.to_string());
             let _ = writeln!(
                 out,
-                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 r.id(),
                 r.label().replace(',', ";"),
                 r.rate(),
@@ -949,7 +979,12 @@ impl Report {
                 r.us(0.9999),
                 k.hedges_sent,
                 k.hedges_won,
-                r.offered
+                r.offered,
+                r.rounds.len(),
+                median(|x| x.p99_us),
+                median(|x| x.p999_us),
+                median(|x| x.p9999_us),
+                r.rounds.iter().filter(|x| x.lost > 0).count()
             );
         }
         out
@@ -995,6 +1030,40 @@ impl Report {
             }
         }
         out
+    }
+
+    /// Each row's median round: a busy moment of a shared machine (a
+    /// second-long pause loses reads, recorded at the timeout) moves the
+    /// whole row's tail, but only its own round's.
+    fn rounds_markdown(&self, md: &mut String) {
+        if self.rows.iter().all(|r| r.rounds.len() < 2) {
+            return;
+        }
+        let _ = writeln!(md, "\n## Median round\n");
+        let _ = writeln!(
+            md,
+            "Each row's percentiles in each round on its own, then the median over its rounds; \
+             *rounds with lost reads*: rounds in which a read was not answered within the request \
+             timeout (a pause of the machine, or of a replica).\n"
+        );
+        let _ = writeln!(
+            md,
+            "| policy | rounds | median p99 | median p99.9 | median p99.99 | rounds with lost reads |"
+        );
+        let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|");
+        for r in &self.rows {
+            let median = |of: fn(&Round) -> u64| r.round_median(of).map_or("-".into(), format_us);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} |",
+                r.label(),
+                r.rounds.len(),
+                median(|x| x.p99_us),
+                median(|x| x.p999_us),
+                median(|x| x.p9999_us),
+                r.rounds.iter().filter(|x| x.lost > 0).count()
+            );
+        }
     }
 
     fn herding_markdown(&self, md: &mut String) {
@@ -1214,6 +1283,20 @@ mod tests {
         report.rows.truncate(1);
         assert_eq!(report.row(&Row::NoStall).unwrap().id(), "no_stall");
         assert!(report.row_at(&Row::NoStall, 2000).is_none());
+    }
+
+    #[test]
+    fn the_median_round_ignores_one_bad_round() {
+        let mut r = RowResult::new(Row::NoStall, None, 4000, Duration::ZERO);
+        for us in [900, 1_000_000, 1000] {
+            let mut seg = RowResult::new(Row::NoStall, None, 4000, Duration::from_millis(10));
+            seg.hist.record(us).unwrap();
+            r.append(seg).unwrap();
+        }
+        assert_eq!(r.rounds.len(), 3);
+        let median = r.round_median(|x| x.p99_us).unwrap();
+        assert!((999..=1001).contains(&median), "{median}");
+        assert!(r.us(0.99) > 900_000);
     }
 
     #[test]
