@@ -6,6 +6,9 @@
 //! client 10.77.0.1 (eth0) --- [switch: br0] --- replica i 10.77.0.(10+i) (eth0)
 //!        fd77::1                                          fd77::(10+i)
 //! ```
+//!
+//! `with_clients` adds more client hosts, 10.77.0.(1+k), for experiments
+//! with several independent client hosts (each with its own selector).
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 
@@ -36,12 +39,22 @@ pub fn switch_port(host: usize) -> String {
     format!("p{host}")
 }
 
+/// Client hosts a testbed can have: 10.77.0.1 to .9, below the replicas.
+pub const MAX_CLIENTS: usize = 9;
+
+/// Client host `k`'s address (0 is `CLIENT_ADDR`).
+pub fn client_addr(k: usize) -> Ipv4Addr {
+    Ipv4Addr::new(10, 77, 0, 1 + k as u8)
+}
+
 /// Namespaces and replicas; everything goes away on drop (replicas first).
 pub struct Testbed {
     pub replicas: Vec<Replica>,
     /// Replica i serves on `MEMCACHED_PORT + i * port_step` (0: all alike).
     pub port_step: u16,
     pub client: Namespace,
+    /// Client hosts 1.. (`with_clients`), at `client_addr(k)`.
+    pub more_clients: Vec<Namespace>,
     pub replica_ns: Vec<Namespace>,
     pub switch: Namespace,
     /// Every host has its fd77::/64 address too; memcached listens on both.
@@ -71,29 +84,13 @@ impl Testbed {
             )
             .collect();
         for (port, (ns, addr)) in hosts.iter().enumerate() {
-            let peer = switch_port(port);
-            // Create the pair inside the switch so no name touches the host.
-            switch.ip(&[
-                "link",
-                "add",
-                &peer,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                CLIENT_IFACE,
-                "netns",
-                &ns.name,
-            ])?;
-            switch.ip(&["link", "set", &peer, "master", "br0", "up"])?;
-            ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", CLIENT_IFACE])?;
-            ns.ip(&["link", "set", CLIENT_IFACE, "up"])?;
-            ns.exec("ethtool", &["-K", CLIENT_IFACE, "rx", "off", "tx", "off"])?;
+            plug(&switch, &switch_port(port), ns, *addr)?;
         }
         Ok(Self {
             replicas: Vec::new(),
             port_step: 0,
             client,
+            more_clients: Vec::new(),
             replica_ns,
             switch,
             dual_stack: false,
@@ -123,6 +120,29 @@ impl Testbed {
         }
         tb.dual_stack = true;
         Ok(tb)
+    }
+
+    /// A testbed with `clients` client hosts (at most `MAX_CLIENTS`): the
+    /// client and `clients - 1` more, each on its own switch port.
+    pub fn with_clients(prefix: &str, replicas: usize, clients: usize) -> Result<Self> {
+        if clients > MAX_CLIENTS {
+            anyhow::bail!("at most {MAX_CLIENTS} client hosts");
+        }
+        let mut tb = Self::new(prefix, replicas)?;
+        let tag = unique_tag();
+        for k in 1..clients {
+            let ns = Namespace::create(&format!("{prefix}-{tag}-c{k}"))?;
+            plug(&tb.switch, &format!("h{k}"), &ns, client_addr(k))?;
+            tb.more_clients.push(ns);
+        }
+        Ok(tb)
+    }
+
+    /// Every client host, the client first.
+    pub fn clients(&self) -> Vec<&Namespace> {
+        std::iter::once(&self.client)
+            .chain(&self.more_clients)
+            .collect()
     }
 
     /// A testbed with memcached on every replica and `keys` keys preloaded.
@@ -174,6 +194,15 @@ impl Testbed {
             .collect()
     }
 
+    /// The replicas' IPv4 endpoints as one group of `SocketAddr`s, as
+    /// `Settings` takes them.
+    pub fn replica_group(&self) -> Vec<SocketAddr> {
+        self.replica_endpoints()
+            .into_iter()
+            .map(SocketAddr::from)
+            .collect()
+    }
+
     /// The replicas' IPv6 endpoints (same ports), for a `dual_stack` testbed.
     pub fn replica_endpoints6(&self) -> Vec<SocketAddr> {
         self.replica_endpoints()
@@ -191,6 +220,29 @@ impl Testbed {
         }
         Ok(total)
     }
+}
+
+/// Connects `ns` to the switch's bridge on port `port` as `addr`/24 on
+/// `CLIENT_IFACE`, with checksum offloads off.
+fn plug(switch: &Namespace, port: &str, ns: &Namespace, addr: Ipv4Addr) -> Result<()> {
+    // Create the pair inside the switch so no name touches the host.
+    switch.ip(&[
+        "link",
+        "add",
+        port,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        CLIENT_IFACE,
+        "netns",
+        &ns.name,
+    ])?;
+    switch.ip(&["link", "set", port, "master", "br0", "up"])?;
+    ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", CLIENT_IFACE])?;
+    ns.ip(&["link", "set", CLIENT_IFACE, "up"])?;
+    ns.exec("ethtool", &["-K", CLIENT_IFACE, "rx", "off", "tx", "off"])?;
+    Ok(())
 }
 
 impl Drop for Testbed {

@@ -1,5 +1,6 @@
 //! The benchmark's machinery (`cargo xtask bench --quick`) on a tiny load,
-//! so the benchmark cannot rot: every row (the overload scenario's too),
+//! so the benchmark cannot rot: every row (the overload scenario's and the
+//! herding rows' from several client hosts too),
 //! the per-packet cost, the report and the plots are produced, and nothing
 //! is left behind. It asserts that everything appears, never timings.
 
@@ -60,6 +61,16 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         );
     }
     assert!(md.contains("## Targets"), "{md}");
+    assert!(md.contains("## Several client hosts: herding"), "{md}");
+    // Each herding row over all hosts, then each of the 4 hosts.
+    let herding = read("herding.csv");
+    for row in Row::herding() {
+        let lines = herding
+            .lines()
+            .filter(|l| l.starts_with(&format!("{},", row.id())))
+            .count();
+        assert_eq!(lines, 1 + 4, "{herding}");
+    }
     let overload = read("overload.csv");
     for row in Row::overload(32) {
         assert!(

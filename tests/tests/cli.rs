@@ -163,10 +163,7 @@ fn failed_attach_detaches_what_it_attached() {
     // on TCX, which `run` would refuse before attaching anything).
     let settings = Settings {
         threshold: 1,
-        ..Settings::new(
-            CLIENT_IFACE,
-            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
-        )
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
     };
     let holder = tb
         .client

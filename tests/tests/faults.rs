@@ -35,10 +35,7 @@ fn settings(tb: &Testbed) -> Settings {
     Settings {
         threshold: 2,
         timeout: TIMEOUT,
-        ..Settings::new(
-            CLIENT_IFACE,
-            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
-        )
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
     }
 }
 

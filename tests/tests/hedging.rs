@@ -45,7 +45,7 @@ fn group(tb: &Testbed) -> Vec<SocketAddr> {
     if tb.dual_stack {
         tb.replica_endpoints6()
     } else {
-        tb.replica_endpoints().into_iter().map(Into::into).collect()
+        tb.replica_group()
     }
 }
 

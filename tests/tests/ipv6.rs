@@ -187,7 +187,7 @@ fn without_known_next_hops_ipv6_reads_go_through_redirect_neigh() {
 /// primaries stall: each group's reads leave it, every reply arrives, and
 /// each group's replies completed its own requests.
 fn both_families_leave_a_stalled_primary(tb: &Testbed) {
-    let v4: Vec<SocketAddr> = tb.replica_endpoints().into_iter().map(Into::into).collect();
+    let v4: Vec<SocketAddr> = tb.replica_group();
     let v6 = tb.replica_endpoints6();
     let running = SweptSelector::start(tb, settings(vec![v4.clone(), v6.clone()], IngressMode::Tc));
     let reports = loads_with_stall(tb, &[v4[0], v6[0]], 1500);
@@ -295,7 +295,7 @@ fn the_binary_takes_ipv6_groups_next_to_ipv4_ones_and_refuses_a_mixed_one() {
             .collect::<Vec<_>>()
             .join(",")
     };
-    let v4: Vec<SocketAddr> = tb.replica_endpoints().into_iter().map(Into::into).collect();
+    let v4: Vec<SocketAddr> = tb.replica_group();
     let v6 = tb.replica_endpoints6();
     let mixed = format!("{},{}", v4[0], v6[1]);
     let (code, out) = agent::run_selector(

@@ -2,13 +2,19 @@
 //! client on a connected UDP socket: the selector steers reads away from a
 //! stalled primary, replies still come from the primary's address with the
 //! right values, observe mode never rewrites, the latency policy moves
-//! reads by expected wait, and pending counts drain to exactly zero.
+//! reads by expected wait, `--tie-break random` spreads the reads leaving a
+//! stalled primary over equally loaded replicas (and `first` does not), and
+//! pending counts drain to exactly zero.
 
 use std::{thread, time::Duration};
 
-use selector_common::Policy;
+use selector_common::{Policy, TieBreak};
 use selector_testbed::{
-    LoadSpec, Testbed, agent::SweptSelector, preload, run_load, topology::CLIENT_IFACE,
+    LoadSpec, MemcachedClient, Testbed,
+    agent::SweptSelector,
+    memcached::{frame, key_for, value_for},
+    preload, run_load,
+    topology::CLIENT_IFACE,
 };
 use selector_user::{IngressMode, Settings};
 
@@ -34,10 +40,7 @@ fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duratio
         threshold: 2,
         timeout,
         ingress,
-        ..Settings::new(
-            CLIENT_IFACE,
-            vec![tb.replica_endpoints().into_iter().map(Into::into).collect()],
-        )
+        ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
     }
 }
 
@@ -340,4 +343,96 @@ fn latency_policy_steers_away_from_a_stalled_primary_and_every_reply_arrives() {
     assert_eq!(wait_for_zero_pending(&running, timeout), vec![0, 0, 0]);
     let total_responses: u64 = stats.iter().map(|s| s.responses).sum();
     assert_eq!(total_responses, report.sent);
+}
+
+/// Where the reads leaving a stopped primary go, with four idle replicas.
+/// One read is sent to the stopped primary and left pending, so every
+/// later read leaves it. Then 400 gets, one at a time on a connected
+/// socket to the primary, each sent after the previous reply: whenever a
+/// read moves, every replica has nothing pending (a four-way tie), however
+/// this machine schedules the client. Returns, per replica, the kernel's
+/// `redirected_to`, checked against the UDP datagrams its host received.
+fn redirects_with_primary_stopped(prefix: &str, tie_break: TieBreak) -> Vec<u64> {
+    const READS: u64 = 400;
+    let tb = Testbed::with_memcached(prefix, 5, KEYS).expect("testbed");
+    // Longer than the test: the stuck read stays pending until resumed.
+    let timeout = Duration::from_secs(10);
+    let running = SweptSelector::start(
+        &tb,
+        Settings {
+            policy: Policy::Threshold,
+            threshold: 1,
+            tie_break,
+            timeout,
+            ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
+        },
+    );
+    let received = |tb: &Testbed| -> Vec<u64> {
+        tb.replica_ns[1..]
+            .iter()
+            .map(|ns| ns.snmp("Udp", "InDatagrams").unwrap())
+            .collect()
+    };
+    let before = received(&tb);
+    tb.replicas[0].stop();
+    let primary = tb.replica_endpoints()[0];
+    // The stuck read's socket stays open until its reply has come.
+    let (_stuck, answered) = tb
+        .client
+        .run(move || {
+            let stuck = MemcachedClient::connect(primary).unwrap();
+            stuck
+                .socket
+                .send(&frame(0x5555, format!("get {}\r\n", key_for(1)).as_bytes()))
+                .unwrap();
+            let client = MemcachedClient::connect(primary).unwrap();
+            let answered = (0..READS as usize)
+                .filter(|i| {
+                    let key = i % KEYS;
+                    client
+                        .get(&key_for(key))
+                        .is_ok_and(|v| v == Some(value_for(key).into_bytes()))
+                })
+                .count();
+            (stuck, answered)
+        })
+        .unwrap();
+    tb.replicas[0].resume();
+    let redirected_to = {
+        let sel = running.selector.lock().unwrap();
+        let stats = sel.stats().unwrap();
+        assert_eq!(stats[0].redirected_away, READS, "{stats:?}");
+        stats[1..]
+            .iter()
+            .map(|s| s.redirected_to)
+            .collect::<Vec<u64>>()
+    };
+    assert_eq!(
+        answered, READS as usize,
+        "every get answered with its value"
+    );
+    assert_eq!(redirected_to.iter().sum::<u64>(), READS);
+    // The selector's counts are what happened on the wire.
+    let after = received(&tb);
+    let datagrams: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(
+        datagrams, redirected_to,
+        "datagrams each replica's host received"
+    );
+    assert_eq!(wait_for_zero_pending(&running, timeout), vec![0; 5]);
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+    redirected_to
+}
+
+#[test]
+fn random_tie_break_spreads_reads_leaving_a_stopped_primary_over_idle_replicas() {
+    let random = redirects_with_primary_stopped("seltr", TieBreak::Random);
+    // About 100 each; 60 (15%) is more than 4 binomial standard
+    // deviations (8.7) below that.
+    for (replica, n) in random.iter().enumerate() {
+        assert!(*n >= 60, "replica {}: {random:?}", replica + 1);
+    }
+    // `first`: BookKeeper's first strict minimum, every time.
+    let first = redirects_with_primary_stopped("seltf", TieBreak::First);
+    assert_eq!(first, vec![400, 0, 0, 0]);
 }

@@ -138,7 +138,7 @@ fn replica_rates(
             .caption(
                 format!(
                     "{}: reads/s per replica ({} ms bins, by send time; red: primary stalled)",
-                    row.row.label(),
+                    row.label(),
                     bin_ms
                 ),
                 ("sans-serif", 18),
@@ -235,7 +235,7 @@ fn latency_cdf(path: &Path, rows: &[RowResult]) -> Result<()> {
             })
             .collect();
         let width = if r.row.selector().is_some() { 3 } else { 2 };
-        draw_line(&mut chart, points, i, width, r.row.label())?;
+        draw_line(&mut chart, points, i, width, r.label())?;
     }
     draw_legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     root.present()?;

@@ -68,6 +68,10 @@ impl KernelCounts {
 #[derive(Clone, Debug)]
 pub struct RowResult {
     pub row: Row,
+    /// The row's own rate (`--only ID@RATE`), if not the benchmark's.
+    pub at: Option<u32>,
+    /// Reads per second asked of all client processes together.
+    pub offered: u32,
     pub duration: Duration,
     /// Latency from the intended send time, microseconds.
     pub hist: Histogram<u64>,
@@ -80,16 +84,33 @@ pub struct RowResult {
     pub served: Vec<Vec<u64>>,
     /// Stalls of the primary, seconds from the start of the load.
     pub stalls: Vec<(f64, f64)>,
+    /// Rows with several client hosts: latency per host, in host order.
+    pub hosts: Vec<Histogram<u64>>,
     pub kernel: Option<KernelCounts>,
     /// Overload rows: datagrams the replicas' hosts dropped because the
     /// memcached socket's receive buffer was full (UDP RcvbufErrors).
     pub replica_buffer_drops: Option<u64>,
+    /// Each appended segment (round) on its own: p99, p99.9 and p99.99
+    /// (microseconds) and reads lost.
+    pub rounds: Vec<Round>,
+}
+
+/// One round (segment) of a row on its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Round {
+    pub p99_us: u64,
+    pub p999_us: u64,
+    pub p9999_us: u64,
+    pub lost: u64,
 }
 
 impl RowResult {
-    pub fn new(row: Row, duration: Duration) -> Self {
+    /// A row run at `offered` reads/s, its own rate if `at` is set.
+    pub fn new(row: Row, at: Option<u32>, offered: u32, duration: Duration) -> Self {
         Self {
             row,
+            at,
+            offered,
             duration,
             hist: histogram(),
             rejected_hist: histogram(),
@@ -97,9 +118,35 @@ impl RowResult {
             counts: Counts::default(),
             served: Vec::new(),
             stalls: Vec::new(),
+            hosts: Vec::new(),
             kernel: None,
             replica_buffer_drops: None,
+            rounds: Vec::new(),
         }
+    }
+
+    /// The row's id, with `@RATE` if it ran at its own rate.
+    pub fn id(&self) -> String {
+        match self.at {
+            Some(rate) => format!("{}@{rate}", self.row.id()),
+            None => self.row.id(),
+        }
+    }
+
+    /// The row's label, with the rate if it ran at its own.
+    pub fn label(&self) -> String {
+        match self.at {
+            Some(rate) => format!("{} at {rate}/s", self.row.label()),
+            None => self.row.label(),
+        }
+    }
+
+    /// Merges one client host's report: into the row, and as that host's
+    /// own latency.
+    pub fn add_host(&mut self, r: &ClientReport, hist: &Histogram<u64>) -> Result<()> {
+        self.add(r, hist)?;
+        self.hosts.push(hist.clone());
+        Ok(())
     }
 
     /// Merges one client process's report.
@@ -132,6 +179,12 @@ impl RowResult {
     /// Appends a later segment of the same row: its time series after this
     /// one's (time then counts load time, segment after segment).
     pub fn append(&mut self, seg: RowResult) -> Result<()> {
+        self.rounds.push(Round {
+            p99_us: seg.us(0.99),
+            p999_us: seg.us(0.999),
+            p9999_us: seg.us(0.9999),
+            lost: seg.counts.lost,
+        });
         let offset_ms = self.duration.as_millis() as usize;
         let offset = self.duration.as_secs_f64();
         self.hist.add(&seg.hist).context("merging histograms")?;
@@ -153,6 +206,12 @@ impl RowResult {
         }
         self.stalls
             .extend(seg.stalls.iter().map(|(a, b)| (a + offset, b + offset)));
+        if self.hosts.len() < seg.hosts.len() {
+            self.hosts.resize(seg.hosts.len(), histogram());
+        }
+        for (mine, theirs) in self.hosts.iter_mut().zip(&seg.hosts) {
+            mine.add(theirs).context("merging histograms")?;
+        }
         self.kernel = match (self.kernel, seg.kernel) {
             (Some(mut k), Some(s)) => {
                 k.add(&s);
@@ -178,14 +237,41 @@ impl RowResult {
         self.served.iter().map(|s| s.iter().sum()).collect()
     }
 
+    /// The median over rounds of `of` (the lower middle of an even count).
+    pub fn round_median(&self, of: impl Fn(&Round) -> u64) -> Option<u64> {
+        let mut v: Vec<u64> = self.rounds.iter().map(of).collect();
+        v.sort_unstable();
+        v.get(v.len().saturating_sub(1) / 2).copied()
+    }
+
     /// Each replica's share of the answered reads.
     pub fn shares(&self) -> Vec<f64> {
-        let totals = self.served_totals();
-        let all: u64 = totals.iter().sum();
-        totals
+        shares_of(&self.served_totals())
+    }
+
+    /// Per replica, the reads it answered of those sent while the primary
+    /// was stalled (by intended send time, in whole 1 ms bins that overlap
+    /// a stall).
+    pub fn served_in_stalls(&self) -> Vec<u64> {
+        let in_stall = |ms: usize| {
+            let (from, to) = (ms as f64 / 1000.0, (ms + 1) as f64 / 1000.0);
+            self.stalls.iter().any(|(a, b)| from < *b && to > *a)
+        };
+        self.served
             .iter()
-            .map(|t| *t as f64 / all.max(1) as f64)
+            .map(|bins| {
+                bins.iter()
+                    .enumerate()
+                    .filter(|(ms, _)| in_stall(*ms))
+                    .map(|(_, n)| n)
+                    .sum()
+            })
             .collect()
+    }
+
+    /// Each replica's share of the reads sent while the primary stalled.
+    pub fn shares_in_stalls(&self) -> Vec<f64> {
+        shares_of(&self.served_in_stalls())
     }
 
     /// Share of reads answered by a replica other than the primary.
@@ -245,7 +331,7 @@ impl RowResult {
             return format!(
                 "{:<32} sent {} values {} SERVER_ERROR {} lost {}; rejected p50 {r50} p99 {r99} max {rmax}; \
                  stop window p50 {w50} p99 {w99} max {wmax}",
-                self.row.label(),
+                self.label(),
                 self.counts.sent,
                 self.values(),
                 self.counts.rejected,
@@ -256,13 +342,22 @@ impl RowResult {
         format!(
             "{:<32} {:>7.0}/s p50 {p50:>8} p99 {p99:>8} p99.9 {p999:>8} p99.99 {p9999:>8} max {max:>8} \
              redirected {:>5.1}% hedged {:>4.2}% lost {}",
-            self.row.label(),
+            self.label(),
             self.rate(),
             100.0 * self.redirected(),
             100.0 * self.extra_reads().unwrap_or(0.0),
             self.counts.lost
         )
     }
+}
+
+/// Each count's share of their sum.
+fn shares_of(counts: &[u64]) -> Vec<f64> {
+    let all: u64 = counts.iter().sum();
+    counts
+        .iter()
+        .map(|n| *n as f64 / all.max(1) as f64)
+        .collect()
 }
 
 pub fn format_us(us: u64) -> String {
@@ -326,6 +421,8 @@ impl Machine {
 
 pub struct Report {
     pub command: String,
+    /// The benchmark's rate (`--rate`); rows with their own carry theirs.
+    pub default_rate: u32,
     pub parameters: String,
     pub machine: Machine,
     pub rows: Vec<RowResult>,
@@ -350,7 +447,8 @@ impl Report {
             "{}{} rows of {:.0} s each (in {} interleaved rounds); {} reads/s from {} client processes on connected UDP sockets; \
              the primary stopped (SIGSTOP) for {} ms every {} ms; slow list: speculative timeout {} ms, \
              expiry {} ms; thresholds {:?} (selector and client reorder), absolute {}; {} keys; \
-             request timeout {} ms",
+             request timeout {} ms; rows marked *at N/s* run at N reads/s instead; the herding rows \
+             from {} client hosts with one client process and one selector each",
             if opts.quick { "quick mode: " } else { "" },
             rows.len(),
             opts.duration.as_secs_f64(),
@@ -365,6 +463,7 @@ impl Report {
             opts.absolute_threshold,
             opts.keys,
             opts.drain.as_millis(),
+            opts.herding_hosts,
         );
         let overload_parameters = format!(
             "{}{} reads/s from {} client processes for {:.1} s per row, every replica stopped \
@@ -380,6 +479,7 @@ impl Report {
         );
         Self {
             command: opts.command.clone(),
+            default_rate: opts.rate,
             parameters,
             machine: Machine::this(),
             rows,
@@ -389,37 +489,67 @@ impl Report {
         }
     }
 
+    /// `row` at the benchmark's rate.
     pub fn row(&self, row: &Row) -> Option<&RowResult> {
-        self.rows.iter().find(|r| &r.row == row)
+        self.row_at(row, self.default_rate)
+    }
+
+    /// `row` at `offered` reads/s: under its own id if it has one there,
+    /// else the benchmark's row if that ran at this rate.
+    pub fn row_at(&self, row: &Row, offered: u32) -> Option<&RowResult> {
+        let at = |r: &&RowResult| &r.row == row && r.offered == offered;
+        let mut found = self.rows.iter().filter(at);
+        let first = found.next()?;
+        Some(found.find(|r| r.at.is_some()).unwrap_or(first))
     }
 
     /// The selector threshold row with the lowest p99 (then p99.9).
     pub fn best_selector(&self) -> Option<&RowResult> {
         self.rows
             .iter()
-            .filter(|r| r.row.is_selector_threshold())
+            .filter(|r| r.row.is_selector_threshold() && r.offered == self.default_rate)
             .min_by_key(|r| (r.us(0.99), r.us(0.999)))
     }
 
     pub fn targets(&self) -> Vec<Target> {
         let mut t = self.stall_targets();
         t.extend(self.hedge_targets());
+        t.extend(self.latency_targets());
         t
+    }
+
+    /// Issue 8's target for the latency policy: at every rate it ran at,
+    /// p99 within 1.2x of the no-stall p99 at the same rate.
+    pub fn latency_targets(&self) -> Vec<Target> {
+        self.rows
+            .iter()
+            .filter(|r| matches!(r.row, Row::Latency(_)))
+            .filter_map(|r| {
+                let nostall = self.row_at(&Row::NoStall, r.offered)?;
+                Some(Target::at_most(
+                    format!("{}: p99 within 1.2x of the no-stall p99", r.label()),
+                    "",
+                    r.us(0.99),
+                    nostall.us(0.99),
+                    1.2,
+                ))
+            })
+            .collect()
     }
 
     /// Issue 8's targets for each hedged row, against threshold 1 without
     /// hedging (the same policy), primary only and no stall, in this run.
     pub fn hedge_targets(&self) -> Vec<Target> {
         let mut t = Vec::new();
-        let (Some(plain), Some(nostall), Some(primary)) = (
-            self.row(&Row::Threshold(1)),
-            self.row(&Row::NoStall),
-            self.row(&Row::PrimaryOnly),
-        ) else {
-            return t;
-        };
         for r in self.rows.iter().filter(|r| matches!(r.row, Row::Hedged(_))) {
-            let who = r.row.label();
+            let (Some(plain), Some(nostall), Some(primary)) = (
+                self.row_at(&Row::Threshold(1), r.offered),
+                self.row_at(&Row::NoStall, r.offered),
+                self.row_at(&Row::PrimaryOnly, r.offered),
+            ) else {
+                continue;
+            };
+            let who = r.label();
             let p999 = r.us(0.999);
             t.push(Target::at_most(
                 format!("{who}: p99.9 at most 2x the no-stall p99.9"),
@@ -437,7 +567,7 @@ impl Report {
                 t.push(Target {
                     name: format!(
                         "{who}: {what} at least {factor}x lower than {}",
-                        base.row.label()
+                        base.label()
                     ),
                     measured: format!(
                         "{} vs {} = {:.1}x lower",
@@ -473,7 +603,7 @@ impl Report {
             return t;
         };
         let b99 = best.us(0.99);
-        let who = best.row.label();
+        let who = best.label();
         t.push(Target::at_most(
             "selector p99 (best threshold) within 1.2x of the no-stall p99".into(),
             &format!("{who}: "),
@@ -625,7 +755,7 @@ impl Report {
             let _ = writeln!(
                 md,
                 "| {} | {:.0} | {} | {:.1}% | {} | {} | {} | {} |",
-                r.row.label(),
+                r.label(),
                 r.rate(),
                 r.latencies().join(" | "),
                 100.0 * r.redirected(),
@@ -636,21 +766,27 @@ impl Report {
                 r.counts.lost
             );
         }
+        self.rounds_markdown(md);
         let _ = writeln!(md, "\n## Ratios (lower is better)\n");
+        let _ = writeln!(
+            md,
+            "Against primary only and no stall at the same rate (`-`: not run at it).\n"
+        );
         let _ = writeln!(
             md,
             "| policy | p99 / primary only | p99.9 / primary only | p99 / no stall | p99.9 / no stall |"
         );
         let _ = writeln!(md, "|---|---:|---:|---:|---:|");
-        let (primary, nostall) = (self.row(&Row::PrimaryOnly), self.row(&Row::NoStall));
         for r in &self.rows {
+            let primary = self.row_at(&Row::PrimaryOnly, r.offered);
+            let nostall = self.row_at(&Row::NoStall, r.offered);
             let vs = |base: Option<&RowResult>, q: f64| {
                 base.map_or("-".into(), |b| format!("{:.3}", ratio(r.us(q), b.us(q))))
             };
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} |",
-                r.row.label(),
+                r.label(),
                 vs(primary, 0.99),
                 vs(primary, 0.999),
                 vs(nostall, 0.99),
@@ -667,6 +803,7 @@ impl Report {
                 t.measured
             );
         }
+        self.herding_markdown(md);
     }
 
     fn overload_markdown(&self, md: &mut String) {
@@ -694,7 +831,7 @@ impl Report {
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} | {} | {} |",
-                r.row.label(),
+                r.label(),
                 r.counts.sent,
                 r.values(),
                 r.counts.rejected,
@@ -793,7 +930,7 @@ impl Report {
                 md,
                 "- {}: sent {}, answered {} ({} SERVER_ERROR), lost {}, wrong values {}, late replies {}, retries {}, \
                  sends over 1 ms late {} (at most {}), {} stalls{buffers}{}",
-                r.row.label(),
+                r.label(),
                 r.counts.sent,
                 r.counts.received,
                 r.counts.rejected,
@@ -815,10 +952,13 @@ impl Report {
              share_r0,share_r1,share_r2,gap_r0_ms,gap_r1_ms,gap_r2_ms,\
              p99_vs_primary,p999_vs_primary,p99_vs_no_stall,p999_vs_no_stall,\
              sent,received,lost,wrong,late,retries,max_send_lag_us,stalls,\
-             kernel_requests,kernel_redirected,p9999_us,kernel_hedges_sent,kernel_hedges_won\n",
+             kernel_requests,kernel_redirected,p9999_us,kernel_hedges_sent,kernel_hedges_won,\
+             offered_per_s,rounds,median_round_p99_us,median_round_p999_us,median_round_p9999_us,\
+             rounds_with_lost\n",
         );
-        let (primary, nostall) = (self.row(&Row::PrimaryOnly), self.row(&Row::NoStall));
         for r in &self.rows {
+            let primary = self.row_at(&Row::PrimaryOnly, r.offered);
+            let nostall = self.row_at(&Row::NoStall, r.offered);
             let shares = r.shares();
             let gaps = r.longest_gaps_ms();
             let col = |v: &[f64], i: usize| v.get(i).map_or(String::new(), |x| format!("{x:.4}"));
@@ -827,11 +967,13 @@ impl Report {
                 base.map_or(String::new(), |b| format!("{:.4}", ratio(r.us(q), b.us(q))))
             };
             let k = r.kernel.unwrap_or_default();
+            let median =
+                |of: fn(&Round) -> u64| r.round_median(of).map_or(String::new(), |v| v.to_string());
             let _ = writeln!(
                 out,
-                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-                r.row.id(),
-                r.row.label(),
+                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                r.id(),
+                r.label().replace(',', ";"),
                 r.rate(),
                 r.us(0.5),
                 r.us(0.9),
@@ -861,10 +1003,151 @@ impl Report {
                 k.redirected,
                 r.us(0.9999),
                 k.hedges_sent,
-                k.hedges_won
+                k.hedges_won,
+                r.offered,
+                r.rounds.len(),
+                median(|x| x.p99_us),
+                median(|x| x.p999_us),
+                median(|x| x.p9999_us),
+                r.rounds.iter().filter(|x| x.lost > 0).count()
             );
         }
         out
+    }
+
+    /// Rows with several client hosts: each row over all hosts (`all`),
+    /// then each host; latencies in microseconds, shares of the reads
+    /// sent during stalls (`stall_`) and of all reads, per replica.
+    pub fn herding_csv(&self) -> String {
+        let mut out = String::from(
+            "id,label,host,reads,p50_us,p99_us,p999_us,max_us,stall_reads,\
+             stall_share_r0,stall_share_r1,stall_share_r2,share_r0,share_r1,share_r2\n",
+        );
+        for r in self.rows.iter().filter(|r| r.row.several_hosts()) {
+            let q = |h: &Histogram<u64>| {
+                [0.5, 0.99, 0.999, 1.0].map(|q| h.value_at_quantile(q).to_string())
+            };
+            let shares = |v: Vec<f64>| {
+                (0..3)
+                    .map(|i| v.get(i).map_or(String::new(), |x| format!("{x:.4}")))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            let label = r.label().replace(',', ";");
+            let _ = writeln!(
+                out,
+                "{},{label},all,{},{},{},{},{}",
+                r.id(),
+                r.hist.len(),
+                q(&r.hist).join(","),
+                r.served_in_stalls().iter().sum::<u64>(),
+                shares(r.shares_in_stalls()),
+                shares(r.shares())
+            );
+            for (host, h) in r.hosts.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "{},{label},{host},{},{},,,,,,,",
+                    r.id(),
+                    h.len(),
+                    q(h).join(",")
+                );
+            }
+        }
+        out
+    }
+
+    /// Each row's median round: a busy moment of a shared machine (a
+    /// second-long pause loses reads, recorded at the timeout) moves the
+    /// whole row's tail, but only its own round's.
+    fn rounds_markdown(&self, md: &mut String) {
+        if self.rows.iter().all(|r| r.rounds.len() < 2) {
+            return;
+        }
+        let _ = writeln!(md, "\n## Median round\n");
+        let _ = writeln!(
+            md,
+            "Each row's percentiles in each round on its own, then the median over its rounds; \
+             *rounds with lost reads*: rounds in which a read was not answered within the request \
+             timeout (a pause of the machine, or of a replica).\n"
+        );
+        let _ = writeln!(
+            md,
+            "| policy | rounds | median p99 | median p99.9 | median p99.99 | rounds with lost reads |"
+        );
+        let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|");
+        for r in &self.rows {
+            let median = |of: fn(&Round) -> u64| r.round_median(of).map_or("-".into(), format_us);
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} |",
+                r.label(),
+                r.rounds.len(),
+                median(|x| x.p99_us),
+                median(|x| x.p999_us),
+                median(|x| x.p9999_us),
+                r.rounds.iter().filter(|x| x.lost > 0).count()
+            );
+        }
+    }
+
+    fn herding_markdown(&self, md: &mut String) {
+        let rows: Vec<&RowResult> = self.rows.iter().filter(|r| r.row.several_hosts()).collect();
+        let Some(hosts) = rows.iter().map(|r| r.hosts.len()).max() else {
+            return;
+        };
+        let _ = writeln!(md, "\n## Several client hosts: herding\n");
+        let _ = writeln!(
+            md,
+            "{hosts} client hosts on the same switch, each with its own selector (threshold 1) and \
+             one client process, together at the row's rate, reading from the same replicas while \
+             the primary stalls. *in stalls*: of the reads sent while the primary was stalled \
+             (by intended send time), each replica's share of those it answered. Latency per \
+             host from the intended send time.\n"
+        );
+        let names = |prefix: &str, n: usize| {
+            (0..n)
+                .map(|i| format!("{prefix}{i}"))
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        let replicas = rows.iter().map(|r| r.served.len()).max().unwrap_or(0);
+        let _ = writeln!(
+            md,
+            "| row | p99 | p99.9 | reads in stalls | in stalls {} (%) | all reads {} (%) | p99 per host {} | p99.9 per host {} |",
+            names("r", replicas),
+            names("r", replicas),
+            names("h", hosts),
+            names("h", hosts)
+        );
+        let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---:|---:|");
+        let percent = |v: Vec<f64>| {
+            v.iter()
+                .map(|x| format!("{:.1}", 100.0 * x))
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        let per_host = |r: &RowResult, q: f64| {
+            r.hosts
+                .iter()
+                .map(|h| format_us(h.value_at_quantile(q)))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        };
+        for r in rows {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
+                r.label(),
+                format_us(r.us(0.99)),
+                format_us(r.us(0.999)),
+                r.served_in_stalls().iter().sum::<u64>(),
+                percent(r.shares_in_stalls()),
+                percent(r.shares()),
+                per_host(r, 0.99),
+                per_host(r, 0.999)
+            );
+        }
     }
 
     /// The overload rows; latencies in microseconds (empty: no reply).
@@ -893,8 +1176,8 @@ impl Report {
             let _ = writeln!(
                 out,
                 "{},{},{cap},{},{},{},{},{},{},{},{},{},{},{},{},{},{from:.3},{to:.3},{},{},{},{}",
-                r.row.id(),
-                r.row.label().replace(',', ";"),
+                r.id(),
+                r.label().replace(',', ";"),
                 r.counts.sent,
                 r.values(),
                 r.counts.rejected,
@@ -940,8 +1223,8 @@ impl Report {
         out
     }
 
-    /// Writes results.md, results.csv, overload.csv, packet_cost.csv and
-    /// the plots.
+    /// Writes results.md, results.csv, overload.csv, herding.csv,
+    /// packet_cost.csv and the plots.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let write = |name: &str, text: &str| {
             std::fs::write(dir.join(name), text).with_context(|| format!("writing {name}"))
@@ -949,6 +1232,7 @@ impl Report {
         write("results.md", &self.markdown())?;
         write("results.csv", &self.csv())?;
         write("overload.csv", &self.overload_csv())?;
+        write("herding.csv", &self.herding_csv())?;
         write("packet_cost.csv", &self.cost_csv())?;
         // The numbers stand without the pictures: a missing font only
         // costs the plots.
@@ -967,7 +1251,7 @@ mod tests {
     use super::*;
 
     fn result(row: Row, served: Vec<Vec<u64>>) -> RowResult {
-        let mut r = RowResult::new(row, Duration::from_millis(10));
+        let mut r = RowResult::new(row, None, 4000, Duration::from_millis(10));
         r.served = served;
         r
     }
@@ -985,6 +1269,59 @@ mod tests {
         assert_eq!(r.longest_gaps_ms(), vec![3, 5, 10]);
         assert_eq!(r.served_totals(), vec![7, 3, 0]);
         assert!((r.redirected() - 0.3).abs() < 1e-9);
+    }
+
+    #[test]
+    fn shares_in_stalls_count_the_bins_a_stall_overlaps() {
+        let mut r = result(
+            Row::Herding(selector_common::TieBreak::First),
+            vec![vec![5; 10], vec![0, 0, 1, 1, 1, 0, 0, 0, 2, 0], vec![0; 10]],
+        );
+        // Bins 2 to 4, and bin 8 (a stall from 8.2 to 8.9 ms).
+        r.stalls = vec![(0.0021, 0.0049), (0.0082, 0.0089)];
+        assert_eq!(r.served_in_stalls(), vec![20, 5, 0]);
+        assert!((r.shares_in_stalls()[1] - 0.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn rows_at_their_own_rate_are_found_at_it() {
+        let mut report = Report {
+            command: String::new(),
+            default_rate: 4000,
+            parameters: String::new(),
+            machine: Machine::this(),
+            rows: vec![
+                result(Row::NoStall, vec![]),
+                RowResult::new(Row::NoStall, Some(2000), 2000, Duration::ZERO),
+                RowResult::new(Row::NoStall, Some(4000), 4000, Duration::ZERO),
+            ],
+            overload: Vec::new(),
+            overload_parameters: String::new(),
+            costs: Vec::new(),
+        };
+        assert_eq!(
+            report.row_at(&Row::NoStall, 2000).unwrap().id(),
+            "no_stall@2000"
+        );
+        assert_eq!(report.row(&Row::NoStall).unwrap().id(), "no_stall@4000");
+        assert_eq!(report.rows[1].label(), "no stall (limit) at 2000/s");
+        report.rows.truncate(1);
+        assert_eq!(report.row(&Row::NoStall).unwrap().id(), "no_stall");
+        assert!(report.row_at(&Row::NoStall, 2000).is_none());
+    }
+
+    #[test]
+    fn the_median_round_ignores_one_bad_round() {
+        let mut r = RowResult::new(Row::NoStall, None, 4000, Duration::ZERO);
+        for us in [900, 1_000_000, 1000] {
+            let mut seg = RowResult::new(Row::NoStall, None, 4000, Duration::from_millis(10));
+            seg.hist.record(us).unwrap();
+            r.append(seg).unwrap();
+        }
+        assert_eq!(r.rounds.len(), 3);
+        let median = r.round_median(|x| x.p99_us).unwrap();
+        assert!((999..=1001).contains(&median), "{median}");
+        assert!(r.us(0.99) > 900_000);
     }
 
     #[test]

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use selector_common::{OnOverload, Policy};
+use anyhow::{Context as _, Result};
+use selector_common::{OnOverload, Policy, TieBreak};
 use selector_user::hedging::HedgeAfter;
 
 use super::client::ClientPolicy;
@@ -35,6 +36,9 @@ pub enum Row {
     Hedged(HedgeAfter),
     /// The selector, latency policy, with this budget in milliseconds.
     Latency(u32),
+    /// Several client hosts, each with its own selector (threshold 1, this
+    /// tie-break) and one client process, reading from the same replicas.
+    Herding(TieBreak),
     /// The overload scenario (every replica stopped at once): the selector
     /// at its defaults with `max_pending` (0: no bound) and `on_overload`.
     Overload { on: OnOverload, cap: u32 },
@@ -50,7 +54,16 @@ impl Row {
         rows.push(Row::Absolute(absolute));
         rows.extend(Self::hedged());
         rows.push(Row::Latency(LATENCY_BUDGET_MS));
+        rows.extend(Self::herding());
         rows
+    }
+
+    /// The herding rows: BookKeeper's first strict minimum, and random.
+    pub fn herding() -> [Row; 2] {
+        [
+            Row::Herding(TieBreak::First),
+            Row::Herding(TieBreak::Random),
+        ]
     }
 
     /// The hedged-read rows: a fixed 2 ms delay and `auto`.
@@ -106,6 +119,7 @@ impl Row {
             Row::Hedged(HedgeAfter::Off) => "hedge_off".into(),
             Row::Overload { on, .. } => format!("overload_{}", on.name()),
             Row::Latency(b) => format!("latency_{b}ms"),
+            Row::Herding(t) => format!("herding_{}", t.name()),
         }
     }
 
@@ -128,6 +142,7 @@ impl Row {
             Row::Overload { on, cap: 0 } => format!("overload {}, no cap", on.name()),
             Row::Overload { on, cap } => format!("overload {}, max_pending {cap}", on.name()),
             Row::Latency(b) => format!("selector latency, budget {b} ms"),
+            Row::Herding(t) => format!("client hosts, threshold 1, tie-break {}", t.name()),
         }
     }
 
@@ -143,6 +158,7 @@ impl Row {
             Row::Absolute(t) => Some((Policy::Absolute, *t)),
             Row::Hedged(_) => Some((Policy::Threshold, 1)),
             Row::Latency(_) => Some((Policy::Latency, 1)),
+            Row::Herding(_) => Some((Policy::Threshold, 1)),
             _ => None,
         }
     }
@@ -153,6 +169,20 @@ impl Row {
             Row::Latency(ms) => Some(Duration::from_millis(u64::from(*ms))),
             _ => None,
         }
+    }
+
+    /// The selector's tie-break in this row.
+    pub fn tie_break(&self) -> TieBreak {
+        match self {
+            Row::Herding(t) => *t,
+            _ => TieBreak::First,
+        }
+    }
+
+    /// Whether this row's reads come from several client hosts, each with
+    /// its own selector and one client process.
+    pub fn several_hosts(&self) -> bool {
+        matches!(self, Row::Herding(_))
     }
 
     /// When the selector hedges reads in this row.
@@ -186,6 +216,38 @@ impl Row {
     }
 }
 
+/// The rows `--only` selects, each with the rate its entry names
+/// (`ID@RATE`, e.g. `hedge@2000`: every hedge row at 2000 reads/s) or none
+/// (the benchmark's `--rate`); in the order of `rows`, each row's rates in
+/// the order given. No entries: every row at the benchmark's rate.
+pub fn plan(rows: &[Row], only: &[String]) -> Result<Vec<(Row, Option<u32>)>> {
+    let mut entries = Vec::new();
+    for entry in only {
+        entries.push(match entry.split_once('@') {
+            Some((id, rate)) => {
+                let rate: u32 = rate
+                    .parse()
+                    .with_context(|| format!("the rate in `--only {entry}`"))?;
+                (vec![id.to_string()], Some(rate.max(1)))
+            }
+            None => (vec![entry.clone()], None),
+        });
+    }
+    let mut planned = Vec::new();
+    for row in rows {
+        if entries.is_empty() {
+            planned.push((row.clone(), None));
+        }
+        for (id, rate) in &entries {
+            let pick = (row.clone(), *rate);
+            if row.selected_by(id) && !planned.contains(&pick) {
+                planned.push(pick);
+            }
+        }
+    }
+    Ok(planned)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,7 +255,12 @@ mod tests {
     #[test]
     fn every_policy_has_a_row_with_a_unique_id() {
         let rows = Row::all(&[1, 10, 100], 10);
-        assert_eq!(rows.len(), 15);
+        assert_eq!(rows.len(), 17);
+        assert_eq!(
+            Row::herding().map(|r| r.id()),
+            ["herding_first".to_string(), "herding_random".into()]
+        );
+        assert_eq!(Row::herding()[1].tie_break(), TieBreak::Random);
         assert_eq!(Row::Latency(2).id(), "latency_2ms");
         assert_eq!(Row::Latency(2).selector(), Some((Policy::Latency, 1)));
         assert_eq!(Row::Latency(2).budget(), Some(Duration::from_millis(2)));
@@ -222,5 +289,30 @@ mod tests {
         assert!(!rows[1].selected_by(&only("overload_reject")));
         assert!(!Row::PrimaryOnly.selected_by(&only("overload")));
         assert!(Row::PrimaryOnly.selected_by(&[]));
+    }
+
+    #[test]
+    fn only_entries_with_a_rate_plan_rows_at_that_rate() {
+        let rows = Row::all(&[1, 10], 10);
+        let only = |s: &[&str]| s.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let planned = plan(
+            &rows,
+            &only(&["hedge@2000", "no_stall@2000", "no_stall@4000", "hedge_auto"]),
+        )
+        .unwrap();
+        let auto = Row::Hedged(HedgeAfter::Auto);
+        assert_eq!(
+            planned,
+            vec![
+                (Row::NoStall, Some(2000)),
+                (Row::NoStall, Some(4000)),
+                (Row::hedged()[0].clone(), Some(2000)),
+                (auto.clone(), Some(2000)),
+                (auto, None),
+            ]
+        );
+        assert_eq!(plan(&rows, &[]).unwrap().len(), rows.len());
+        assert!(plan(&rows, &only(&["hedge@fast"])).is_err());
+        assert!(plan(&rows, &only(&["overload"])).unwrap().is_empty());
     }
 }

@@ -116,7 +116,13 @@ fn time_ms(f: impl FnOnce() -> Result<()>) -> Result<f64> {
 fn interval_cost(o: &ScaleOptions) -> Result<IntervalCost> {
     let settings = Settings {
         inflight_max: o.inflight_max,
-        ..Settings::new("lo", groups())
+        ..Settings::new(
+            "lo",
+            groups()
+                .into_iter()
+                .map(|g| g.into_iter().map(Into::into).collect())
+                .collect(),
+        )
     };
     let mut sel = Selector::load(&settings).context("loading the programs")?;
     let now = sys::monotonic_ns();

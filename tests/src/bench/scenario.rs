@@ -27,7 +27,7 @@ use super::{
     nginx::Nginx,
     packet_cost::{self, CostOptions},
     report::{KernelCounts, Report, RowResult},
-    rows::Row,
+    rows::{self, Row},
 };
 use crate::{
     Namespace, Testbed,
@@ -65,8 +65,11 @@ pub struct Options {
     /// Where the selector's response program attaches in its rows.
     pub ingress: IngressMode,
     /// Run only the rows with these ids, or ids starting with one of
-    /// these and `_` (all when empty).
+    /// these and `_` (all when empty); `ID@RATE` runs them at RATE reads/s
+    /// (`rows::plan`).
     pub only: Vec<String>,
+    /// Client hosts in the herding rows, each with its own selector.
+    pub herding_hosts: usize,
     /// The overload scenario: reads per second, length of each row, how
     /// long every replica is stopped (in the middle), and the
     /// `max_pending` of its drop and reject rows.
@@ -124,10 +127,10 @@ fn check_interrupted() -> Result<()> {
 pub fn run(opts: &Options) -> Result<Report> {
     std::fs::create_dir_all(&opts.out)
         .with_context(|| format!("creating {}", opts.out.display()))?;
-    let rows: Vec<Row> = Row::all(&opts.thresholds, opts.absolute_threshold)
-        .into_iter()
-        .filter(|r| r.selected_by(&opts.only))
-        .collect();
+    let rows = rows::plan(
+        &Row::all(&opts.thresholds, opts.absolute_threshold),
+        &opts.only,
+    )?;
     let overload_rows: Vec<Row> = Row::overload(opts.overload_max_pending)
         .into_iter()
         .filter(|r| r.selected_by(&opts.only))
@@ -135,7 +138,7 @@ pub fn run(opts: &Options) -> Result<Report> {
     let segment = opts.segment();
     if !rows.is_empty() {
         eprintln!(
-            "bench: {} rows of {} x {:.1} s at {} reads/s from {} client processes; primary stalls {} ms every {} ms",
+            "bench: {} rows of {} x {:.1} s at {} reads/s (unless the row says) from {} client processes; primary stalls {} ms every {} ms",
             rows.len(),
             opts.rounds,
             segment.as_secs_f64(),
@@ -155,18 +158,23 @@ pub fn run(opts: &Options) -> Result<Report> {
         );
     }
     let (results, overload, costs) = {
-        let mut tb = Testbed::new("bench", 3)?;
+        let hosts = if rows.iter().any(|(r, _)| r.several_hosts()) {
+            opts.herding_hosts
+        } else {
+            1
+        };
+        let mut tb = Testbed::with_clients("bench", 3, hosts)?;
         tb.start_memcached()?;
         preload_marked(&tb.client, &tb.replica_endpoints(), opts.keys)?;
         let mut results: Vec<RowResult> = rows
             .iter()
-            .map(|r| RowResult::new(r.clone(), Duration::ZERO))
+            .map(|(r, at)| RowResult::new(r.clone(), *at, at.unwrap_or(opts.rate), Duration::ZERO))
             .collect();
         for round in 1..=opts.rounds {
-            for (row, result) in rows.iter().zip(&mut results) {
+            for ((row, at), result) in rows.iter().zip(&mut results) {
                 check_interrupted()?;
-                let r = run_row(&tb, opts, row, segment)
-                    .with_context(|| format!("row {}", row.label()))?;
+                let r = run_row(&tb, opts, row, *at, segment)
+                    .with_context(|| format!("row {}", result.label()))?;
                 eprintln!("bench: round {round}/{}: {}", opts.rounds, r.one_line());
                 result.append(r)?;
             }
@@ -220,7 +228,8 @@ struct Attached {
 }
 
 impl Attached {
-    fn start(tb: &Testbed, settings: Settings) -> Result<Self> {
+    /// Attaches in `ns` (a client host).
+    fn start(ns: &Namespace, settings: Settings) -> Result<Self> {
         // Not in observe mode, whose row measures the cost of being attached
         // (the statistics add two clock reads per program run).
         let stats = if settings.policy == Policy::Observe {
@@ -228,7 +237,7 @@ impl Attached {
         } else {
             Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF run-time stats")?)
         };
-        let selector = tb.client.run(move || {
+        let selector = ns.run(move || {
             let mut selector = Selector::attach(&settings)?;
             next_hops::publish_once(&mut selector, Duration::from_secs(1));
             anyhow::Ok(selector)
@@ -317,8 +326,8 @@ impl Drop for Clients {
 }
 
 impl Clients {
-    fn spawn(ns: &Namespace, exe: &PathBuf, specs: &[ClientSpec]) -> Result<Self> {
-        let mut clients = Self(Vec::new());
+    /// Starts a client process in `ns` for each of `specs`.
+    fn start(&mut self, ns: &Namespace, exe: &PathBuf, specs: &[ClientSpec]) -> Result<()> {
         for spec in specs {
             let child = Command::new("ip")
                 .args(["netns", "exec", &ns.name])
@@ -328,9 +337,9 @@ impl Clients {
                 .stderr(Stdio::inherit())
                 .spawn()
                 .context("starting a client process")?;
-            clients.0.push(child);
+            self.0.push(child);
         }
-        Ok(clients)
+        Ok(())
     }
 
     /// Waits for every process and reads its report.
@@ -407,30 +416,51 @@ fn sleep_until(t: u64) {
 /// Where nginx listens: the client host's loopback.
 const PROXY: SocketAddrV4 = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 11311);
 
-fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Result<RowResult> {
+/// One segment of a stall row at `at` reads/s (the benchmark's rate if
+/// none). Rows with several hosts run one client process and one selector
+/// on each client host; the others run every client process on the client.
+fn run_row(
+    tb: &Testbed,
+    opts: &Options,
+    row: &Row,
+    at: Option<u32>,
+    duration: Duration,
+) -> Result<RowResult> {
     let replicas = tb.replica_endpoints();
+    let rate = at.unwrap_or(opts.rate);
+    let hosts: Vec<&Namespace> = if row.several_hosts() {
+        tb.clients()
+    } else {
+        vec![&tb.client]
+    };
     let attached = match row.selector() {
-        Some((policy, threshold)) => Some(Attached::start(
-            tb,
-            Settings {
-                policy,
-                threshold,
-                timeout: opts.drain,
-                ingress: opts.ingress,
-                hedging: HedgeSettings {
-                    after: row.hedge_after(),
-                    ..Default::default()
-                },
-                budget: row
-                    .budget()
-                    .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).budget),
-                ..Settings::new(
-                    CLIENT_IFACE,
-                    vec![replicas.iter().map(|&r| r.into()).collect()],
+        Some((policy, threshold)) => hosts
+            .iter()
+            .map(|ns| {
+                Attached::start(
+                    ns,
+                    Settings {
+                        policy,
+                        threshold,
+                        tie_break: row.tie_break(),
+                        timeout: opts.drain,
+                        ingress: opts.ingress,
+                        hedging: HedgeSettings {
+                            after: row.hedge_after(),
+                            ..Default::default()
+                        },
+                        budget: row
+                            .budget()
+                            .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).budget),
+                        ..Settings::new(
+                            CLIENT_IFACE,
+                            vec![replicas.iter().map(|&r| r.into()).collect()],
+                        )
+                    },
                 )
-            },
-        )?),
-        None => None,
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
     };
     let nginx = match row {
         Row::Nginx => Some(Nginx::start(
@@ -450,17 +480,24 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
     };
     // Time for every process to start before the first send.
     let start_ns = monotonic_ns() + 500_000_000;
-    let specs: Vec<ClientSpec> = (0..opts.clients)
+    // One process per host with several hosts, else `opts.clients` on the
+    // client; all on one schedule.
+    let processes = if row.several_hosts() {
+        hosts.len()
+    } else {
+        opts.clients
+    };
+    let specs: Vec<ClientSpec> = (0..processes)
         .map(|index| ClientSpec {
             index,
-            clients: opts.clients,
+            clients: processes,
             policy: row.client_policy(
                 opts.slow_list_timeout.as_millis() as u64,
                 opts.slow_list_expiry.as_millis() as u64,
             ),
             targets: targets.clone(),
             replicas: replicas.len(),
-            rate: f64::from(opts.rate),
+            rate: f64::from(rate),
             start_ns,
             duration_ms: duration.as_millis() as u64,
             drain_ms: opts.drain.as_millis() as u64,
@@ -469,7 +506,14 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
             window_ns: None,
         })
         .collect();
-    let mut clients = Clients::spawn(&tb.client, &opts.client_exe, &specs)?;
+    let mut clients = Clients(Vec::new());
+    if row.several_hosts() {
+        for (ns, spec) in hosts.iter().zip(&specs) {
+            clients.start(ns, &opts.client_exe, std::slice::from_ref(spec))?;
+        }
+    } else {
+        clients.start(&tb.client, &opts.client_exe, &specs)?;
+    }
     let (reports, stalls) = thread::scope(|s| {
         let driver = row.stalls().then(|| {
             s.spawn(|| {
@@ -487,20 +531,25 @@ fn run_row(tb: &Testbed, opts: &Options, row: &Row, duration: Duration) -> Resul
         (reports, stalls.unwrap_or_default())
     });
     let reports = reports?;
-    let kernel = match attached {
-        Some(a) => {
-            let counts = a.counts()?;
-            a.finish()?;
-            Some(counts)
-        }
-        None => None,
-    };
+    let mut kernel = None::<KernelCounts>;
+    for a in attached {
+        let counts = a.counts()?;
+        a.finish()?;
+        kernel
+            .get_or_insert_with(KernelCounts::default)
+            .add(&counts);
+    }
     drop(nginx);
-    let mut result = RowResult::new(row.clone(), duration);
+    let mut result = RowResult::new(row.clone(), at, rate, duration);
     result.stalls = stalls;
     result.kernel = kernel;
     for r in &reports {
-        result.add(r, &decode_histogram(&r.histogram)?)?;
+        let hist = decode_histogram(&r.histogram)?;
+        if row.several_hosts() {
+            result.add_host(r, &hist)?;
+        } else {
+            result.add(r, &hist)?;
+        }
     }
     Ok(result)
 }
@@ -515,7 +564,7 @@ fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult
     let replicas = tb.replica_endpoints();
     let drain = opts.overload_drain();
     let attached = Attached::start(
-        tb,
+        &tb.client,
         Settings {
             timeout: drain,
             grace: drain,
@@ -549,7 +598,8 @@ fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult
         })
         .collect();
     let buffer_drops_before = replica_buffer_drops(tb)?;
-    let mut clients = Clients::spawn(&tb.client, &opts.client_exe, &specs)?;
+    let mut clients = Clients(Vec::new());
+    clients.start(&tb.client, &opts.client_exe, &specs)?;
     let (reports, stop) = thread::scope(|s| {
         let driver = s.spawn(|| stop_all(&tb.replicas, start_ns, stop_at, opts.overload_stop));
         let reports = clients.collect();
@@ -558,7 +608,7 @@ fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult
     let reports = reports?;
     let counts = attached.counts()?;
     attached.finish()?;
-    let mut result = RowResult::new(row.clone(), duration);
+    let mut result = RowResult::new(row.clone(), None, opts.overload_rate, duration);
     result.stalls = stop.into_iter().collect();
     result.kernel = Some(counts);
     result.replica_buffer_drops = Some(replica_buffer_drops(tb)? - buffer_drops_before);

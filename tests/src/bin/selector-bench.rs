@@ -1,11 +1,12 @@
-//! `cargo xtask bench`: the replica-stall benchmark (every policy, one run),
-//! the overload scenario (every replica stopped: no cap, drop, reject) and
-//! the per-packet cost of the kernel programs. `--quick` runs a reduced
-//! version in under two minutes. Results go to `--out` (default
-//! `target/bench/`): results.md, results.csv, overload.csv, packet_cost.csv
-//! and PNG plots. `--only throughput` (closed-loop throughput with the
-//! agent attached) and `--only scale` (64 groups of 8, a large in-flight
-//! table: sweep cost and agent CPU) write throughput.md and scale.md.
+//! `cargo xtask bench`: the replica-stall benchmark (every policy, one run,
+//! including several client hosts with a selector each), the overload
+//! scenario (every replica stopped: no cap, drop, reject) and the per-packet
+//! cost of the kernel programs. `--quick` runs a reduced version in under
+//! two minutes. Results go to `--out` (default `target/bench/`): results.md,
+//! results.csv, herding.csv, overload.csv, packet_cost.csv and PNG plots.
+//! `--only throughput` (closed-loop throughput with the agent attached) and
+//! `--only scale` (64 groups of 8, a large in-flight table: sweep cost and
+//! agent CPU) write throughput.md and scale.md.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -80,11 +81,17 @@ struct Args {
     #[arg(long, default_value = "xdp", value_parser = ["xdp", "tc"])]
     ingress: String,
     /// Run only these rows (ids as in results.csv and overload.csv, or the
-    /// part of an id before `_`, e.g. `overload`; comma-separated).
+    /// part of an id before `_`, e.g. `overload`; comma-separated). `ID@RATE`
+    /// runs the rows it names at RATE reads/s, as rows of their own
+    /// (`hedge@2000,no_stall@2000`), interleaved with the others.
     /// `throughput` and `scale` select those measurements; `cost`, which
     /// names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Client hosts in the herding rows (each with its own selector and one
+    /// client process), at most 9.
+    #[arg(long, default_value_t = 4)]
+    herding_hosts: usize,
     /// Overload scenario: reads per second, all client processes together.
     #[arg(long, default_value_t = 2000)]
     overload_rate: u32,
@@ -184,6 +191,7 @@ fn main() -> Result<()> {
             IngressMode::Xdp
         },
         only: args.only.clone(),
+        herding_hosts: args.herding_hosts.max(1),
         overload_rate: args.overload_rate.max(1),
         overload_duration: Duration::from_secs_f64(
             args.overload_duration.unwrap_or(pick(args.quick, 2.0, 4.0)),
