@@ -6,14 +6,18 @@
 //! observe mode, and armed with `--threshold 1` (it redirects whenever the
 //! primary has one more pending than a replica), at the agent's default
 //! `--ingress auto` (TC ingress on the veth), and observe with `--ingress
-//! xdp` as context. Each row runs in segments interleaved with the other
-//! rows (the order rotating each round); ratios are of medians of the
-//! segments' ops/s to the no-agent row's.
+//! xdp` as context. Two more rows split the cost of observe mode: the
+//! empty programs on the same hooks (what attaching at all costs) and
+//! observe's programs left pinned after the agent exited (the kernel's
+//! share, without the agent process on the CPUs). Each row runs in segments
+//! interleaved with the other rows (the order rotating each round); ratios
+//! are of medians of the segments' ops/s to the no-agent row's.
 
 use std::{
     fmt::Write as _,
-    net::SocketAddrV4,
-    path::PathBuf,
+    net::{SocketAddr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::Stdio,
     sync::{
         Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -22,11 +26,15 @@ use std::{
     time::Duration,
 };
 
-use anyhow::Result;
+use anyhow::{Context as _, Result, ensure};
+use aya::programs::{SchedClassifier, TcAttachType};
+use selector_common::programs;
+use selector_user::{Selector, Settings};
 
-use super::agent_process::{check_agent, start_agent};
+use super::agent_process::{AgentChild, check_agent, start_agent};
 use crate::{
     Testbed,
+    bpffs::Bpffs,
     memcached::{MemcachedClient, frame, key_for},
     netns::Namespace,
     topology::CLIENT_IFACE,
@@ -46,37 +54,144 @@ pub struct ThroughputOptions {
     pub agent: PathBuf,
 }
 
-/// One row: the agent's flags, or no agent.
+/// What is attached to the client's interface during a row.
+#[derive(Clone, Copy, Debug)]
+pub enum Attachment {
+    None,
+    /// `selector run` with these flags, running.
+    Agent(&'static [&'static str]),
+    /// The object's empty programs on TC egress and TC ingress.
+    EmptyPrograms,
+    /// `selector run --pin` with these flags, then stopped: its programs
+    /// stay attached with no agent process.
+    PinnedWithoutAgent(&'static [&'static str]),
+}
+
+/// One row.
 #[derive(Clone, Debug)]
 pub struct Config {
     pub label: &'static str,
-    pub agent_args: Option<&'static [&'static str]>,
+    pub attachment: Attachment,
     /// Part of the target (the others are context).
     pub target: bool,
 }
 
-const CONFIGS: [Config; 4] = [
+const OBSERVE: &[&str] = &["--policy", "observe"];
+
+const CONFIGS: [Config; 6] = [
     Config {
         label: "no agent",
-        agent_args: None,
+        attachment: Attachment::None,
         target: false,
     },
     Config {
         label: "observe (ingress auto: tc)",
-        agent_args: Some(&["--policy", "observe"]),
+        attachment: Attachment::Agent(OBSERVE),
         target: true,
     },
     Config {
         label: "threshold 1 (ingress auto: tc)",
-        agent_args: Some(&["--policy", "threshold", "--threshold", "1"]),
+        attachment: Attachment::Agent(&["--policy", "threshold", "--threshold", "1"]),
         target: true,
     },
     Config {
         label: "observe, --ingress xdp",
-        agent_args: Some(&["--policy", "observe", "--ingress", "xdp"]),
+        attachment: Attachment::Agent(&["--policy", "observe", "--ingress", "xdp"]),
+        target: false,
+    },
+    Config {
+        label: "empty programs on TC egress and ingress",
+        attachment: Attachment::EmptyPrograms,
+        target: false,
+    },
+    Config {
+        label: "observe's programs pinned, agent exited",
+        attachment: Attachment::PinnedWithoutAgent(OBSERVE),
         target: false,
     },
 ];
+
+/// Holds a row's attachment for the length of its segment.
+enum Attached {
+    /// Stopped on drop.
+    Agent {
+        _child: AgentChild,
+    },
+    /// Detached on drop.
+    Programs {
+        _holder: Box<Selector>,
+    },
+    Pinned {
+        bpffs: Bpffs,
+        agent: PathBuf,
+    },
+}
+
+impl Attached {
+    fn start(attachment: Attachment, agent: &Path, tb: &Testbed) -> Result<Option<Self>> {
+        let group = tb.group_arg();
+        let client = &tb.client;
+        let args = |extra: &[&str]| -> Vec<String> {
+            ["--iface", CLIENT_IFACE, "--group", &group]
+                .iter()
+                .chain(extra)
+                .map(ToString::to_string)
+                .collect()
+        };
+        Ok(match attachment {
+            Attachment::None => None,
+            Attachment::Agent(extra) => Some(Self::Agent {
+                _child: start_agent(client, agent, &args(extra))?,
+            }),
+            Attachment::EmptyPrograms => Some(Self::Programs {
+                _holder: Box::new(empty_programs(client, tb.replica_group())?),
+            }),
+            Attachment::PinnedWithoutAgent(extra) => {
+                let bpffs = Bpffs::mount();
+                let mut with_pin = args(extra);
+                with_pin.extend(["--pin".to_string(), bpffs.arg()]);
+                // Dropping the child stops it; its pinned programs stay.
+                drop(start_agent(client, agent, &with_pin)?);
+                Some(Self::Pinned {
+                    bpffs,
+                    agent: agent.to_path_buf(),
+                })
+            }
+        })
+    }
+
+    /// Detaches what the row left behind.
+    fn finish(self, client: &Namespace) -> Result<()> {
+        if let Self::Pinned { bpffs, agent } = self {
+            let status = client
+                .command(agent.to_str().context("agent path")?)
+                .args(["detach", "--iface", CLIENT_IFACE, "--pin", &bpffs.arg()])
+                .stdout(Stdio::null())
+                .status()?;
+            ensure!(status.success(), "selector detach: {status}");
+        }
+        Ok(())
+    }
+}
+
+/// The object's empty TC program attached to the interface's egress and
+/// ingress (TCX), as the agent's programs are.
+fn empty_programs(client: &Namespace, group: Vec<SocketAddr>) -> Result<Selector> {
+    // Loading checks the settings; the group is never written to a map.
+    let settings = Settings::new(CLIENT_IFACE, vec![group]);
+    client.run(move || -> Result<Selector> {
+        let mut holder = Selector::load(&settings)?;
+        let tc: &mut SchedClassifier = holder
+            .ebpf_mut()
+            .program_mut(programs::BASELINE_TC)
+            .context("the empty TC program")?
+            .try_into()?;
+        tc.load()?;
+        tc.attach(CLIENT_IFACE, TcAttachType::Egress)?;
+        tc.attach(CLIENT_IFACE, TcAttachType::Ingress)?;
+        Ok(holder)
+    })?
+}
 
 #[derive(Clone, Debug)]
 pub struct RowThroughput {
@@ -162,7 +277,6 @@ pub fn measure(o: &ThroughputOptions, command: &str) -> Result<ThroughputReport>
     check_agent(&o.agent)?;
     let tb = Testbed::with_memcached("tput", 3, o.keys)?;
     let primary = tb.replica_endpoints()[0];
-    let group = tb.group_arg();
     let mut rows: Vec<RowThroughput> = CONFIGS
         .iter()
         .map(|c| RowThroughput {
@@ -175,17 +289,7 @@ pub fn measure(o: &ThroughputOptions, command: &str) -> Result<ThroughputReport>
         for k in 0..rows.len() {
             // Rotate the order so no row always follows the same one.
             let row = &mut rows[(k + round) % CONFIGS.len()];
-            let _agent = match row.config.agent_args {
-                Some(extra) => {
-                    let mut args: Vec<String> = ["--iface", CLIENT_IFACE, "--group", &group]
-                        .iter()
-                        .map(ToString::to_string)
-                        .collect();
-                    args.extend(extra.iter().map(ToString::to_string));
-                    Some(start_agent(&tb.client, &o.agent, &args)?)
-                }
-                None => None,
-            };
+            let attached = Attached::start(row.config.attachment, &o.agent, &tb)?;
             // A short warm-up, then the measured segment.
             closed_loop(
                 &tb.client,
@@ -205,6 +309,9 @@ pub fn measure(o: &ThroughputOptions, command: &str) -> Result<ThroughputReport>
             );
             row.segments.push(per_s);
             row.timeouts += timeouts;
+            if let Some(a) = attached {
+                a.finish(&tb.client)?;
+            }
         }
     }
     Ok(ThroughputReport {
