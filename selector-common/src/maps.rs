@@ -298,15 +298,17 @@ pub enum PassReason {
     /// Something a receiver would drop or no application could send: IP
     /// options, a bad IP header checksum, a total length longer than the
     /// frame, an inconsistent UDP length, a source or destination that is
-    /// not unicast (over IPv6 also an IPv4-mapped one).
+    /// not unicast (over IPv6 also an IPv4-mapped one; checked for UDP
+    /// only, so multicast of other protocols is `NotIpUdp`).
     BadHeader = 2,
     /// Not to (egress) or from (ingress) a configured backend.
     NotBackend = 3,
     /// Too short to hold the request id.
     NoRequestId = 4,
     /// IPv6 with an extension header the parser does not walk (anything
-    /// but hop-by-hop, routing and destination options), or more of them,
-    /// or longer, than it walks.
+    /// but hop-by-hop, routing and destination options, or a routing
+    /// header with segments left), or more of them, or longer, than it
+    /// walks. An upper-layer protocol other than UDP is `NotIpUdp`.
     ExtensionHeader = 5,
     /// UDP over IPv6 with checksum 0: invalid there (RFC 8200 8.1), so it
     /// is neither trusted nor rewritten.

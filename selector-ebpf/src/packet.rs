@@ -244,6 +244,16 @@ fn is_unicast_v6(addr: &[u8; 16]) -> bool {
     !mapped && (high != 0 || addr[15] > 1)
 }
 
+/// IPv6 extension headers (RFC 8200, IANA's list): any other next header
+/// is an upper-layer protocol (TCP, ICMPv6, ...), which is simply not UDP.
+#[inline(always)]
+fn is_extension_header(next: u8) -> bool {
+    matches!(
+        next,
+        0 | 43 | 44 | 50 | 51 | 60 | 135 | 139 | 140 | 253 | 254
+    )
+}
+
 /// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 or
 /// IPv6 header whose payload is UDP.
 #[inline(always)]
@@ -289,11 +299,12 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     }
     let src = [h[12], h[13], h[14], h[15]];
     let dst = [h[16], h[17], h[18], h[19]];
-    if !is_unicast_v4(src) || !is_unicast_v4(dst) {
-        return Err(PassReason::BadHeader);
-    }
+    // Not UDP first: multicast IGMP and the like are not ours, not bad.
     if h[9] != IPPROTO_UDP {
         return Err(PassReason::NotIpUdp);
+    }
+    if !is_unicast_v4(src) || !is_unicast_v4(dst) {
+        return Err(PassReason::BadHeader);
     }
     let frag = u16::from_be_bytes([h[6], h[7]]);
     Ok(Ip {
@@ -326,9 +337,6 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     }
     let src: [u8; 16] = read_bytes(pkt, l3 + 8).map_err(|_| PassReason::BadHeader)?;
     let dst: [u8; 16] = read_bytes(pkt, l3 + 24).map_err(|_| PassReason::BadHeader)?;
-    if !is_unicast_v6(&src) || !is_unicast_v6(&dst) {
-        return Err(PassReason::BadHeader);
-    }
     let mut next = h[6];
     let mut extensions = 0usize;
     let mut walked = 0;
@@ -336,7 +344,8 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {}
             IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
-            _ => return Err(PassReason::ExtensionHeader),
+            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
+            _ => return Err(PassReason::NotIpUdp),
         }
         // Every extension header is at least 8 bytes long.
         let e: [u8; 4] =
@@ -357,7 +366,13 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     match next {
         IPPROTO_UDP => {}
         IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
-        _ => return Err(PassReason::ExtensionHeader),
+        n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
+        _ => return Err(PassReason::NotIpUdp),
+    }
+    // Only UDP is checked for unicast: neighbour discovery and MLD to
+    // multicast groups are not ours, not bad.
+    if !is_unicast_v6(&src) || !is_unicast_v6(&dst) {
+        return Err(PassReason::BadHeader);
     }
     if extensions > payload_len {
         return Err(PassReason::BadHeader);

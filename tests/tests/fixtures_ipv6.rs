@@ -283,6 +283,28 @@ fn unknown_extension_headers_and_fragments_pass_untouched_and_counted() {
     }
 }
 
+/// Multicast that is not UDP (neighbour discovery, MLD) is simply not
+/// ours; multicast UDP is a datagram no unicast member sends or receives:
+/// a bad header.
+#[test]
+fn multicast_passes_as_not_udp_unless_it_is_udp() {
+    const ICMPV6: u8 = 58;
+    let all_nodes = [0xff, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+    for (next_header, reason) in [(ICMPV6, PassReason::NotIpUdp), (17, PassReason::BadHeader)] {
+        let mut sel = selector();
+        let mut input = request6(GET);
+        // The next header (Ethernet 14 + 6) and the destination (14 + 24).
+        input[20] = next_header;
+        input[38..54].copy_from_slice(&all_nodes);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input.clone()));
+        assert_eq!(
+            passed(&sel, Direction::Egress, reason),
+            1,
+            "next header {next_header}"
+        );
+    }
+}
+
 /// A routing header with segments left names a waypoint as the IPv6
 /// destination: the datagram is not (yet) to a member, and its UDP
 /// checksum is over the final destination. It passes untouched.

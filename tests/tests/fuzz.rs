@@ -457,10 +457,10 @@ fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::IpTotalBelowHeader);
     }
     let (src, dst) = (ipv4(ip, IP_SRC), ipv4(ip, IP_DST));
-    unicast_rules(is_unicast(src), is_unicast(dst))?;
     if ip[IP_PROTOCOL] != IPPROTO_UDP {
         return Err(NotOwned::NotUdp);
     }
+    unicast_rules(is_unicast(src), is_unicast(dst))?;
     let fragment = be16(ip, IP_FRAGMENT) & 0x3fff;
     if fragment != 0 && direction == Direction::Egress {
         return Err(NotOwned::Fragment);
@@ -502,10 +502,6 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::Ipv6PayloadBeyondFrame);
     }
     let (src, dst) = (ipv6(ip, IP6_SRC), ipv6(ip, IP6_DST));
-    unicast_rules(is_unicast6(src), is_unicast6(dst))?;
-    if is_ipv4_mapped(src) || is_ipv4_mapped(dst) {
-        return Err(NotOwned::Ipv4MappedAddress);
-    }
     // The extension headers before UDP: up to three hop-by-hop, routing
     // or destination options headers, 128 bytes together, each read from
     // the frame.
@@ -516,7 +512,12 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         match next {
             IPPROTO_FRAGMENT => return Err(NotOwned::Ipv6Fragment),
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS if walked < WALKED_HEADERS => {}
-            _ => return Err(NotOwned::UnwalkedExtensionHeader),
+            // IANA's IPv6 extension header numbers; any other next header
+            // is an upper-layer protocol: not UDP.
+            0 | 43 | 50 | 51 | 60 | 135 | 139 | 140 | 253 | 254 => {
+                return Err(NotOwned::UnwalkedExtensionHeader);
+            }
+            _ => return Err(NotOwned::NotUdp),
         }
         // Next header, length, and a routing header's type and segments left.
         if l4 + 4 > ip.len() {
@@ -531,6 +532,11 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         if l4 - IPV6_HEADER_LEN > WALKED_SPAN {
             return Err(NotOwned::UnwalkedExtensionHeader);
         }
+    }
+    // Unicast only matters once it is UDP.
+    unicast_rules(is_unicast6(src), is_unicast6(dst))?;
+    if is_ipv4_mapped(src) || is_ipv4_mapped(dst) {
+        return Err(NotOwned::Ipv4MappedAddress);
     }
     let end = IPV6_HEADER_LEN + payload_len;
     if l4 > end {
@@ -2391,10 +2397,8 @@ fn ipv6_rules() {
             DestinationNotUnicast,
         ),
         (&set_address(IP6_DST, mapped.octets()), Ipv4MappedAddress),
-        (
-            &|f| f[ip + IPV6_HEADER_LEN] = IPPROTO_TCP,
-            UnwalkedExtensionHeader,
-        ),
+        // TCP after a walked header: an upper-layer protocol, not UDP.
+        (&|f| f[ip + IPV6_HEADER_LEN] = IPPROTO_TCP, NotUdp),
         (
             &|f| f[ip + IPV6_HEADER_LEN + 1] = 16,
             UnwalkedExtensionHeader,
