@@ -71,45 +71,6 @@ struct BatchAttr {
     flags: u64,
 }
 
-/// Every entry of a hash map, read bucket by bucket with
-/// BPF_MAP_LOOKUP_BATCH. Unlike walking keys with get-next-key, which starts
-/// over from the first bucket whenever the cursor key is deleted under it
-/// (as replies delete in-flight entries all the time), a batch walk always
-/// reaches the end of the table.
-pub fn lookup_all<K: Default + Copy, V: Default + Copy>(map_fd: RawFd) -> io::Result<Vec<(K, V)>> {
-    let mut chunk = 1024usize;
-    let mut out = Vec::new();
-    // The hash map's batch cursor is a bucket index.
-    let mut cursor = None;
-    loop {
-        let mut keys = vec![K::default(); chunk];
-        let mut values = vec![V::default(); chunk];
-        // SAFETY: the buffers hold `chunk` keys and values of the map's sizes.
-        let step = unsafe {
-            lookup_batch(
-                map_fd,
-                cursor,
-                keys.as_mut_ptr().cast(),
-                values.as_mut_ptr().cast(),
-                chunk as u32,
-            )
-        };
-        let (filled, next, done) = match step {
-            // One bucket holds more than a chunk: retry it with more room.
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => {
-                chunk *= 4;
-                continue;
-            }
-            r => r?,
-        };
-        out.extend(keys.into_iter().zip(values).take(filled));
-        if done {
-            return Ok(out);
-        }
-        cursor = Some(next);
-    }
-}
-
 /// One BPF_MAP_LOOKUP_BATCH call: up to `count` keys and values from
 /// `cursor` (`None`: from the start) into the buffers. Returns how many it
 /// filled, the cursor to go on from, and whether the map's end was reached

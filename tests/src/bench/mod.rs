@@ -18,3 +18,9 @@ pub mod throughput;
 pub use report::Report;
 pub use rows::Row;
 pub use scenario::{Options, run, stop_on_signals};
+
+/// The middle value (the upper one of an even count); `values` not empty.
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}

@@ -30,7 +30,10 @@ use anyhow::{Context as _, Result, ensure};
 use selector_common::{InflightKey, MAX_GROUP_MEMBERS, MAX_GROUPS};
 use selector_user::{Selector, Settings, sys};
 
-use super::agent_process::{AgentChild, check_agent, start_agent};
+use super::{
+    agent_process::{AgentChild, check_agent, start_agent},
+    median,
+};
 use crate::{
     memcached::frame,
     netns::{Namespace, unique_tag},
@@ -99,11 +102,6 @@ fn groups() -> Vec<Vec<SocketAddrV4>> {
                 .collect()
         })
         .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn time_ms(f: impl FnOnce() -> Result<()>) -> Result<f64> {

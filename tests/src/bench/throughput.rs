@@ -204,9 +204,7 @@ pub struct RowThroughput {
 
 impl RowThroughput {
     pub fn median(&self) -> f64 {
-        let mut v = self.segments.clone();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
+        super::median(self.segments.clone())
     }
 }
 
