@@ -22,19 +22,23 @@
 //!
 //! Marks: one bit per slot in a second array, so the agent's sweep visits
 //! only the slots that may be occupied instead of the whole table (at 1 M
-//! requests the table is 4 M slots, 256 MB). An inserter sets its slot's
-//! bit after it takes the slot. The sweep and the reply path clear bits.
-//! The sweep clears bits of slots it saw free, then reads those slots'
-//! states again and sets the bit back for any taken meanwhile. The reply
-//! path clears the bit just before the compare-and-swap that frees the
-//! slot (an inserter can take the slot only after that, so its bit comes
-//! later) and sets it back if the claim loses. So a slot that stays
-//! occupied has its bit set from just after it was taken until it is free
-//! again, except for a moment in two races (between the sweep's clear and
-//! its second read; a losing reply between its clear and its restore),
-//! which at worst hides the slot from one sweep. The sweep therefore
-//! visits the requests still in flight and the slots it freed or saw freed
-//! since, never the slot of a request answered and freed by its reply.
+//! requests the table is 4 M slots, 256 MB), and so the request path can
+//! tell a new request from a retransmit by reading one or two mark words
+//! instead of the eight cache lines of its probe window. An inserter sets
+//! its slot's bit after it takes the slot and before it publishes it. Bits
+//! are cleared in two places, each while no inserter can take the slot:
+//! - the reply path clears the bit just before the compare-and-swap that
+//!   frees the slot (an inserter can take it only after that), and sets it
+//!   back if the claim loses;
+//! - the agent clears the bit of a slot it sees free (freed by the sweep,
+//!   or marked by a losing claim) only while holding it (`AGENT_HOLD`, a
+//!   writing state), and releases it after.
+//!
+//! So a `LIVE` or `LINGER` slot is always marked, except between a reply's
+//! clear and its compare-and-swap, when that reply is completing it. The
+//! sweep visits the requests still in flight and the slots freed since,
+//! never the slot of a request answered and freed by its reply; and a
+//! request whose window has no marked slot holding its key is new.
 
 use crate::maps::InflightKey;
 
@@ -208,6 +212,41 @@ pub const fn mark_of(index: u32) -> (u32, u64) {
     (index / MARK_BITS, 1 << (index % MARK_BITS))
 }
 
+/// The mark words a probe window reads: the word of its home slot and the
+/// next one (wrapping; the same word when the table has one), where a
+/// window that crosses a word boundary continues.
+#[inline(always)]
+pub const fn window_mark_words(home: u32, mask: u32) -> (u32, u32) {
+    let word = home / MARK_BITS;
+    let last = mask / MARK_BITS;
+    (word, if word >= last { 0 } else { word + 1 })
+}
+
+/// The marks of the probe window starting at slot `home` (bit `i` for
+/// probe `i`), from the two words `window_mark_words` names (`first`,
+/// `next`). Straight-line, for the kernel verifier.
+#[inline(always)]
+pub const fn window_marks(home: u32, mask: u32, first: u64, next: u64) -> u64 {
+    let mut marks = 0u64;
+    let mut i = 0;
+    while i < PROBE_WINDOW {
+        // 1 once the window has crossed into the next word (never in a
+        // table of one word: its home + 7 stays below 64).
+        let crossed = (((home % MARK_BITS) + i) / MARK_BITS) as u64;
+        let word = first ^ ((first ^ next) & crossed.wrapping_neg());
+        let bit = (word >> (probe(home as u64, i, mask) % MARK_BITS)) & 1;
+        marks |= bit << i;
+        i += 1;
+    }
+    marks
+}
+
+/// The state the agent puts a free slot in while it clears the slot's
+/// stale mark, so no inserter can take the slot, and set the bit, in
+/// between: a writing phase with sequence 0, which no request instance
+/// has (see `sequence`).
+pub const AGENT_HOLD: u64 = state(0, PHASE_WRITING);
+
 /// The `i`-th slot of the probe window of `hash` in a table of `mask + 1`
 /// slots.
 #[inline(always)]
@@ -217,6 +256,9 @@ pub const fn probe(hash: u64, i: u32, mask: u32) -> u32 {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
+    use std::{vec, vec::Vec};
+
     use super::*;
 
     fn key(id: u64, port: u16) -> InflightKey {
@@ -293,6 +335,54 @@ mod tests {
             seen[word as usize] |= bit;
         }
         assert!(seen.iter().all(|&w| w == u64::MAX));
+    }
+
+    /// Bit `i` set when the slot of probe `i` is marked, computed the slow
+    /// way.
+    fn marks_by_slot(home: u32, mask: u32, marked: &[u32]) -> u64 {
+        (0..PROBE_WINDOW)
+            .filter(|&i| marked.contains(&probe(u64::from(home), i, mask)))
+            .fold(0, |m, i| m | 1 << i)
+    }
+
+    fn words_of(mask: u32, marked: &[u32]) -> Vec<u64> {
+        let mut words = vec![0u64; mark_words(mask + 1) as usize];
+        for &slot in marked {
+            let (w, bit) = mark_of(slot);
+            words[w as usize] |= bit;
+        }
+        words
+    }
+
+    #[test]
+    fn window_marks_read_the_window_from_one_or_two_words() {
+        for mask in [3u32, 31, 63, 127, 1023] {
+            // Every slot marked by a pattern that differs per slot.
+            let marked: Vec<u32> = (0..=mask).filter(|s| s % 3 != 1 && s % 7 != 2).collect();
+            let words = words_of(mask, &marked);
+            for home in 0..=mask {
+                let (a, b) = window_mark_words(home, mask);
+                assert!(a < words.len() as u32 && b < words.len() as u32);
+                assert_eq!(
+                    window_marks(home, mask, words[a as usize], words[b as usize]),
+                    marks_by_slot(home, mask, &marked),
+                    "mask {mask}, home {home}"
+                );
+            }
+        }
+        // Crossing a word, and wrapping from the table's last word to 0.
+        assert_eq!(window_mark_words(60, 1023), (0, 1));
+        assert_eq!(window_mark_words(1020, 1023), (15, 0));
+        let words = words_of(1023, &[1023, 0, 2]);
+        assert_eq!(window_marks(1020, 1023, words[15], words[0]), 0b0101_1000);
+    }
+
+    #[test]
+    fn the_agent_hold_is_no_request_state() {
+        assert_eq!(phase(AGENT_HOLD), PHASE_WRITING);
+        for (c, cpu) in [(1, 0), (1, 4095), ((1 << 50) - 1, 7)] {
+            assert_ne!(state(sequence(c, cpu), PHASE_WRITING), AGENT_HOLD);
+        }
     }
 
     #[test]

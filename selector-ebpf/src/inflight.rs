@@ -17,7 +17,7 @@ use selector_common::{
     InflightKey,
     inflight::{
         FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe,
-        sequence, state, with_phase,
+        sequence, state, window_mark_words, window_marks as window_marks_of, with_phase,
     },
 };
 
@@ -69,20 +69,56 @@ fn read_if_holds(index: u32, key: &InflightKey) -> Option<Seen> {
     (before == after).then_some(seen)
 }
 
+/// Loads the state of the window's first slot, where a new request most
+/// likely goes, and ignores it: the load starts the cache and TLB misses
+/// on that line (a random line of a table of up to 256 MB) while the mark
+/// words are read and the request is admitted, instead of when the slot is
+/// taken.
+#[inline(always)]
+pub fn touch_home(hash: u64, mask: u32) {
+    if let Some(p) = INFLIGHT.get_ptr_mut(probe(hash, 0, mask)) {
+        unsafe { read_volatile(&raw const (*p).state) };
+    }
+}
+
+/// Every probe of a window: `find` reads each slot.
+pub const WHOLE_WINDOW: u64 = (1 << PROBE_WINDOW) - 1;
+
+/// The marks of the probe window of `hash` (bit `i` for probe `i`): a slot
+/// whose bit is clear is free or still being written, never `LIVE` or
+/// `LINGER` (see `selector_common::inflight`), so a search for a request
+/// that may not be there (a new request) reads one or two mark words
+/// instead of eight slots' cache lines. Everything marked if a word is
+/// missing.
+#[inline(always)]
+pub fn window_marks(hash: u64, mask: u32) -> u64 {
+    let home = probe(hash, 0, mask);
+    let (first, next) = window_mark_words(home, mask);
+    let word = |w| {
+        INFLIGHT_MARKS
+            .get_ptr_mut(w)
+            .map_or(u64::MAX, |p| unsafe { read_volatile(p) })
+    };
+    window_marks_of(home, mask, word(first), word(next))
+}
+
 /// The first slot in the key's probe window that holds it in `phase`
-/// and satisfies `want`. One small result per scan keeps the verifier's
-/// view of the unrolled loop linear.
+/// and satisfies `want`, reading only the probes whose bit is set in
+/// `probes` (`WHOLE_WINDOW`, or `window_marks`). One small result per scan
+/// keeps the verifier's view of the unrolled loop linear.
 #[inline(always)]
 pub fn find(
     key: &InflightKey,
     hash: u64,
     mask: u32,
+    probes: u64,
     phase_wanted: u64,
     want: impl Fn(&Seen) -> bool,
 ) -> Option<Seen> {
     let mut i = 0;
     while i < PROBE_WINDOW {
-        if let Some(seen) = read_if_holds(probe(hash, i, mask), key)
+        if (probes >> i) & 1 != 0
+            && let Some(seen) = read_if_holds(probe(hash, i, mask), key)
             && phase(seen.state) == phase_wanted
             && want(&seen)
         {

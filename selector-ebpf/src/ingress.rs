@@ -65,6 +65,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         &key,
         hashes.home,
         config.inflight_mask,
+        inflight::WHOLE_WINDOW,
         PHASE_LIVE,
         went_here,
     ) {
@@ -73,6 +74,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         &key,
         hashes.home,
         config.inflight_mask,
+        inflight::WHOLE_WINDOW,
         PHASE_LINGER,
         went_here,
     ) {

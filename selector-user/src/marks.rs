@@ -5,7 +5,7 @@
 
 use std::{ops::Range, sync::atomic::Ordering};
 
-use selector_common::inflight::{FREE, MARK_BITS};
+use selector_common::inflight::{AGENT_HOLD, FREE, MARK_BITS};
 
 use crate::{
     Selector,
@@ -38,9 +38,11 @@ impl Selector {
     }
 
     /// Puts the occupied slots of mark word `w` in `out` (cleared first),
-    /// and clears the marks of its free slots: each such slot's state is
-    /// read again after its bit is cleared, and a slot taken meanwhile gets
-    /// its bit back, so an occupied slot never stays unmarked.
+    /// and clears the marks of its free slots. A free slot is held
+    /// (`AGENT_HOLD`) while its bit is cleared, so no inserter can take it
+    /// and set the bit in between: a slot in use never loses its mark,
+    /// which the request path relies on to skip unmarked slots. A slot
+    /// taken before it could be held keeps its bit.
     pub(crate) fn occupied_in(&self, w: usize, out: &mut Vec<Occupied>) {
         out.clear();
         let mark = self.marks.ptr(w);
@@ -49,41 +51,35 @@ impl Selector {
         if word == 0 {
             return;
         }
-        let state_of = |i: usize| {
-            // SAFETY: the state word of a live shared element.
-            unsafe { load(&raw mut (*self.slots.ptr(i)).state) }
+        let state_word = |i: usize| {
+            // SAFETY: the state word of a live shared element, 8-byte aligned.
+            unsafe { atomic(&raw mut (*self.slots.ptr(i)).state) }
         };
         let first = w * MARK_BITS as usize;
-        let mut free = 0u64;
         let mut bits = word;
         while bits != 0 {
             let b = bits.trailing_zeros();
             bits &= bits - 1;
             let i = first + b as usize;
-            let state = if i < self.slots.len() {
-                state_of(i)
-            } else {
-                FREE
-            };
-            if state == FREE {
-                free |= 1 << b;
-            } else {
+            if i >= self.slots.len() {
+                continue;
+            }
+            let state = state_word(i).load(Ordering::SeqCst);
+            if state != FREE {
                 out.push((i, state));
+                continue;
             }
-        }
-        if free == 0 {
-            return;
-        }
-        // SAFETY: as above, 8-byte aligned.
-        let mark = unsafe { atomic(mark) };
-        mark.fetch_and(!free, Ordering::SeqCst);
-        while free != 0 {
-            let b = free.trailing_zeros();
-            free &= free - 1;
-            let i = first + b as usize;
-            if i < self.slots.len() && state_of(i) != FREE {
-                mark.fetch_or(1 << b, Ordering::SeqCst);
+            if state_word(i)
+                .compare_exchange(FREE, AGENT_HOLD, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                // Taken meanwhile: its inserter marks it; the next sweep
+                // sees it.
+                continue;
             }
+            // SAFETY: as above, 8-byte aligned.
+            unsafe { atomic(mark) }.fetch_and(!(1 << b), Ordering::SeqCst);
+            state_word(i).store(FREE, Ordering::SeqCst);
         }
     }
 

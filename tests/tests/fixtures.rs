@@ -4,11 +4,12 @@
 
 use std::time::Duration;
 
-use aya::maps::PerCpuArray;
+use aya::maps::{Array, PerCpuArray};
 use etherparse::PacketBuilder;
 use selector_common::{
-    BackendStats, Descriptor, Direction, InflightKey, MARK_REDIRECTED, PassReason, Policy, latency,
-    names, programs,
+    BackendStats, Descriptor, Direction, InflightKey, MARK_REDIRECTED, PassReason, Policy,
+    inflight::{MARK_BITS, PROBE_WINDOW, key_hashes, probe, slots_for},
+    latency, names, programs,
 };
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, ETH_ADDRS, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET,
@@ -492,6 +493,49 @@ fn sweep_expires_only_old_entries_and_settles_pending() {
         .map(|s| s.unmatched_responses)
         .sum();
     assert_eq!(unmatched, 1);
+}
+
+#[test]
+fn a_retransmit_is_known_after_the_sweep_clears_a_mark_beside_it() {
+    let settings = Settings {
+        policy: Policy::Observe,
+        ..settings_for(Descriptor::memcached(), replica)
+    };
+    let mask = slots_for(settings.inflight_max) - 1;
+    let mut sel = Selector::load(&settings).unwrap();
+    let home = |id| probe(key_hashes(&key(id)).home, 0, mask);
+    // GET's request id, and another request whose slot shares its mark
+    // word but lies outside its probe window.
+    let a = 0x1234;
+    let b = (1..100_000)
+        .find(|&id| {
+            home(id) / MARK_BITS == home(a) / MARK_BITS
+                && home(id).abs_diff(home(a)) >= 2 * PROBE_WINDOW
+        })
+        .expect("a neighbour");
+    set_issued(&mut sel, 0, 1);
+    insert_inflight_aged(&mut sel, b, 0, 0, Duration::from_secs(10));
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(stats(&sel)[0].requests, 1);
+    // The first sweep expires and frees b's slot, which stays marked; the
+    // second finds it free and clears its mark.
+    assert_eq!(sel.sweep(sys::monotonic_ns()).unwrap().expired, 1);
+    sel.sweep(sys::monotonic_ns()).unwrap();
+    let marks: Array<_, u64> =
+        Array::try_from(sel.ebpf().map(names::INFLIGHT_MARKS).unwrap()).unwrap();
+    let word = marks.get(&(home(a) / MARK_BITS), 0).unwrap();
+    assert_eq!(
+        word & (1 << (home(b) % MARK_BITS)),
+        0,
+        "b's stale mark is left"
+    );
+    assert_ne!(word & (1 << (home(a) % MARK_BITS)), 0, "a's mark is gone");
+    // a is still in flight: its copy is a retransmit, not a new request.
+    let (verdict, _) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_PIPE);
+    assert_eq!(stats(&sel)[0].requests, 1);
+    assert_eq!(counters(&sel).issued[0], 2);
+    assert_eq!(sel.pending().unwrap(), vec![1, 0, 0]);
 }
 
 #[test]
