@@ -53,6 +53,15 @@ pub fn client_pending(slot: u32) -> u64 {
     CLIENT_PENDING.get(slot).copied().unwrap_or(0)
 }
 
+/// Loads a client socket's pending count and ignores it, to start that
+/// line's cache miss early (see `inflight::touch_home`).
+#[inline(always)]
+pub fn touch_client(slot: u32) {
+    if let Some(c) = CLIENT_PENDING.get_ptr(slot) {
+        unsafe { core::ptr::read_volatile(c) };
+    }
+}
+
 /// One more (`true`) or one fewer pending request of a client socket.
 #[inline(always)]
 pub fn client_add(slot: u32, more: bool) {

@@ -64,9 +64,19 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     let client = packet::src_address(ctx, l)?;
     let key = InflightKey::new(client, dgram.src_port, group, request_id);
     let hashes = key_hashes(&key);
-    if let Some(first) = inflight::find(&key, hashes.home, config.inflight_mask, PHASE_LIVE, |_| {
-        true
-    }) {
+    inflight::touch_home(hashes.home, config.inflight_mask);
+    accounting::touch_client(hashes.client_slot);
+    // Most requests are new: the window's marks say which slots may hold
+    // it, and a new request usually reads none.
+    let marked = inflight::window_marks(hashes.home, config.inflight_mask);
+    if let Some(first) = inflight::find(
+        &key,
+        hashes.home,
+        config.inflight_mask,
+        marked,
+        PHASE_LIVE,
+        |_| true,
+    ) {
         return in_flight_already(ctx, config, &dgram, &first, primary);
     }
     accounting::count(primary, |s| &mut s.requests);

@@ -43,7 +43,11 @@ fn main() -> Result<()> {
         let info = ebpf.program(name).context(name)?.info()?;
         let insns = info.verified_instruction_count().unwrap_or(0);
         total += insns;
-        println!("{name}: {insns} verified instructions, loaded in {took:?}");
+        println!(
+            "{name}: {insns} verified instructions, {} instructions, {} bytes jitted, loaded in {took:?}",
+            info.size_translated().unwrap_or(0) / 8,
+            info.size_jitted()
+        );
     }
     println!(
         "total: {total} verified instructions, {:?}",

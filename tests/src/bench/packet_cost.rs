@@ -223,10 +223,12 @@ impl Lab {
         Ok(())
     }
 
-    /// Requests (one per packet) through the egress program, each completed
-    /// by its response through the ingress program: (egress ns, ingress ns).
-    fn requests_and_responses(&mut self, n: u32, served_by: usize) -> Result<(f64, f64)> {
-        let (mut egress, mut ingress) = (0.0, 0.0);
+    /// Requests (one per packet) through the egress program, each sent
+    /// once more (a retransmit, one run) and then completed by its
+    /// response through the ingress program: (egress ns, retransmit ns,
+    /// ingress ns).
+    fn requests_and_responses(&mut self, n: u32, served_by: usize) -> Result<(f64, f64, f64)> {
+        let (mut egress, mut again, mut ingress) = (0.0, 0.0, 0.0);
         let want = if served_by == 0 {
             TC_ACT_PIPE
         } else {
@@ -247,6 +249,12 @@ impl Lab {
                 "egress verdict {verdict}, expected {want}: not the path under test"
             );
             egress += t;
+            let (t, verdict) = self.tc(programs::EGRESS, &request(port, id, replica(0)), 1)?;
+            ensure!(
+                verdict == want,
+                "retransmit verdict {verdict}, expected {want}"
+            );
+            again += t;
             let (t, _) = self.xdp(programs::INGRESS_XDP, &response(port, id, served_by), 1)?;
             ingress += t;
             measured += 1;
@@ -255,8 +263,8 @@ impl Lab {
             measured >= n / 2,
             "only {measured} of {n} requests found a free slot"
         );
-        let n = measured;
-        Ok((egress / f64::from(n), ingress / f64::from(n)))
+        let n = f64::from(measured);
+        Ok((egress / n, again / n, ingress / n))
     }
 
     fn untracked(&self) -> Result<u64> {
@@ -361,12 +369,12 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
     let (empty_tc_1, empty_xdp_1) = (empty_tc_1 / n, empty_xdp_1 / n);
 
     let (before, skipped_before) = (lab.responses()?, lab.skipped);
-    let (tracked, completed) = lab.requests_and_responses(o.fresh, 0)?;
+    let (tracked, retransmit_1, completed) = lab.requests_and_responses(o.fresh, 0)?;
     // The primary far over the threshold: every request is redirected.
     lab.add_primary_issued(1_000_000)?;
     let redirected = lab.requests_and_responses(o.fresh, 1);
     lab.add_primary_issued(-1_000_000)?;
-    let (redirected, completed_redirected) = redirected?;
+    let (redirected, _, completed_redirected) = redirected?;
     let answered = lab.responses()? - before;
     if answered != 2 * u64::from(o.fresh) - (lab.skipped - skipped_before) {
         bail!(
@@ -377,6 +385,14 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
 
     let (no_backend, v) = lab.tc(programs::EGRESS, &request(50_001, 8, [10, 77, 0, 99]), r)?;
     ensure!(v == TC_ACT_PIPE, "no-backend verdict {v}");
+    let mut no_backend_1 = 0.0;
+    for i in 0..o.fresh {
+        let (port, id) = fresh_request(i);
+        no_backend_1 += lab
+            .tc(programs::EGRESS, &request(port, id, [10, 77, 0, 99]), 1)?
+            .0;
+    }
+    let no_backend_1 = no_backend_1 / n;
     // The first run tracks it; the other runs are retransmits.
     let (retransmit, _) = lab.tc(programs::EGRESS, &req, r)?;
     let (_, v) = lab.xdp(programs::INGRESS_XDP, &resp, 1)?;
@@ -389,7 +405,9 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             tracked,
             redirected,
             no_backend,
+            no_backend_1,
             retransmit,
+            retransmit_1,
             completed,
             completed_redirected,
             unmatched,
@@ -400,7 +418,9 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             empty_tc_1,
             empty_tc_1,
             empty_tc,
+            empty_tc_1,
             empty_tc,
+            empty_tc_1,
             empty_xdp_1,
             empty_xdp_1,
             empty_xdp,
@@ -411,14 +431,26 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
 }
 
 /// (program, case, method, one of the targets), in row order.
-const CASES: [(&str, &str, Method, bool); 9] = [
+const CASES: [(&str, &str, Method, bool); 11] = [
     ("egress (TC)", "tracked request", Method::PerPacket, true),
     ("egress (TC)", "redirected request", Method::PerPacket, true),
     ("egress (TC)", "packet for no backend", Method::Repeat, true),
     (
         "egress (TC)",
+        "packet for no backend",
+        Method::PerPacket,
+        false,
+    ),
+    (
+        "egress (TC)",
         "retransmit of an in-flight request",
         Method::Repeat,
+        false,
+    ),
+    (
+        "egress (TC)",
+        "retransmit of an in-flight request",
+        Method::PerPacket,
         false,
     ),
     ("ingress (XDP)", "response", Method::PerPacket, true),
