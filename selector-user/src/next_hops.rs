@@ -66,12 +66,18 @@ impl NextHops {
                 .map(|(id, _)| *id)
                 .ne(ids.iter().copied());
         if stale {
+            // One lookup per address: members of many groups often share
+            // a host (512 backends on one address in the scale benchmark).
+            let mut by_addr = HashMap::new();
             self.routes = selector
                 .backends
                 .iter()
                 .map(|b| {
-                    let hop = self.netlink.next_hop(b.addr.ip()).ok();
-                    (b.index, hop.filter(|h| h.ifindex == self.ifindex))
+                    let hop = *by_addr.entry(b.addr.ip()).or_insert_with(|| {
+                        let hop = self.netlink.next_hop(b.addr.ip()).ok();
+                        hop.filter(|h| h.ifindex == self.ifindex)
+                    });
+                    (b.index, hop)
                 })
                 .collect();
             self.routes_at = Some(Instant::now());
