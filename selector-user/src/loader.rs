@@ -53,6 +53,8 @@ pub struct Selector {
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
     pub(crate) planted: u64,
+    /// When each mark word next needs the sweep (`crate::sweep`).
+    pub(crate) sweep_schedule: crate::sweep::SweepSchedule,
     /// Where maps and links are pinned (`--pin`); `None`: private to this agent.
     pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
@@ -347,6 +349,7 @@ impl Selector {
             service,
             steering_off: false,
             planted: 0,
+            sweep_schedule: Default::default(),
             pins,
             adopted,
             ingress_choice: None,

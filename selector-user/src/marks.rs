@@ -87,7 +87,9 @@ impl Selector {
     pub(crate) fn for_each_occupied(&self, mut visit: impl FnMut(Occupied)) {
         let mut found = Vec::with_capacity(MARK_BITS as usize);
         for words in self.mark_runs() {
-            self.prefetch_marked(words.clone());
+            if !self.prefetch_marked(words.clone()) {
+                continue;
+            }
             for w in words {
                 self.occupied_in(w, &mut found);
                 found.iter().copied().for_each(&mut visit);
@@ -107,16 +109,21 @@ impl Selector {
     /// Asks the CPU for the state lines of the marked slots of `words`: a
     /// marked slot is a random place in a table of up to 256 MB, and one
     /// miss after another made those loads most of the agent's time at
-    /// 100 k requests/s; fetched together they overlap.
-    pub(crate) fn prefetch_marked(&self, words: Range<usize>) {
+    /// 100 k requests/s; fetched together they overlap. False if no slot
+    /// of `words` was marked: the caller skips them (most of a large,
+    /// quiet table).
+    pub(crate) fn prefetch_marked(&self, words: impl Iterator<Item = usize>) -> bool {
+        let mut any = false;
         for w in words {
-            self.prefetch_word(w);
+            any |= self.prefetch_word(w);
         }
+        any
     }
 
-    fn prefetch_word(&self, w: usize) {
+    fn prefetch_word(&self, w: usize) -> bool {
         // SAFETY: a word of a live shared element.
         let mut bits = unsafe { load(self.marks.ptr(w)) };
+        let marked = bits != 0;
         while bits != 0 {
             let i = w * MARK_BITS as usize + bits.trailing_zeros() as usize;
             bits &= bits - 1;
@@ -124,5 +131,6 @@ impl Selector {
                 prefetch(self.slots.ptr(i).cast_const().cast());
             }
         }
+        marked
     }
 }

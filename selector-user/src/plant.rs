@@ -51,6 +51,8 @@ impl Selector {
             let (mark, bit) = mark_of(index as u32);
             // SAFETY: a word of a live shared element.
             unsafe { atomic(self.marks.ptr(mark as usize)) }.fetch_or(bit, Ordering::SeqCst);
+            // Its send time may be any: the sweep must not skip its word.
+            self.sweep_schedule.visit_soon(mark as usize);
             let slot = InflightSlot {
                 state: writing,
                 request_id: key.request_id,

@@ -495,17 +495,16 @@ fn sweep_expires_only_old_entries_and_settles_pending() {
     assert_eq!(unmatched, 1);
 }
 
-#[test]
-fn a_retransmit_is_known_after_the_sweep_clears_a_mark_beside_it() {
+/// An observing selector (nothing moves), the request id of `GET`, and
+/// another id whose home slot shares GET's mark word but lies outside its
+/// probe window.
+fn neighbours_in_a_mark_word() -> (Selector, Settings, u64, u64) {
     let settings = Settings {
         policy: Policy::Observe,
         ..settings_for(Descriptor::memcached(), replica)
     };
     let mask = slots_for(settings.inflight_max) - 1;
-    let mut sel = Selector::load(&settings).unwrap();
     let home = |id| probe(key_hashes(&key(id)).home, 0, mask);
-    // GET's request id, and another request whose slot shares its mark
-    // word but lies outside its probe window.
     let a = 0x1234;
     let b = (1..100_000)
         .find(|&id| {
@@ -513,8 +512,18 @@ fn a_retransmit_is_known_after_the_sweep_clears_a_mark_beside_it() {
                 && home(id).abs_diff(home(a)) >= 2 * PROBE_WINDOW
         })
         .expect("a neighbour");
+    let mut sel = Selector::load(&settings).unwrap();
     set_issued(&mut sel, 0, 1);
+    // b: a request sent long ago, expired by the next sweep.
     insert_inflight_aged(&mut sel, b, 0, 0, Duration::from_secs(10));
+    (sel, settings, a, b)
+}
+
+#[test]
+fn a_retransmit_is_known_after_the_sweep_clears_a_mark_beside_it() {
+    let (mut sel, settings, a, b) = neighbours_in_a_mark_word();
+    let mask = slots_for(settings.inflight_max) - 1;
+    let home = |id| probe(key_hashes(&key(id)).home, 0, mask);
     assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
     assert_eq!(stats(&sel)[0].requests, 1);
     // The first sweep expires and frees b's slot, which stays marked; the
@@ -536,6 +545,26 @@ fn a_retransmit_is_known_after_the_sweep_clears_a_mark_beside_it() {
     assert_eq!(stats(&sel)[0].requests, 1);
     assert_eq!(counters(&sel).issued[0], 2);
     assert_eq!(sel.pending().unwrap(), vec![1, 0, 0]);
+}
+
+#[test]
+fn a_request_sent_after_the_sweep_passed_its_mark_word_expires_on_time() {
+    let (mut sel, settings, _, _) = neighbours_in_a_mark_word();
+    // Expire and free b, then clear its mark: the word, now empty, is next
+    // visited no later than a timeout after that sweep.
+    assert_eq!(sel.sweep(sys::monotonic_ns()).unwrap().expired, 1);
+    let cleared = sys::monotonic_ns();
+    sel.sweep(cleared).unwrap();
+    // a, sent after, lands in that word: a sweep before its timeout leaves
+    // it (the word is skipped), the first after it expires it.
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    let timeout = settings.timeout.as_nanos() as u64;
+    let early = sel.sweep(cleared + timeout / 2).unwrap();
+    assert_eq!((early.expired, early.visited), (0, 0));
+    assert_eq!(sel.pending().unwrap(), vec![1, 0, 0]);
+    let after = sys::monotonic_ns() + timeout + 1_000_000;
+    assert_eq!(sel.sweep(after).unwrap().expired, 1);
+    assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
 }
 
 #[test]
