@@ -14,7 +14,7 @@ use std::{
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink},
 };
 use log::debug;
@@ -682,11 +682,12 @@ impl Selector {
 
     /// Packets passed untouched, by direction and reason, summed over CPUs.
     pub fn passed(&self) -> Result<Vec<(Direction, PassReason, u64)>> {
-        let passed: PerCpuArray<_, u64> = PerCpuArray::try_from(self.map(names::PASSED)?)?;
+        let reasons = PassReason::ALL.len() as u32;
+        let counts = crate::percpu_batch::sum_u64(self.map(names::PASSED)?, 0, 2 * reasons)?;
         let mut out = Vec::new();
         for direction in [Direction::Egress, Direction::Ingress] {
             for reason in PassReason::ALL {
-                let n = passed.get(&pass_index(direction, reason), 0)?.iter().sum();
+                let n = counts[pass_index(direction, reason) as usize];
                 out.push((direction, reason, n));
             }
         }

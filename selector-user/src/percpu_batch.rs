@@ -14,6 +14,17 @@ use crate::sys::lookup_batch;
 /// Elements asked for per call.
 const CHUNK: u32 = 4096;
 
+/// The kernel's possible CPUs (per-CPU values come for each), read once:
+/// the file behind it was read on every call, 512 times per snapshot.
+fn possible_cpus() -> Result<usize> {
+    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    if let Some(&n) = CPUS.get() {
+        return Ok(n);
+    }
+    let n = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+    Ok(*CPUS.get_or_init(|| n))
+}
+
 /// Elements `first..first + len` of the per-CPU array of `u64`s behind
 /// `map`, each summed over CPUs.
 pub fn sum_u64(map: &Map, first: u32, len: u32) -> Result<Vec<u64>> {
@@ -39,15 +50,18 @@ pub fn for_each<T: Copy + Default>(
     if !size_of::<T>().is_multiple_of(8) {
         bail!("per-CPU values of {} bytes", size_of::<T>());
     }
-    let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+    let cpus = possible_cpus()?;
     let fd = data.fd().as_fd().as_raw_fd();
-    let mut keys = vec![0u32; CHUNK as usize];
-    let mut values = vec![T::default(); CHUNK as usize * cpus];
+    // Buffers for one call, no larger than asked for: a histogram of 96
+    // buckets is read on its own, 512 times per snapshot under load.
+    let chunk = CHUNK.min(len.max(1));
+    let mut keys = vec![0u32; chunk as usize];
+    let mut values = vec![T::default(); chunk as usize * cpus];
     // An array's batch cursor is the last key read; none: from key 0.
     let mut cursor = first.checked_sub(1);
     let mut seen = 0u32;
     while seen < len {
-        let want = CHUNK.min(len - seen);
+        let want = chunk.min(len - seen);
         // SAFETY: room for `want` keys and `want` values on every CPU.
         let (filled, next, done) = unsafe {
             lookup_batch(
