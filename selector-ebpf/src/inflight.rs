@@ -81,6 +81,16 @@ pub fn touch_home(hash: u64, mask: u32) {
     }
 }
 
+/// Loads the mark word of the window's first slot and ignores it (see
+/// `touch_home`): a reply usually claims that slot, which clears its mark.
+#[inline(always)]
+pub fn touch_home_mark(hash: u64, mask: u32) {
+    let (word, _) = mark_of(probe(hash, 0, mask));
+    if let Some(p) = INFLIGHT_MARKS.get_ptr_mut(word) {
+        unsafe { read_volatile(p) };
+    }
+}
+
 /// Every probe of a window: `find` reads each slot.
 pub const WHOLE_WINDOW: u64 = (1 << PROBE_WINDOW) - 1;
 

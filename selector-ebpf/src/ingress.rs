@@ -58,6 +58,10 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     // Only the backend the request went to, or its hedge was sent to, can
     // complete it.
     let hashes = key_hashes(&key);
+    // The claim clears the slot's mark and the client's pending count:
+    // start those misses now, beside the slot's own.
+    inflight::touch_home_mark(hashes.home, config.inflight_mask);
+    accounting::touch_client(hashes.client_slot);
     let went_here = |s: &Seen| {
         s.chosen == backend || (is_sent(s.hedge) && backend_id(group, target(s.hedge)) == backend)
     };
