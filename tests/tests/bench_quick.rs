@@ -87,7 +87,7 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         );
     }
     let costs = read("packet_cost.csv");
-    assert_eq!(costs.lines().count(), 1 + 9, "{costs}");
+    assert_eq!(costs.lines().count(), 1 + 11, "{costs}");
     let font = selector_testbed::bench::plots::FONT_FILES
         .iter()
         .any(|f| std::path::Path::new(f).exists());
