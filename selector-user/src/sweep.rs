@@ -70,22 +70,20 @@ impl SweepSchedule {
         }
     }
 
+    /// Starts over when the table or the ages changed since the times were
+    /// computed.
+    fn fit(&mut self, words: usize, ages: &Ages) {
+        let wanted = (ages.timeout_ns, ages.linger_ns);
+        if self.ages != wanted || self.due.len() != words {
+            *self = SweepSchedule {
+                due: vec![0; words],
+                ages: wanted,
+            };
+        }
+    }
+
     fn is_due(&self, w: usize, now_ns: u64) -> bool {
         self.due.get(w).is_none_or(|&d| d <= now_ns)
-    }
-}
-
-/// When an occupied slot next needs the sweep, as of `ages.now_ns`: a live
-/// request at its timeout; a lingering one at its timeout (a hedge target
-/// that never answered expires then), then at the end of its linger; one
-/// being written at once.
-fn slot_due(state: u64, sent_ns: u64, ages: &Ages) -> u64 {
-    let timeout_at = sent_ns.saturating_add(ages.timeout_ns);
-    match phase(state) {
-        PHASE_LIVE => timeout_at,
-        PHASE_LINGER if timeout_at > ages.now_ns => timeout_at,
-        PHASE_LINGER => sent_ns.saturating_add(ages.linger_ns),
-        _ => ages.now_ns,
     }
 }
 
@@ -134,14 +132,7 @@ impl Selector {
         };
         let mut report = SweepReport::default();
         let mut schedule = std::mem::take(&mut self.sweep_schedule);
-        if schedule.ages != (ages.timeout_ns, ages.linger_ns)
-            || schedule.due.len() != self.mark_words()
-        {
-            schedule = SweepSchedule {
-                due: vec![0; self.mark_words()],
-                ages: (ages.timeout_ns, ages.linger_ns),
-            };
-        }
+        schedule.fit(self.mark_words(), &ages);
         let mut occupied = Vec::with_capacity(MARK_BITS as usize);
         let mut due = Vec::new();
         for words in self.mark_runs() {
@@ -156,24 +147,33 @@ impl Selector {
                 let mut next = now_ns.saturating_add(ages.timeout_ns);
                 for &(i, state) in &occupied {
                     self.sweep_slot(i, state, &ages, &mut report);
-                    // SAFETY: fields of a live shared element.
-                    let (state, sent) = unsafe {
-                        let p = self.slots.ptr(i);
-                        (load(&raw mut (*p).state), load(&raw mut (*p).sent_ns))
-                    };
-                    next = next.min(if state == FREE {
-                        // Freed now, its mark still set: the next sweep
-                        // clears it (`Selector::occupied_in`).
-                        now_ns
-                    } else {
-                        slot_due(state, sent, &ages)
-                    });
+                    next = next.min(self.slot_due(i, &ages));
                 }
                 schedule.due[w] = next;
             }
         }
         self.sweep_schedule = schedule;
         Ok(report)
+    }
+
+    /// When slot `i`, just swept, next needs the sweep, as of `ages.now_ns`:
+    /// a live request at its timeout; a lingering one at its timeout (a
+    /// hedge target that never answered expires then), then at the end of
+    /// its linger; a free slot (freed by this sweep, its mark still set,
+    /// which the next sweep clears) or one being written at once.
+    fn slot_due(&self, i: usize, ages: &Ages) -> u64 {
+        // SAFETY: fields of a live shared element.
+        let (state, sent_ns) = unsafe {
+            let p = self.slots.ptr(i);
+            (load(&raw mut (*p).state), load(&raw mut (*p).sent_ns))
+        };
+        let timeout_at = sent_ns.saturating_add(ages.timeout_ns);
+        match phase(state) {
+            PHASE_LIVE => timeout_at,
+            PHASE_LINGER if timeout_at > ages.now_ns => timeout_at,
+            PHASE_LINGER => sent_ns.saturating_add(ages.linger_ns),
+            _ => ages.now_ns,
+        }
     }
 
     /// Sweeps slot `i`, seen occupied in `state`.
