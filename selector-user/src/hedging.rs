@@ -10,7 +10,7 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BinaryHeap, VecDeque},
+    collections::BinaryHeap,
     fmt,
     net::{IpAddr, Ipv6Addr, SocketAddr},
     os::fd::{AsFd as _, AsRawFd as _},
@@ -28,8 +28,8 @@ use aya::maps::{Array, MapData, RingBuf};
 use selector_common::{
     Endpoint, Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     hedge::{
-        self, HedgeConfig, HedgeEvent, HedgeStats, TokenBucket, auto_ceiling_ns, auto_delay_ns,
-        choose_target, claimed_word, is_sent, open_word, settling_word,
+        self, HedgeConfig, HedgeEvent, HedgeStats, TokenBucket, auto_ceiling_ns, choose_target,
+        claimed_word, is_sent, open_word, settling_word,
     },
     inflight::{InflightSlot, PHASE_LINGER, PHASE_LIVE, phase},
     names,
@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     Selector,
+    hedge_auto::AutoDelays,
     hedge_wire::HedgeSockets,
     shared::{SharedArray, atomic, load},
     sys,
@@ -52,9 +53,6 @@ pub const DEFAULT_BUDGET_PERCENT: u32 = 5;
 pub const MIN_FIXED_DELAY: Duration = Duration::from_micros(100);
 /// Reads waiting for their hedge delay at most; more are not hedged (counted).
 pub const MAX_QUEUED: usize = 65_536;
-/// How often `auto` recomputes the delay, and how many steps its window is.
-const AUTO_STEP: Duration = Duration::from_millis(250);
-const AUTO_WINDOW_STEPS: usize = 4;
 /// Longest sleep of the hedge thread (it checks for a stop this often).
 const IDLE_WAIT_NS: u64 = 50_000_000;
 
@@ -235,9 +233,8 @@ struct Control {
 pub struct Hedging {
     control: Arc<Control>,
     thread: Option<JoinHandle<()>>,
-    /// Cumulative latency histograms per backend, one per `AUTO_STEP`.
-    auto_history: VecDeque<Vec<Vec<u64>>>,
-    auto_at: Option<Instant>,
+    /// `--hedge-after auto`'s delays.
+    auto: AutoDelays,
 }
 
 impl Default for Hedging {
@@ -251,8 +248,7 @@ impl Default for Hedging {
                 stop: AtomicBool::new(false),
             }),
             thread: None,
-            auto_history: VecDeque::new(),
-            auto_at: None,
+            auto: AutoDelays::default(),
         }
     }
 }
@@ -298,7 +294,7 @@ impl Selector {
             match hedging.after {
                 HedgeAfter::Fixed(d) => delay.store(d.as_nanos() as u64, Ordering::SeqCst),
                 // Until the primary has replied enough: the ceiling.
-                HedgeAfter::Auto if self.hedging.auto_at.is_none() => {
+                HedgeAfter::Auto if !self.hedging.auto.begun() => {
                     delay.store(auto_ceiling_ns(timeout_ns), Ordering::SeqCst)
                 }
                 _ => {}
@@ -366,46 +362,33 @@ impl Selector {
         Ok(())
     }
 
-    /// For `auto`: every `AUTO_STEP`, the p95 of each backend's replies over
-    /// the last `AUTO_STEP × AUTO_WINDOW_STEPS` becomes the delay of reads
-    /// to it (clamped; kept while it has too few replies).
+    /// For `auto`: the p95 of each backend's recent replies becomes the
+    /// delay of reads to it (`crate::hedge_auto`). Does nothing before
+    /// `hedge_refresh_due`.
     pub fn refresh_hedge_delays(&mut self) -> Result<()> {
         if self.settings.hedging.after != HedgeAfter::Auto {
-            self.hedging.auto_history.clear();
-            self.hedging.auto_at = None;
+            self.hedging.auto.reset();
             return Ok(());
         }
         let now = Instant::now();
-        if self
-            .hedging
-            .auto_at
-            .is_some_and(|at| now.duration_since(at) < AUTO_STEP)
-        {
+        if !self.hedging.auto.is_due(now) {
             return Ok(());
         }
-        let hist = self.latency()?;
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
-        let history = &mut self.hedging.auto_history;
-        history.push_back(hist);
-        while history.len() > AUTO_WINDOW_STEPS + 1 {
-            history.pop_front();
-        }
-        let (oldest, newest) = (&history[0], &history[history.len() - 1]);
-        for (i, b) in self.backends.iter().enumerate() {
-            let recent: Vec<u64> = newest[i]
-                .iter()
-                .zip(&oldest[i])
-                .map(|(n, o)| n.saturating_sub(*o))
-                .collect();
-            let delay = &self.hedging.control.delay_ns[b.index as usize];
-            if let Some(d) = auto_delay_ns(&recent, ceiling) {
-                delay.store(d, Ordering::SeqCst);
-            } else if self.hedging.auto_at.is_none() {
-                delay.store(ceiling, Ordering::SeqCst);
+        let delays = self.hedging.auto.refresh(now, self.latency()?, ceiling);
+        for (b, delay) in self.backends.iter().zip(delays) {
+            if let Some(d) = delay {
+                self.hedging.control.delay_ns[b.index as usize].store(d, Ordering::SeqCst);
             }
         }
-        self.hedging.auto_at = Some(now);
         Ok(())
+    }
+
+    /// When `refresh_hedge_delays` next has work: `None` unless hedging is
+    /// `auto`.
+    pub fn hedge_refresh_due(&self) -> Option<Instant> {
+        (self.settings.hedging.after == HedgeAfter::Auto)
+            .then(|| self.hedging.auto.due().unwrap_or_else(Instant::now))
     }
 
     /// Hedging counters per backend, in `backends` order.

@@ -4,6 +4,7 @@
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod hedge_auto;
 pub mod hedge_wire;
 pub mod hedging;
 pub mod interface;

@@ -54,6 +54,9 @@ impl SweptSelector {
                 while !stop.load(Ordering::Relaxed) {
                     let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
                     s.sweep(sys::monotonic_ns()).expect("sweep");
+                    // As the agent does between sweeps (a no-op unless
+                    // `--hedge-after auto`, and until its next due time).
+                    s.refresh_hedge_delays().expect("auto hedge delays");
                     drop(s);
                     thread::sleep(Duration::from_millis(10));
                 }

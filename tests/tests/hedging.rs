@@ -3,8 +3,8 @@
 //! with the primary stopped (SIGSTOP), a read is hedged after the delay and
 //! answered by the second replica; the primary's late reply is dropped in
 //! the kernel and counted; counts are exact on every replica; the budget
-//! holds with many stuck reads; with hedging off no copy is sent. The
-//! hedged read runs over IPv6 too.
+//! holds with many stuck reads; with hedging off no copy is sent; `auto`
+//! hedges a stall right after it begins. The hedged read runs over IPv6 too.
 
 use std::{
     net::SocketAddr,
@@ -12,7 +12,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use selector_common::{Policy, hedge::BURST};
+use selector_common::{
+    Policy,
+    hedge::{AUTO_MIN_SAMPLES, BURST, auto_ceiling_ns},
+};
 use selector_testbed::{
     LoadSpec, Testbed,
     agent::SweptSelector,
@@ -22,6 +25,7 @@ use selector_testbed::{
 };
 use selector_user::{
     IngressMode, Settings,
+    hedge_auto::AUTO_STEP,
     hedging::{HedgeAfter, HedgeSettings},
 };
 
@@ -173,6 +177,66 @@ fn stalled_ipv6_read_is_hedged_and_the_late_reply_dropped_xdp() {
 #[test]
 fn stalled_ipv6_read_is_hedged_and_the_late_reply_dropped_tc() {
     stalled_read_is_hedged_and_the_late_reply_dropped(testbed6("hg6t"), IngressMode::Tc);
+}
+
+/// `auto` estimates the primary's delay from its first replies, not a
+/// whole step (250 ms) after it begins: a stall right after the agent
+/// starts is hedged at the estimate (a fraction of a millisecond here), not
+/// at the ceiling (50 ms), which would leave a 25 ms stall unhedged.
+#[test]
+fn auto_hedges_a_stall_right_after_it_begins() {
+    let tb = testbed("hga");
+    let running = SweptSelector::start(
+        &tb,
+        settings(&tb, Policy::Threshold, HedgeAfter::Auto, IngressMode::Xdp),
+    );
+    // `auto` begins at the sweeper's first round, just after the start.
+    let began = Instant::now();
+    let primary = group(&tb)[0];
+    tb.client
+        .run(move || {
+            let client = MemcachedClient::connect(primary).unwrap();
+            for i in 0..2 * AUTO_MIN_SAMPLES as usize {
+                assert_eq!(
+                    client.get(&key_for(i % KEYS)).unwrap(),
+                    Some(value_for(i % KEYS).into_bytes())
+                );
+            }
+        })
+        .unwrap();
+    // A few of the sweeper's 10 ms rounds, still well inside the first step.
+    thread::sleep(Duration::from_millis(40));
+    let delay = running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns;
+    let ceiling = auto_ceiling_ns(TIMEOUT.as_nanos() as u64);
+    assert!(
+        began.elapsed() < AUTO_STEP,
+        "the set-up took {:?}, past the first step",
+        began.elapsed()
+    );
+    assert!(
+        delay.is_some_and(|d| d < ceiling / 10),
+        "the primary's delay after its first replies: {delay:?} (ceiling {ceiling})"
+    );
+    tb.replicas[0].stop();
+    let resume = {
+        let pid = tb.replicas[0].pid();
+        thread::spawn(move || {
+            thread::sleep(Duration::from_millis(100));
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        })
+    };
+    let (replies, first) = get_and_listen(&tb, Duration::from_millis(200));
+    resume.join().unwrap();
+    assert_eq!(replies.len(), 1, "exactly one reply: {replies:?}");
+    let first = first.unwrap();
+    assert!(
+        first < Duration::from_millis(25),
+        "answered by the hedge at the estimated delay: {first:?}"
+    );
+    thread::sleep(Duration::from_millis(100));
+    let h = running.selector.lock().unwrap().hedge_counts().unwrap();
+    assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
+    assert_balanced(&running);
 }
 
 #[test]

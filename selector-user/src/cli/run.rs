@@ -184,9 +184,19 @@ impl Agent {
         };
         tokio::pin!(until_deadline);
         loop {
+            // `--hedge-after auto`: the delays follow the latencies, first
+            // every few ms until estimated (`hedge_auto`); no timer without.
+            let hedge_refresh = self.selector.hedge_refresh_due();
+            let until_hedge_refresh = async {
+                match hedge_refresh {
+                    Some(at) => sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = signals.recv() => return,
                 _ = &mut until_deadline => return,
+                _ = until_hedge_refresh => self.refresh_hedge_delays(),
                 _ = sweep_tick.tick() => {
                     self.sweep();
                     self.retire_finished();
@@ -321,13 +331,17 @@ impl Agent {
         }
     }
 
+    fn refresh_hedge_delays(&mut self) {
+        // On failure the delays in force stay; the next due time retries.
+        if let Err(e) = self.selector.refresh_hedge_delays() {
+            log::warn!("reading latencies for --hedge-after auto failed: {e:#}");
+        }
+    }
+
     fn sweep(&mut self) {
         // A failed sweep is retried next tick; the data path goes on.
         if let Err(e) = self.selector.sweep(sys::monotonic_ns()) {
             log::warn!("sweep failed: {e:#}");
-        }
-        if let Err(e) = self.selector.refresh_hedge_delays() {
-            log::warn!("reading latencies for --hedge-after auto failed: {e:#}");
         }
         self.selector.flush_kernel_logs();
     }

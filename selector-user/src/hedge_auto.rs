@@ -1,0 +1,249 @@
+//! `--hedge-after auto`: each primary's hedge delay follows the p95 of its
+//! recent replies, read from the kernel's cumulative latency histograms.
+//!
+//! Steady state: every [`AUTO_STEP`] a snapshot joins the history and the
+//! p95 over the last [`AUTO_WINDOW_STEPS`] steps becomes the delay. Before
+//! a backend has its first estimate its delay is the ceiling (no hedging in
+//! practice), so the first estimate must not wait for a whole step: a stall
+//! in the first quarter second after `auto` is turned on (an agent start, a
+//! `selector set`) would go unhedged. Until every backend has an estimate,
+//! and for at most [`AUTO_WARMUP`], the delays are refreshed every
+//! [`AUTO_WARMUP_STEP`] from the replies since `auto` began, as soon as a
+//! backend has enough of them (`AUTO_MIN_SAMPLES`).
+
+use std::{
+    collections::VecDeque,
+    time::{Duration, Instant},
+};
+
+use selector_common::hedge::auto_delay_ns;
+
+/// How often the steady-state delay is recomputed, and how many steps its
+/// window is.
+pub const AUTO_STEP: Duration = Duration::from_millis(250);
+pub const AUTO_WINDOW_STEPS: usize = 4;
+/// How often a backend without an estimate yet is looked at, and for how
+/// long after `auto` began (a backend no read goes to never gets one).
+pub const AUTO_WARMUP_STEP: Duration = Duration::from_millis(10);
+pub const AUTO_WARMUP: Duration = Duration::from_secs(1);
+
+/// The `auto` state: snapshots of every backend's cumulative histogram.
+#[derive(Debug, Default)]
+pub struct AutoDelays {
+    /// Cumulative histograms per backend (by position), one per step,
+    /// oldest first; the first is the one taken when `auto` began.
+    history: VecDeque<Vec<Vec<u64>>>,
+    /// When `auto` began, and when the last snapshot joined the history.
+    began: Option<Instant>,
+    stepped: Option<Instant>,
+    /// When the delays were last refreshed (a step or a warm-up look).
+    refreshed: Option<Instant>,
+    /// Per backend position: whether it has had an estimate.
+    estimated: Vec<bool>,
+}
+
+impl AutoDelays {
+    /// Forgets everything (`auto` turned off): the next refresh begins anew.
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+
+    /// Whether `auto` has begun (delays were set at least once).
+    pub fn begun(&self) -> bool {
+        self.began.is_some()
+    }
+
+    /// When the next refresh is due: `None` (at once) if not begun, every
+    /// `AUTO_WARMUP_STEP` while warming up, else one step after the last.
+    pub fn due(&self) -> Option<Instant> {
+        let (began, stepped, refreshed) = (self.began?, self.stepped?, self.refreshed?);
+        let step = stepped + AUTO_STEP;
+        let look = refreshed + AUTO_WARMUP_STEP;
+        Some(
+            if self.estimated.contains(&false) && look < began + AUTO_WARMUP {
+                look.min(step)
+            } else {
+                step
+            },
+        )
+    }
+
+    /// Whether a refresh is due at `now`.
+    pub fn is_due(&self, now: Instant) -> bool {
+        self.due().is_none_or(|due| due <= now)
+    }
+
+    /// Takes the cumulative histograms at `now` (one per backend position)
+    /// and returns, per position, the delay to put in force (`None`: keep
+    /// the one in force). Call it when `due()`; `ceiling_ns` bounds delays.
+    pub fn refresh(
+        &mut self,
+        now: Instant,
+        cumulative: Vec<Vec<u64>>,
+        ceiling_ns: u64,
+    ) -> Vec<Option<u64>> {
+        let n = cumulative.len();
+        let Some(stepped) = self.stepped.filter(|_| self.estimated.len() == n) else {
+            // Begins (or the backends changed): the ceiling until estimated.
+            self.history = VecDeque::from([cumulative]);
+            (self.began, self.stepped, self.refreshed) = (Some(now), Some(now), Some(now));
+            self.estimated = vec![false; n];
+            return vec![Some(ceiling_ns); n];
+        };
+        self.refreshed = Some(now);
+        let full_step = now.duration_since(stepped) >= AUTO_STEP;
+        let newest = if full_step {
+            self.history.push_back(cumulative);
+            while self.history.len() > AUTO_WINDOW_STEPS + 1 {
+                self.history.pop_front();
+            }
+            self.stepped = Some(now);
+            &self.history[self.history.len() - 1]
+        } else {
+            &cumulative
+        };
+        let oldest = &self.history[0];
+        (0..n)
+            .map(|i| {
+                // Between steps only backends without an estimate are looked at.
+                if !full_step && self.estimated[i] {
+                    return None;
+                }
+                let recent: Vec<u64> = newest[i]
+                    .iter()
+                    .zip(&oldest[i])
+                    .map(|(n, o)| n.saturating_sub(*o))
+                    .collect();
+                let delay = auto_delay_ns(&recent, ceiling_ns);
+                self.estimated[i] |= delay.is_some();
+                delay
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use selector_common::{hedge::AUTO_MIN_SAMPLES, latency};
+
+    const CEILING: u64 = 50_000_000;
+
+    /// Cumulative histograms of two backends with `a` and `b` replies of
+    /// 1 ms each.
+    fn replies(a: u64, b: u64) -> Vec<Vec<u64>> {
+        let mut h = vec![vec![0u64; latency::LATENCY_BUCKETS as usize]; 2];
+        let bucket = latency::bucket(1_000_000) as usize;
+        h[0][bucket] = a;
+        h[1][bucket] = b;
+        h
+    }
+
+    #[test]
+    fn a_backend_gets_its_first_delay_within_a_warmup_step_of_enough_replies() {
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        assert!(!auto.begun() && auto.is_due(t0));
+        assert_eq!(
+            auto.refresh(t0, replies(0, 0), CEILING),
+            vec![Some(CEILING); 2]
+        );
+        assert!(!auto.is_due(t0 + AUTO_WARMUP_STEP / 2));
+        assert!(auto.begun());
+        assert_eq!(auto.due(), Some(t0 + AUTO_WARMUP_STEP));
+        // Too few replies yet: nothing changes.
+        let t1 = t0 + AUTO_WARMUP_STEP;
+        assert_eq!(
+            auto.refresh(t1, replies(AUTO_MIN_SAMPLES - 1, 0), CEILING),
+            vec![None, None]
+        );
+        // Enough for backend 0, 20 ms after `auto` began, not a step later.
+        let t2 = t1 + AUTO_WARMUP_STEP;
+        let delays = auto.refresh(t2, replies(AUTO_MIN_SAMPLES, 0), CEILING);
+        let first = delays[0].expect("backend 0 estimated during the warm-up");
+        assert!((1_000_000..=1_250_000).contains(&first), "{first}");
+        assert_eq!(delays[1], None);
+        // Backend 1 has none yet: still looked at every warm-up step...
+        assert_eq!(auto.due(), Some(t2 + AUTO_WARMUP_STEP));
+        // ...and backend 0 is left alone until the next full step.
+        let t3 = t2 + AUTO_WARMUP_STEP;
+        assert_eq!(auto.refresh(t3, replies(100, 5), CEILING), vec![None, None]);
+    }
+
+    #[test]
+    fn the_warmup_ends_when_every_backend_is_estimated_or_after_its_limit() {
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        auto.refresh(t0, replies(0, 0), CEILING);
+        let t1 = t0 + AUTO_WARMUP_STEP;
+        let delays = auto.refresh(t1, replies(50, 50), CEILING);
+        assert!(delays.iter().all(Option::is_some));
+        assert_eq!(auto.due(), Some(t0 + AUTO_STEP));
+
+        // A backend no read goes to: looked at every warm-up step for
+        // AUTO_WARMUP, then only at full steps.
+        let mut idle = AutoDelays::default();
+        idle.refresh(t0, replies(0, 0), CEILING);
+        let mut now = t0;
+        let (mut looks, mut steps) = (0, 0);
+        while now < t0 + 3 * AUTO_WARMUP {
+            let gap = idle.due().unwrap() - now;
+            if now + AUTO_WARMUP_STEP < t0 + AUTO_WARMUP {
+                assert_eq!(gap, AUTO_WARMUP_STEP);
+                looks += 1;
+            } else if now >= t0 + AUTO_WARMUP {
+                assert_eq!(gap, AUTO_STEP);
+                steps += 1;
+            }
+            now += gap;
+            idle.refresh(now, replies(50, 0), CEILING);
+        }
+        assert!(looks > 90 && steps >= 8, "{looks} {steps}");
+    }
+
+    #[test]
+    fn steady_state_delays_are_the_p95_over_the_window() {
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        auto.refresh(t0, replies(0, 0), CEILING);
+        let mut now = t0;
+        let mut total = 0;
+        // Five full steps of 100 replies of 1 ms each.
+        for _ in 0..5 {
+            now += AUTO_STEP;
+            total += 100;
+            let d = auto.refresh(now, replies(total, total), CEILING);
+            assert!(
+                d.iter()
+                    .all(|d| d.is_some_and(|d| (1_000_000..=1_250_000).contains(&d)))
+            );
+        }
+        assert_eq!(auto.history.len(), AUTO_WINDOW_STEPS + 1);
+        // No replies over a whole window: the delays in force are kept.
+        for _ in 0..AUTO_WINDOW_STEPS {
+            now += AUTO_STEP;
+            auto.refresh(now, replies(total, total), CEILING);
+        }
+        assert_eq!(
+            auto.refresh(now + AUTO_STEP, replies(total, total), CEILING),
+            vec![None, None]
+        );
+    }
+
+    #[test]
+    fn a_reset_or_a_change_of_backends_begins_anew() {
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        auto.refresh(t0, replies(0, 0), CEILING);
+        auto.reset();
+        assert!(!auto.begun());
+        assert_eq!(auto.due(), None);
+        assert!(auto.is_due(t0));
+        auto.refresh(t0, replies(0, 0), CEILING);
+        let three = vec![vec![0u64; latency::LATENCY_BUCKETS as usize]; 3];
+        assert_eq!(
+            auto.refresh(t0 + AUTO_STEP, three, CEILING),
+            vec![Some(CEILING); 3]
+        );
+    }
+}
