@@ -154,7 +154,7 @@ pub enum Reply {
 ///     "ingress": "xdp",            xdp | tc
 ///     "hedge_after": "off",        off | auto | milliseconds ("2", "0.5")
 ///     "hedge_budget_percent": 5,
-///     "budget_us": 2000,           latency policy's budget, microseconds
+///     "budget_us": 1000,           latency policy's budget, microseconds
 ///     "tie_break": "first"         first | random
 ///   },
 ///   "in_flight": 3,                requests pending now, all backends (the sum of `pending`; a hedge copy counts at its target)

@@ -386,7 +386,7 @@ mod tests {
         let d = parse(&[]).unwrap();
         assert_eq!(
             (d.budget, d.tie_break),
-            (Duration::from_millis(2), TieBreak::First)
+            (Duration::from_millis(1), TieBreak::First)
         );
         let s = parse(&[
             "--policy",

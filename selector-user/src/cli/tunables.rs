@@ -53,7 +53,7 @@ pub struct Tunables {
     /// Latency policy: milliseconds of expected wait (pending x recent time
     /// per completed request) over the best replica's at which a read
     /// leaves its primary; fractions allowed (0.001 to 3600000)
-    /// [default: 2].
+    /// [default: 1].
     #[arg(long, value_name = "MS", value_parser = parse_millis)]
     pub budget: Option<Duration>,
     /// How the best of several equally loaded replicas is picked: the first
