@@ -301,6 +301,28 @@ impl RowResult {
         [0.5, 0.9, 0.99, 0.999, 0.9999, 1.0].map(|q| format_us(self.us(q)))
     }
 
+    /// Reads that waited at least half a stall (the row's mean stall), from
+    /// the intended send time: the reads stuck on the stalled primary.
+    /// `None` in rows without stalls.
+    pub fn stuck(&self) -> Option<u64> {
+        if self.stalls.is_empty() {
+            return None;
+        }
+        let total: f64 = self.stalls.iter().map(|(a, b)| b - a).sum();
+        let half_us = (total / self.stalls.len() as f64 * 1e6 / 2.0) as u64;
+        Some(self.hist.count_between(half_us.max(1), u64::MAX))
+    }
+
+    /// `stuck` formatted as a count and a share of the reads sent.
+    pub fn stuck_text(&self) -> String {
+        self.stuck().map_or("-".into(), |n| {
+            format!(
+                "{n} ({:.2}%)",
+                100.0 * n as f64 / self.counts.sent.max(1) as f64
+            )
+        })
+    }
+
     /// Hedge copies sent, as a share of the reads sent ("-" without the
     /// selector).
     pub fn extra_reads(&self) -> Option<f64> {
@@ -570,10 +592,12 @@ impl Report {
                         base.label()
                     ),
                     measured: format!(
-                        "{} vs {} = {:.1}x lower",
+                        "{} vs {} = {:.1}x lower (stuck reads: {} vs {})",
                         format_us(mine),
                         format_us(base.us(q)),
-                        ratio(base.us(q), mine)
+                        ratio(base.us(q), mine),
+                        r.stuck_text(),
+                        base.stuck_text()
                     ),
                     met: base.us(q) as f64 >= factor * mine as f64,
                 });
@@ -724,7 +748,9 @@ impl Report {
             "Latency from the intended send time. *redirected*: reads answered by a replica other \
              than the primary (by the replica's mark in the value; for nginx, which has no primary, \
              reads not served by replica 0). *gap*: per replica, the longest stretch of send time in \
-             which it answered no read.\n"
+             which it answered no read. *stuck*: reads that waited at least half a stall, and their \
+             share of the reads sent (one per stall is 0.1% at 2000 reads/s, exactly the p99.9's \
+             share, so the p99.9 then lands on either side of them).\n"
         );
         let replicas = self.rows.iter().map(|r| r.served.len()).max().unwrap_or(0);
         let names = (0..replicas)
@@ -733,11 +759,11 @@ impl Report {
             .join("/");
         let _ = writeln!(
             md,
-            "| policy | reads/s | p50 | p90 | p99 | p99.9 | p99.99 | max | redirected | hedged | reads {names} (%) | gap {names} (ms) | lost |"
+            "| policy | reads/s | p50 | p90 | p99 | p99.9 | p99.99 | max | redirected | hedged | reads {names} (%) | gap {names} (ms) | lost | stuck |"
         );
         let _ = writeln!(
             md,
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
         );
         for r in &self.rows {
             let shares = r
@@ -754,7 +780,7 @@ impl Report {
                 .join("/");
             let _ = writeln!(
                 md,
-                "| {} | {:.0} | {} | {:.1}% | {} | {} | {} | {} |",
+                "| {} | {:.0} | {} | {:.1}% | {} | {} | {} | {} | {} |",
                 r.label(),
                 r.rate(),
                 r.latencies().join(" | "),
@@ -763,7 +789,8 @@ impl Report {
                     .map_or("-".into(), |x| format!("{:.2}%", 100.0 * x)),
                 shares,
                 gaps,
-                r.counts.lost
+                r.counts.lost,
+                r.stuck_text()
             );
         }
         self.rounds_markdown(md);
@@ -954,7 +981,7 @@ impl Report {
              sent,received,lost,wrong,late,retries,max_send_lag_us,stalls,\
              kernel_requests,kernel_redirected,p9999_us,kernel_hedges_sent,kernel_hedges_won,\
              offered_per_s,rounds,median_round_p99_us,median_round_p999_us,median_round_p9999_us,\
-             rounds_with_lost\n",
+             rounds_with_lost,stuck\n",
         );
         for r in &self.rows {
             let primary = self.row_at(&Row::PrimaryOnly, r.offered);
@@ -971,7 +998,7 @@ impl Report {
                 |of: fn(&Round) -> u64| r.round_median(of).map_or(String::new(), |v| v.to_string());
             let _ = writeln!(
                 out,
-                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{:.1},{},{},{},{},{},{:.4},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 r.id(),
                 r.label().replace(',', ";"),
                 r.rate(),
@@ -1009,7 +1036,8 @@ impl Report {
                 median(|x| x.p99_us),
                 median(|x| x.p999_us),
                 median(|x| x.p9999_us),
-                r.rounds.iter().filter(|x| x.lost > 0).count()
+                r.rounds.iter().filter(|x| x.lost > 0).count(),
+                r.stuck().map_or(String::new(), |n| n.to_string())
             );
         }
         out
@@ -1281,6 +1309,21 @@ mod tests {
         r.stalls = vec![(0.0021, 0.0049), (0.0082, 0.0089)];
         assert_eq!(r.served_in_stalls(), vec![20, 5, 0]);
         assert!((r.shares_in_stalls()[1] - 0.2).abs() < 1e-9);
+    }
+
+    #[test]
+    fn stuck_reads_waited_at_least_half_the_mean_stall() {
+        let mut r = result(Row::Threshold(1), vec![vec![0; 10]; 3]);
+        for us in [100, 200, 12_000, 12_600, 25_000] {
+            r.hist.record(us).unwrap();
+        }
+        r.counts.sent = 5;
+        assert_eq!(r.stuck(), None, "no stalls, nothing stuck");
+        assert_eq!(r.stuck_text(), "-");
+        // Stalls of 24 and 26 ms: half the mean is 12.5 ms.
+        r.stalls = vec![(0.25, 0.274), (0.75, 0.776)];
+        assert_eq!(r.stuck(), Some(2));
+        assert_eq!(r.stuck_text(), "2 (40.00%)");
     }
 
     #[test]
