@@ -289,6 +289,10 @@ impl Selector {
             .budget_percent
             .store(hedging.budget_percent, Ordering::SeqCst);
         let timeout_ns = self.settings.timeout.as_nanos() as u64;
+        if hedging.after != HedgeAfter::Auto {
+            // Turned on again later, `auto` begins anew (its warm-up too).
+            self.hedging.auto.reset();
+        }
         for b in &self.backends {
             let delay = &control.delay_ns[b.index as usize];
             match hedging.after {

@@ -236,6 +236,33 @@ fn auto_hedges_a_stall_right_after_it_begins() {
     thread::sleep(Duration::from_millis(100));
     let h = running.selector.lock().unwrap().hedge_counts().unwrap();
     assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
+
+    // Set to a fixed delay and back to `auto` (as `selector set` does):
+    // `auto` begins anew, at the ceiling until the primary replies again.
+    {
+        let mut sel = running.selector.lock().unwrap();
+        sel.settings.hedging.after = HedgeAfter::Fixed(Duration::from_millis(2));
+        sel.write_config().unwrap();
+        sel.settings.hedging.after = HedgeAfter::Auto;
+        sel.write_config().unwrap();
+        assert_eq!(sel.hedge_counts().unwrap()[0].hedge_delay_ns, Some(ceiling));
+    }
+    // The sweeper's next round begins it (its replies count from there).
+    thread::sleep(Duration::from_millis(30));
+    tb.client
+        .run(move || {
+            let client = MemcachedClient::connect(primary).unwrap();
+            for i in 0..2 * AUTO_MIN_SAMPLES as usize {
+                client.get(&key_for(i % KEYS)).unwrap();
+            }
+        })
+        .unwrap();
+    thread::sleep(Duration::from_millis(40));
+    let delay = running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns;
+    assert!(
+        delay.is_some_and(|d| d < ceiling / 10),
+        "estimated again after the switch back: {delay:?}"
+    );
     assert_balanced(&running);
 }
 
