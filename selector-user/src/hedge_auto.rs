@@ -40,6 +40,10 @@ pub struct AutoDelays {
     refreshed: Option<Instant>,
     /// Per backend position: whether it has had an estimate.
     estimated: Vec<bool>,
+    /// The backend ids the positions stand for.
+    ids: Vec<u32>,
+    /// After a failed read of the histograms: no refresh before this.
+    retry_at: Option<Instant>,
 }
 
 impl AutoDelays {
@@ -53,19 +57,34 @@ impl AutoDelays {
         self.began.is_some()
     }
 
+    /// Whether the history is of these backends, position by position.
+    pub fn tracks(&self, ids: &[u32]) -> bool {
+        self.ids == ids
+    }
+
+    /// Reading the histograms failed at `now`: the next try is a step
+    /// later, so a lasting failure does not spin the agent.
+    pub fn failed(&mut self, now: Instant) {
+        self.retry_at = Some(now + AUTO_STEP);
+    }
+
     /// When the next refresh is due: `None` (at once) if not begun, every
-    /// `AUTO_WARMUP_STEP` while warming up, else one step after the last.
+    /// `AUTO_WARMUP_STEP` while warming up, else one step after the last;
+    /// never before a retry after a failure.
     pub fn due(&self) -> Option<Instant> {
-        let (began, stepped, refreshed) = (self.began?, self.stepped?, self.refreshed?);
-        let step = stepped + AUTO_STEP;
-        let look = refreshed + AUTO_WARMUP_STEP;
-        Some(
-            if self.estimated.contains(&false) && look < began + AUTO_WARMUP {
-                look.min(step)
-            } else {
-                step
-            },
-        )
+        let scheduled = match (self.began, self.stepped, self.refreshed) {
+            (Some(began), Some(stepped), Some(refreshed)) => {
+                let step = stepped + AUTO_STEP;
+                let look = refreshed + AUTO_WARMUP_STEP;
+                let warming = self.estimated.contains(&false) && look < began + AUTO_WARMUP;
+                Some(if warming { look.min(step) } else { step })
+            }
+            _ => None,
+        };
+        match (scheduled, self.retry_at) {
+            (Some(at), Some(retry)) => Some(at.max(retry)),
+            (at, retry) => at.or(retry),
+        }
     }
 
     /// Whether a refresh is due at `now`.
@@ -73,21 +92,25 @@ impl AutoDelays {
         self.due().is_none_or(|due| due <= now)
     }
 
-    /// Takes the cumulative histograms at `now` (one per backend position)
-    /// and returns, per position, the delay to put in force (`None`: keep
-    /// the one in force). Call it when `due()`; `ceiling_ns` bounds delays.
+    /// Takes the cumulative histograms at `now`, one per backend of `ids`
+    /// (in that order), and returns, per position, the delay to put in
+    /// force (`None`: keep the one in force). Call it when `due()`;
+    /// `ceiling_ns` bounds delays.
     pub fn refresh(
         &mut self,
         now: Instant,
+        ids: &[u32],
         cumulative: Vec<Vec<u64>>,
         ceiling_ns: u64,
     ) -> Vec<Option<u64>> {
         let n = cumulative.len();
-        let Some(stepped) = self.stepped.filter(|_| self.estimated.len() == n) else {
+        self.retry_at = None;
+        let Some(stepped) = self.stepped.filter(|_| self.tracks(ids)) else {
             // Begins (or the backends changed): the ceiling until estimated.
             self.history = VecDeque::from([cumulative]);
             (self.began, self.stepped, self.refreshed) = (Some(now), Some(now), Some(now));
             self.estimated = vec![false; n];
+            self.ids = ids.to_vec();
             return vec![Some(ceiling_ns); n];
         };
         self.refreshed = Some(now);
@@ -128,6 +151,7 @@ mod tests {
     use selector_common::{hedge::AUTO_MIN_SAMPLES, latency};
 
     const CEILING: u64 = 50_000_000;
+    const IDS: [u32; 2] = [4, 9];
 
     /// Cumulative histograms of two backends with `a` and `b` replies of
     /// 1 ms each.
@@ -145,7 +169,7 @@ mod tests {
         let mut auto = AutoDelays::default();
         assert!(!auto.begun() && auto.is_due(t0));
         assert_eq!(
-            auto.refresh(t0, replies(0, 0), CEILING),
+            auto.refresh(t0, &IDS, replies(0, 0), CEILING),
             vec![Some(CEILING); 2]
         );
         assert!(!auto.is_due(t0 + AUTO_WARMUP_STEP / 2));
@@ -154,12 +178,12 @@ mod tests {
         // Too few replies yet: nothing changes.
         let t1 = t0 + AUTO_WARMUP_STEP;
         assert_eq!(
-            auto.refresh(t1, replies(AUTO_MIN_SAMPLES - 1, 0), CEILING),
+            auto.refresh(t1, &IDS, replies(AUTO_MIN_SAMPLES - 1, 0), CEILING),
             vec![None, None]
         );
         // Enough for backend 0, 20 ms after `auto` began, not a step later.
         let t2 = t1 + AUTO_WARMUP_STEP;
-        let delays = auto.refresh(t2, replies(AUTO_MIN_SAMPLES, 0), CEILING);
+        let delays = auto.refresh(t2, &IDS, replies(AUTO_MIN_SAMPLES, 0), CEILING);
         let first = delays[0].expect("backend 0 estimated during the warm-up");
         assert!((1_000_000..=1_250_000).contains(&first), "{first}");
         assert_eq!(delays[1], None);
@@ -167,23 +191,26 @@ mod tests {
         assert_eq!(auto.due(), Some(t2 + AUTO_WARMUP_STEP));
         // ...and backend 0 is left alone until the next full step.
         let t3 = t2 + AUTO_WARMUP_STEP;
-        assert_eq!(auto.refresh(t3, replies(100, 5), CEILING), vec![None, None]);
+        assert_eq!(
+            auto.refresh(t3, &IDS, replies(100, 5), CEILING),
+            vec![None, None]
+        );
     }
 
     #[test]
     fn the_warmup_ends_when_every_backend_is_estimated_or_after_its_limit() {
         let t0 = Instant::now();
         let mut auto = AutoDelays::default();
-        auto.refresh(t0, replies(0, 0), CEILING);
+        auto.refresh(t0, &IDS, replies(0, 0), CEILING);
         let t1 = t0 + AUTO_WARMUP_STEP;
-        let delays = auto.refresh(t1, replies(50, 50), CEILING);
+        let delays = auto.refresh(t1, &IDS, replies(50, 50), CEILING);
         assert!(delays.iter().all(Option::is_some));
         assert_eq!(auto.due(), Some(t0 + AUTO_STEP));
 
         // A backend no read goes to: looked at every warm-up step for
         // AUTO_WARMUP, then only at full steps.
         let mut idle = AutoDelays::default();
-        idle.refresh(t0, replies(0, 0), CEILING);
+        idle.refresh(t0, &IDS, replies(0, 0), CEILING);
         let mut now = t0;
         let (mut looks, mut steps) = (0, 0);
         while now < t0 + 3 * AUTO_WARMUP {
@@ -196,7 +223,7 @@ mod tests {
                 steps += 1;
             }
             now += gap;
-            idle.refresh(now, replies(50, 0), CEILING);
+            idle.refresh(now, &IDS, replies(50, 0), CEILING);
         }
         assert!(looks > 90 && steps >= 8, "{looks} {steps}");
     }
@@ -205,14 +232,14 @@ mod tests {
     fn steady_state_delays_are_the_p95_over_the_window() {
         let t0 = Instant::now();
         let mut auto = AutoDelays::default();
-        auto.refresh(t0, replies(0, 0), CEILING);
+        auto.refresh(t0, &IDS, replies(0, 0), CEILING);
         let mut now = t0;
         let mut total = 0;
         // Five full steps of 100 replies of 1 ms each.
         for _ in 0..5 {
             now += AUTO_STEP;
             total += 100;
-            let d = auto.refresh(now, replies(total, total), CEILING);
+            let d = auto.refresh(now, &IDS, replies(total, total), CEILING);
             assert!(
                 d.iter()
                     .all(|d| d.is_some_and(|d| (1_000_000..=1_250_000).contains(&d)))
@@ -222,10 +249,10 @@ mod tests {
         // No replies over a whole window: the delays in force are kept.
         for _ in 0..AUTO_WINDOW_STEPS {
             now += AUTO_STEP;
-            auto.refresh(now, replies(total, total), CEILING);
+            auto.refresh(now, &IDS, replies(total, total), CEILING);
         }
         assert_eq!(
-            auto.refresh(now + AUTO_STEP, replies(total, total), CEILING),
+            auto.refresh(now + AUTO_STEP, &IDS, replies(total, total), CEILING),
             vec![None, None]
         );
     }
@@ -234,16 +261,42 @@ mod tests {
     fn a_reset_or_a_change_of_backends_begins_anew() {
         let t0 = Instant::now();
         let mut auto = AutoDelays::default();
-        auto.refresh(t0, replies(0, 0), CEILING);
+        auto.refresh(t0, &IDS, replies(0, 0), CEILING);
         auto.reset();
         assert!(!auto.begun());
         assert_eq!(auto.due(), None);
         assert!(auto.is_due(t0));
-        auto.refresh(t0, replies(0, 0), CEILING);
+        auto.refresh(t0, &IDS, replies(0, 0), CEILING);
+        assert!(auto.tracks(&IDS) && !auto.tracks(&[4, 5]));
+        let t1 = t0 + AUTO_WARMUP_STEP;
+        let d = auto.refresh(t1, &IDS, replies(50, 50), CEILING);
+        assert!(d.iter().all(Option::is_some));
+        // As many backends but another one: begins anew at the ceiling.
+        let t2 = t0 + AUTO_STEP;
+        assert_eq!(
+            auto.refresh(t2, &[4, 5], replies(100, 100), CEILING),
+            vec![Some(CEILING); 2]
+        );
+        assert!(auto.tracks(&[4, 5]));
         let three = vec![vec![0u64; latency::LATENCY_BUCKETS as usize]; 3];
         assert_eq!(
-            auto.refresh(t0 + AUTO_STEP, three, CEILING),
+            auto.refresh(t2 + AUTO_STEP, &[4, 5, 6], three, CEILING),
             vec![Some(CEILING); 3]
         );
+    }
+
+    #[test]
+    fn a_failed_read_is_retried_a_step_later_not_at_once() {
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        auto.failed(t0);
+        assert_eq!(auto.due(), Some(t0 + AUTO_STEP));
+        assert!(!auto.is_due(t0 + AUTO_WARMUP_STEP));
+        auto.refresh(t0 + AUTO_STEP, &IDS, replies(0, 0), CEILING);
+        assert_eq!(auto.due(), Some(t0 + AUTO_STEP + AUTO_WARMUP_STEP));
+        // While warming up too: the retry, not the next warm-up look.
+        let t1 = t0 + AUTO_STEP + AUTO_WARMUP_STEP;
+        auto.failed(t1);
+        assert_eq!(auto.due(), Some(t1 + AUTO_STEP));
     }
 }

@@ -288,9 +288,11 @@ impl Selector {
         control
             .budget_percent
             .store(hedging.budget_percent, Ordering::SeqCst);
-        let timeout_ns = self.settings.timeout.as_nanos() as u64;
-        if hedging.after != HedgeAfter::Auto {
-            // Turned on again later, `auto` begins anew (its warm-up too).
+        let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
+        let ids: Vec<u32> = self.backends.iter().map(|b| b.index).collect();
+        if hedging.after != HedgeAfter::Auto || !self.hedging.auto.tracks(&ids) {
+            // Turned on again later, or with other backends (a reload):
+            // `auto` begins anew, its warm-up too.
             self.hedging.auto.reset();
         }
         for b in &self.backends {
@@ -299,9 +301,13 @@ impl Selector {
                 HedgeAfter::Fixed(d) => delay.store(d.as_nanos() as u64, Ordering::SeqCst),
                 // Until the primary has replied enough: the ceiling.
                 HedgeAfter::Auto if !self.hedging.auto.begun() => {
-                    delay.store(auto_ceiling_ns(timeout_ns), Ordering::SeqCst)
+                    delay.store(ceiling, Ordering::SeqCst)
                 }
-                _ => {}
+                // A shorter timeout lowers the ceiling at once.
+                HedgeAfter::Auto => {
+                    delay.fetch_min(ceiling, Ordering::SeqCst);
+                }
+                HedgeAfter::Off => {}
             }
         }
         control.enabled.store(on, Ordering::SeqCst);
@@ -379,7 +385,15 @@ impl Selector {
             return Ok(());
         }
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
-        let delays = self.hedging.auto.refresh(now, self.latency()?, ceiling);
+        let latency = match self.latency() {
+            Ok(latency) => latency,
+            Err(e) => {
+                self.hedging.auto.failed(now);
+                return Err(e);
+            }
+        };
+        let ids: Vec<u32> = self.backends.iter().map(|b| b.index).collect();
+        let delays = self.hedging.auto.refresh(now, &ids, latency, ceiling);
         for (b, delay) in self.backends.iter().zip(delays) {
             if let Some(d) = delay {
                 self.hedging.control.delay_ns[b.index as usize].store(d, Ordering::SeqCst);

@@ -14,7 +14,7 @@ use std::{
 
 use selector_common::{
     Policy,
-    hedge::{AUTO_MIN_SAMPLES, BURST, auto_ceiling_ns},
+    hedge::{BURST, auto_ceiling_ns},
 };
 use selector_testbed::{
     LoadSpec, Testbed,
@@ -179,6 +179,34 @@ fn stalled_ipv6_read_is_hedged_and_the_late_reply_dropped_tc() {
     stalled_read_is_hedged_and_the_late_reply_dropped(testbed6("hg6t"), IngressMode::Tc);
 }
 
+/// Gets from the primary, a few at a time, until `auto` has estimated its
+/// delay (under a tenth of the ceiling); returns when, or panics after 1 s.
+fn prime_until_estimated(tb: &Testbed, running: &SweptSelector, ceiling: u64) -> Instant {
+    let primary = group(tb)[0];
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let delay = running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns;
+        if delay.is_some_and(|d| d < ceiling / 10) {
+            return Instant::now();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no delay estimated in 1 s of replies: {delay:?} (ceiling {ceiling})"
+        );
+        tb.client
+            .run(move || {
+                let client = MemcachedClient::connect(primary).unwrap();
+                for i in 0..5 {
+                    assert_eq!(
+                        client.get(&key_for(i)).unwrap(),
+                        Some(value_for(i).into_bytes())
+                    );
+                }
+            })
+            .unwrap();
+    }
+}
+
 /// `auto` estimates the primary's delay from its first replies, not a
 /// whole step (250 ms) after it begins: a stall right after the agent
 /// starts is hedged at the estimate (a fraction of a millisecond here), not
@@ -192,31 +220,20 @@ fn auto_hedges_a_stall_right_after_it_begins() {
     );
     // `auto` begins at the sweeper's first round, just after the start.
     let began = Instant::now();
-    let primary = group(&tb)[0];
-    tb.client
-        .run(move || {
-            let client = MemcachedClient::connect(primary).unwrap();
-            for i in 0..2 * AUTO_MIN_SAMPLES as usize {
-                assert_eq!(
-                    client.get(&key_for(i % KEYS)).unwrap(),
-                    Some(value_for(i % KEYS).into_bytes())
-                );
-            }
-        })
-        .unwrap();
-    // A few of the sweeper's 10 ms rounds, still well inside the first step.
-    thread::sleep(Duration::from_millis(40));
-    let delay = running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns;
     let ceiling = auto_ceiling_ns(TIMEOUT.as_nanos() as u64);
-    assert!(
-        began.elapsed() < AUTO_STEP,
-        "the set-up took {:?}, past the first step",
-        began.elapsed()
+    assert_eq!(
+        running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns,
+        Some(ceiling),
+        "the ceiling before any reply"
     );
+    let estimated = prime_until_estimated(&tb, &running, ceiling);
     assert!(
-        delay.is_some_and(|d| d < ceiling / 10),
-        "the primary's delay after its first replies: {delay:?} (ceiling {ceiling})"
+        estimated - began < AUTO_STEP,
+        "estimated {:?} after the start, not before the first step",
+        estimated - began
     );
+    // Priming reads slower than the estimate may have been hedged too.
+    let before = running.selector.lock().unwrap().hedge_counts().unwrap();
     tb.replicas[0].stop();
     let resume = {
         let pid = tb.replicas[0].pid();
@@ -235,7 +252,14 @@ fn auto_hedges_a_stall_right_after_it_begins() {
     );
     thread::sleep(Duration::from_millis(100));
     let h = running.selector.lock().unwrap().hedge_counts().unwrap();
-    assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
+    assert_eq!(
+        (
+            h[1].hedges_sent - before[1].hedges_sent,
+            h[1].hedges_won - before[1].hedges_won
+        ),
+        (1, 1),
+        "{h:?}"
+    );
 
     // Set to a fixed delay and back to `auto` (as `selector set` does):
     // `auto` begins anew, at the ceiling until the primary replies again.
@@ -247,22 +271,20 @@ fn auto_hedges_a_stall_right_after_it_begins() {
         sel.write_config().unwrap();
         assert_eq!(sel.hedge_counts().unwrap()[0].hedge_delay_ns, Some(ceiling));
     }
-    // The sweeper's next round begins it (its replies count from there).
-    thread::sleep(Duration::from_millis(30));
-    tb.client
-        .run(move || {
-            let client = MemcachedClient::connect(primary).unwrap();
-            for i in 0..2 * AUTO_MIN_SAMPLES as usize {
-                client.get(&key_for(i % KEYS)).unwrap();
-            }
-        })
-        .unwrap();
-    thread::sleep(Duration::from_millis(40));
-    let delay = running.selector.lock().unwrap().hedge_counts().unwrap()[0].hedge_delay_ns;
-    assert!(
-        delay.is_some_and(|d| d < ceiling / 10),
-        "estimated again after the switch back: {delay:?}"
-    );
+    prime_until_estimated(&tb, &running, ceiling);
+
+    // A shorter timeout lowers the ceiling at once, for the replicas that
+    // have no estimate (no read went to them as primary).
+    {
+        let mut sel = running.selector.lock().unwrap();
+        sel.settings.timeout = Duration::from_millis(60);
+        sel.write_config().unwrap();
+        let h = sel.hedge_counts().unwrap();
+        assert_eq!(h[1].hedge_delay_ns, Some(30_000_000), "{h:?}");
+        assert!(h[0].hedge_delay_ns.is_some_and(|d| d < ceiling / 10));
+        sel.settings.timeout = TIMEOUT;
+        sel.write_config().unwrap();
+    }
     assert_balanced(&running);
 }
 
