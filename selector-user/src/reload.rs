@@ -536,6 +536,8 @@ impl Reloader {
         selector.apply_groups(&changes)?;
         self.table = changes.table.clone();
         selector.backends = self.table.backends();
+        // Hedge delays for the backends as they are now (new ones had none).
+        selector.write_config()?;
         self.quiet = wanted.quiet;
         Ok(format!(
             "reloaded {}: {}, timeout {} ms, grace {} ms; {}",

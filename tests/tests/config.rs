@@ -372,6 +372,38 @@ fn config_file_reload_and_removal_with_requests_in_flight() {
     tb.replicas.clear();
 }
 
+/// A member added by a reload gets the hedge delay in force, like the
+/// others (it was 0, hedging its reads at once, until the next change).
+#[test]
+fn a_reload_gives_an_added_member_the_hedge_delay() {
+    let mut tb = Testbed::new("selch", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    let _etc = NetnsEtc::new(&tb.client, "");
+    let file = ConfigFile::new("hedge");
+    let (r0, r1, r2) = (r[0].to_string(), r[1].to_string(), r[2].to_string());
+    file.write(&config("hedge-after = \"2\"\n", &[&r0, &r1]));
+    let (mut child, _out) = Output::of(agent::spawn_agent(&tb.client, &["--config", file.arg()]));
+    let delay = |s: &Value, addr| backend(s, addr).unwrap()["hedge_delay_ns"].as_u64();
+    let s = status(&tb);
+    assert_eq!(delay(&s, r[1]), Some(2_000_000), "{s}");
+
+    file.write(&config("hedge-after = \"2\"\n", &[&r0, &r1, &r2]));
+    let (code, msg) = reload(&tb);
+    assert_eq!(
+        (code, msg.contains(&format!("added {r2}"))),
+        (0, true),
+        "{msg}"
+    );
+    let s = status(&tb);
+    assert_eq!(delay(&s, r[2]), Some(2_000_000), "{s}");
+    assert_eq!(delay(&s, r[0]), Some(2_000_000), "{s}");
+
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    tb.replicas.clear();
+}
+
 #[test]
 fn a_bad_file_at_start_names_its_line_and_key_and_nothing_runs() {
     let tb = Testbed::new("selcb", 0).unwrap();
