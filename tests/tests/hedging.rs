@@ -100,6 +100,25 @@ fn get_and_listen(tb: &Testbed, wait: Duration) -> (Vec<Vec<u8>>, Option<Duratio
         .unwrap()
 }
 
+/// `get_and_listen` with the primary stopped until `resume` after the get.
+fn get_with_the_primary_stalled(
+    tb: &Testbed,
+    resume: Duration,
+    wait: Duration,
+) -> (Vec<Vec<u8>>, Option<Duration>) {
+    tb.replicas[0].stop();
+    let resumer = {
+        let pid = tb.replicas[0].pid();
+        thread::spawn(move || {
+            thread::sleep(resume);
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+        })
+    };
+    let got = get_and_listen(tb, wait);
+    resumer.join().unwrap();
+    got
+}
+
 fn assert_balanced(running: &SweptSelector) {
     let settled = running.settle(TIMEOUT);
     for (i, (issued, completed, expired)) in settled.accounting.iter().enumerate() {
@@ -118,18 +137,10 @@ fn stalled_read_is_hedged_and_the_late_reply_dropped(tb: Testbed, ingress: Ingre
             ingress,
         ),
     );
-    tb.replicas[0].stop();
     // The application waits 300 ms: the hedge answers long before, and
     // the primary resumes in the middle, so its late reply arrives too.
-    let resume = {
-        let pid = tb.replicas[0].pid();
-        thread::spawn(move || {
-            thread::sleep(Duration::from_millis(120));
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-        })
-    };
-    let (replies, first) = get_and_listen(&tb, Duration::from_millis(300));
-    resume.join().unwrap();
+    let (replies, first) =
+        get_with_the_primary_stalled(&tb, Duration::from_millis(120), Duration::from_millis(300));
     assert_eq!(replies.len(), 1, "exactly one reply: {replies:?}");
     assert_eq!(
         parse_get_response(&replies[0]),
@@ -234,16 +245,8 @@ fn auto_hedges_a_stall_right_after_it_begins() {
     );
     // Priming reads slower than the estimate may have been hedged too.
     let before = running.selector.lock().unwrap().hedge_counts().unwrap();
-    tb.replicas[0].stop();
-    let resume = {
-        let pid = tb.replicas[0].pid();
-        thread::spawn(move || {
-            thread::sleep(Duration::from_millis(100));
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-        })
-    };
-    let (replies, first) = get_and_listen(&tb, Duration::from_millis(200));
-    resume.join().unwrap();
+    let (replies, first) =
+        get_with_the_primary_stalled(&tb, Duration::from_millis(100), Duration::from_millis(200));
     assert_eq!(replies.len(), 1, "exactly one reply: {replies:?}");
     let first = first.unwrap();
     assert!(
