@@ -276,7 +276,15 @@ pub fn parse_ip(pkt: &impl Packet) -> Result<Ip, PassReason> {
 #[inline(always)]
 fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     let h: [u8; IPV4_LEN] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
-    // Version 4 without options: options are not understood.
+    if h[0] >> 4 != 4 {
+        return Err(PassReason::BadHeader);
+    }
+    // Not UDP first: IGMP (its reports carry a Router Alert option) and the
+    // like are not ours, not bad, whatever else their header holds.
+    if h[9] != IPPROTO_UDP {
+        return Err(PassReason::NotIpUdp);
+    }
+    // UDP without options: options are not understood.
     if h[0] != 0x45 {
         return Err(PassReason::BadHeader);
     }
@@ -299,10 +307,6 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     }
     let src = [h[12], h[13], h[14], h[15]];
     let dst = [h[16], h[17], h[18], h[19]];
-    // Not UDP first: multicast IGMP and the like are not ours, not bad.
-    if h[9] != IPPROTO_UDP {
-        return Err(PassReason::NotIpUdp);
-    }
     if !is_unicast_v4(src) || !is_unicast_v4(dst) {
         return Err(PassReason::BadHeader);
     }

@@ -337,6 +337,57 @@ fn egress_passes_what_it_does_not_own_byte_identical() {
     assert!(stats(&sel).iter().all(|s| *s == BackendStats::default()));
 }
 
+/// An IGMPv3 membership report as hosts on the client's link send it:
+/// IPv4 with a Router Alert option (IHL 6), from 0.0.0.0 to 224.0.0.22.
+fn igmp_report() -> Vec<u8> {
+    let mut ip = vec![
+        0x46, 0xc0, 0, 40, 0, 0, 0x40, 0, 1, 2, 0, 0, 0, 0, 0, 0, 224, 0, 0, 22, // header
+        0x94, 4, 0, 0, // Router Alert
+        0x22, 0, 0, 0, 0, 0, 0, 1, // report, one group record
+        4, 0, 0, 0, 224, 0, 0, 251, // change to exclude, no sources
+    ];
+    let checksum = |bytes: &[u8]| {
+        let mut sum: u32 = bytes
+            .chunks(2)
+            .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+            .sum();
+        while sum > 0xffff {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        !(sum as u16)
+    };
+    let igmp = checksum(&ip[24..]);
+    ip[26..28].copy_from_slice(&igmp.to_be_bytes());
+    let header = checksum(&ip[..24]);
+    ip[10..12].copy_from_slice(&header.to_be_bytes());
+    let mut frame = vec![0x01, 0x00, 0x5e, 0, 0, 0x16];
+    frame.extend_from_slice(&PRIMARY_MAC);
+    frame.extend_from_slice(&[0x08, 0x00]);
+    frame.extend_from_slice(&ip);
+    frame
+}
+
+/// IGMP reports carry an IP option, but are not UDP: not ours, counted as
+/// `not_ip_udp` both ways, not as a bad header (the demo counted one per
+/// run). A UDP datagram with options still is a bad header.
+#[test]
+fn igmp_with_its_router_alert_option_passes_as_not_udp() {
+    let report = igmp_report();
+    let mut sel = selector();
+    assert_eq!(run_xdp(&mut sel, &report), (XDP_PASS, report.clone()));
+    assert_eq!(egress(&mut sel, &report), (TC_ACT_PIPE, report.clone()));
+    for direction in [Direction::Ingress, Direction::Egress] {
+        assert_eq!(passed(&sel, direction, PassReason::NotIpUdp), 1);
+        assert_eq!(passed(&sel, direction, PassReason::BadHeader), 0);
+    }
+    let (_, udp_with_options) = pass_through_cases()
+        .into_iter()
+        .find(|(what, _)| *what == "IPv4 options")
+        .unwrap();
+    assert_eq!(egress(&mut sel, &udp_with_options).0, TC_ACT_PIPE);
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::BadHeader), 1);
+}
+
 #[test]
 fn ingress_passes_what_it_does_not_own_byte_identical() {
     let mut sel = selector();

@@ -249,13 +249,13 @@ enum NotOwned {
     NotIpEthertype,
     TruncatedIpv4Header,
     NotIpv4Version,
+    NotUdp,
     IpOptions,
     BadIpChecksum,
     IpTotalBeyondFrame,
     IpTotalBelowHeader,
     SourceNotUnicast,
     DestinationNotUnicast,
-    NotUdp,
     Fragment,
     IpTooShortForUdp,
     UdpLengthBelowHeader,
@@ -443,6 +443,11 @@ fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
     if ip[0] >> 4 != 4 {
         return Err(NotOwned::NotIpv4Version);
     }
+    // Another protocol is not ours, whatever else its header holds (IGMP
+    // reports carry an option).
+    if ip[IP_PROTOCOL] != IPPROTO_UDP {
+        return Err(NotOwned::NotUdp);
+    }
     if ip[0] & 0xf != 5 {
         return Err(NotOwned::IpOptions);
     }
@@ -457,9 +462,6 @@ fn ipv4_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::IpTotalBelowHeader);
     }
     let (src, dst) = (ipv4(ip, IP_SRC), ipv4(ip, IP_DST));
-    if ip[IP_PROTOCOL] != IPPROTO_UDP {
-        return Err(NotOwned::NotUdp);
-    }
     unicast_rules(is_unicast(src), is_unicast(dst))?;
     let fragment = be16(ip, IP_FRAGMENT) & 0x3fff;
     if fragment != 0 && direction == Direction::Egress {
