@@ -7,13 +7,13 @@
 //! Every key is the name of a `selector run` flag without its dashes, in
 //! the same unit (`timeout = 250` is `--timeout 250`); groups are
 //! `[[group]]` tables with an optional `name` and `members`, which may be
-//! host names (resolved here, IPv4 only). An error about a value the file
+//! host names (resolved here: one IPv4 address, or else one IPv6 address). An error about a value the file
 //! gave names the file, the line and the key.
 
 use std::{
     collections::{BTreeSet, HashSet},
     fmt,
-    net::{IpAddr, SocketAddr, ToSocketAddrs as _},
+    net::{SocketAddr, ToSocketAddrs as _},
     ops::Range,
     path::{Path, PathBuf},
     time::Duration,
@@ -327,8 +327,7 @@ impl Options {
 }
 
 /// `a.b.c.d:port`, `[IPv6]:port`, or `host:port` resolved with the
-/// system's resolver to exactly one IPv4 address (a member is one replica;
-/// a dual-stack name would be two, so IPv6 members are named by address).
+/// system's resolver (`member_address` picks the one address).
 pub fn resolve_member(member: &str) -> Result<SocketAddr, String> {
     if let Ok(addr) = member.parse::<SocketAddr>() {
         return Ok(addr);
@@ -343,22 +342,38 @@ pub fn resolve_member(member: &str) -> Result<SocketAddr, String> {
     let found = (host, port)
         .to_socket_addrs()
         .map_err(|e| format!("'{member}' does not resolve: {e}"))?;
-    let addrs: BTreeSet<std::net::Ipv4Addr> = found
-        .filter_map(|a| match a {
-            SocketAddr::V4(v4) => Some(*v4.ip()),
-            SocketAddr::V6(_) => None,
-        })
-        .collect();
+    member_address(member, found)
+}
+
+/// The address a host name stands for: a member is one replica, so
+/// exactly one IPv4 address, or without any, exactly one IPv6 address.
+/// A dual-stack name is the replica's IPv4 address; to use its IPv6
+/// address, name it by address.
+pub fn member_address(
+    member: &str,
+    found: impl IntoIterator<Item = SocketAddr>,
+) -> Result<SocketAddr, String> {
+    let (mut v4, mut v6) = (BTreeSet::new(), BTreeSet::new());
+    for addr in found {
+        match addr {
+            SocketAddr::V4(_) => v4.insert(addr),
+            SocketAddr::V6(_) => v6.insert(addr),
+        };
+    }
+    let (family, addrs) = if v4.is_empty() {
+        ("IPv6", v6)
+    } else {
+        ("IPv4", v4)
+    };
     match addrs.len() {
-        0 => Err(format!("'{member}' has no IPv4 address")),
-        1 => Ok(SocketAddr::new(
-            IpAddr::V4(*addrs.first().unwrap_or(&std::net::Ipv4Addr::UNSPECIFIED)),
-            port,
-        )),
+        0 => Err(format!("'{member}' has no IPv4 or IPv6 address")),
+        1 => Ok(*addrs
+            .first()
+            .unwrap_or(&SocketAddr::from(([0, 0, 0, 0], 0)))),
         n => {
-            let list: Vec<String> = addrs.iter().map(|a| a.to_string()).collect();
+            let list: Vec<String> = addrs.iter().map(|a| a.ip().to_string()).collect();
             Err(format!(
-                "'{member}' resolves to {n} IPv4 addresses ({}); a member is one replica, name it by address",
+                "'{member}' resolves to {n} {family} addresses ({}); a member is one replica, name it by address",
                 list.join(", ")
             ))
         }
@@ -889,6 +904,33 @@ members = ["10.0.0.3:1"]
             let e = resolve_member(bad).unwrap_err();
             assert!(e.contains(&format!("'{bad}'")), "{e}");
         }
+    }
+
+    #[test]
+    fn a_name_is_its_one_ipv4_address_or_else_its_one_ipv6_address() {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let v4 = a("10.0.0.1:11211");
+        let v6 = a("[fd77::1]:11211");
+        assert_eq!(member_address("r:11211", [v4]), Ok(v4));
+        assert_eq!(member_address("r:11211", [v6]), Ok(v6), "IPv6 only");
+        assert_eq!(member_address("r:11211", [v6, v4]), Ok(v4), "dual stack");
+        // The resolver may list an address once per socket type.
+        assert_eq!(member_address("r:11211", [v6, v6]), Ok(v6));
+        let two6 = member_address("r:11211", [v6, a("[fd77::2]:11211")]).unwrap_err();
+        assert!(
+            two6.contains("resolves to 2 IPv6 addresses (fd77::1, fd77::2)"),
+            "{two6}"
+        );
+        let two4 = member_address("r:11211", [v6, v4, a("10.0.0.2:11211")]).unwrap_err();
+        assert!(
+            two4.contains("resolves to 2 IPv4 addresses (10.0.0.1, 10.0.0.2)"),
+            "{two4}"
+        );
+        let none = member_address("r:11211", []).unwrap_err();
+        assert!(
+            none.contains("'r:11211' has no IPv4 or IPv6 address"),
+            "{none}"
+        );
     }
 
     #[test]
