@@ -7,8 +7,9 @@
 //! Every key is the name of a `selector run` flag without its dashes, in
 //! the same unit (`timeout = 250` is `--timeout 250`); groups are
 //! `[[group]]` tables with an optional `name` and `members`, which may be
-//! host names (resolved here: one IPv4 address, or else one IPv6 address). An error about a value the file
-//! gave names the file, the line and the key.
+//! host names (resolved here: one IPv4 address, or else one IPv6 address).
+//! An error about a value the file gave names the file, the line and the
+//! key.
 
 use std::{
     collections::{BTreeSet, HashSet},
@@ -365,12 +366,12 @@ pub fn member_address(
     } else {
         ("IPv4", v4)
     };
-    match addrs.len() {
-        0 => Err(format!("'{member}' has no IPv4 or IPv6 address")),
-        1 => Ok(*addrs
-            .first()
-            .unwrap_or(&SocketAddr::from(([0, 0, 0, 0], 0)))),
-        n => {
+    let mut each = addrs.iter();
+    match (each.next(), each.next()) {
+        (None, _) => Err(format!("'{member}' has no IPv4 or IPv6 address")),
+        (Some(one), None) => Ok(*one),
+        _ => {
+            let n = addrs.len();
             let list: Vec<String> = addrs.iter().map(|a| a.ip().to_string()).collect();
             Err(format!(
                 "'{member}' resolves to {n} {family} addresses ({}); a member is one replica, name it by address",

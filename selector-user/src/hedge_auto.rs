@@ -33,17 +33,23 @@ pub struct AutoDelays {
     /// Cumulative histograms per backend (by position), one per step,
     /// oldest first; the first is the one taken when `auto` began.
     history: VecDeque<Vec<Vec<u64>>>,
-    /// When `auto` began, and when the last snapshot joined the history.
-    began: Option<Instant>,
-    stepped: Option<Instant>,
-    /// When the delays were last refreshed (a step or a warm-up look).
-    refreshed: Option<Instant>,
+    /// `None` until `auto` begins.
+    clock: Option<Clock>,
     /// Per backend position: whether it has had an estimate.
     estimated: Vec<bool>,
     /// The backend ids the positions stand for.
     ids: Vec<u32>,
     /// After a failed read of the histograms: no refresh before this.
     retry_at: Option<Instant>,
+}
+
+/// When `auto` began, when the last snapshot joined the history, and when
+/// the delays were last refreshed (a step or a warm-up look).
+#[derive(Clone, Copy, Debug)]
+struct Clock {
+    began: Instant,
+    stepped: Instant,
+    refreshed: Instant,
 }
 
 impl AutoDelays {
@@ -54,7 +60,7 @@ impl AutoDelays {
 
     /// Whether `auto` has begun (delays were set at least once).
     pub fn begun(&self) -> bool {
-        self.began.is_some()
+        self.clock.is_some()
     }
 
     /// Whether the history is of these backends, position by position.
@@ -72,15 +78,12 @@ impl AutoDelays {
     /// `AUTO_WARMUP_STEP` while warming up, else one step after the last;
     /// never before a retry after a failure.
     pub fn due(&self) -> Option<Instant> {
-        let scheduled = match (self.began, self.stepped, self.refreshed) {
-            (Some(began), Some(stepped), Some(refreshed)) => {
-                let step = stepped + AUTO_STEP;
-                let look = refreshed + AUTO_WARMUP_STEP;
-                let warming = self.estimated.contains(&false) && look < began + AUTO_WARMUP;
-                Some(if warming { look.min(step) } else { step })
-            }
-            _ => None,
-        };
+        let scheduled = self.clock.map(|c| {
+            let step = c.stepped + AUTO_STEP;
+            let look = c.refreshed + AUTO_WARMUP_STEP;
+            let warming = self.estimated.contains(&false) && look < c.began + AUTO_WARMUP;
+            if warming { look.min(step) } else { step }
+        });
         match (scheduled, self.retry_at) {
             (Some(at), Some(retry)) => Some(at.max(retry)),
             (at, retry) => at.or(retry),
@@ -105,22 +108,28 @@ impl AutoDelays {
     ) -> Vec<Option<u64>> {
         let n = cumulative.len();
         self.retry_at = None;
-        let Some(stepped) = self.stepped.filter(|_| self.tracks(ids)) else {
+        let Some(clock) = self.clock.as_mut().filter(|_| self.ids == ids) else {
             // Begins (or the backends changed): the ceiling until estimated.
             self.history = VecDeque::from([cumulative]);
-            (self.began, self.stepped, self.refreshed) = (Some(now), Some(now), Some(now));
+            self.clock = Some(Clock {
+                began: now,
+                stepped: now,
+                refreshed: now,
+            });
             self.estimated = vec![false; n];
             self.ids = ids.to_vec();
             return vec![Some(ceiling_ns); n];
         };
-        self.refreshed = Some(now);
-        let full_step = now.duration_since(stepped) >= AUTO_STEP;
+        clock.refreshed = now;
+        let full_step = now.duration_since(clock.stepped) >= AUTO_STEP;
+        if full_step {
+            clock.stepped = now;
+        }
         let newest = if full_step {
             self.history.push_back(cumulative);
             while self.history.len() > AUTO_WINDOW_STEPS + 1 {
                 self.history.pop_front();
             }
-            self.stepped = Some(now);
             &self.history[self.history.len() - 1]
         } else {
             &cumulative

@@ -289,7 +289,7 @@ impl Selector {
             .budget_percent
             .store(hedging.budget_percent, Ordering::SeqCst);
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
-        let ids: Vec<u32> = self.backends.iter().map(|b| b.index).collect();
+        let ids = self.backend_ids();
         if hedging.after != HedgeAfter::Auto || !self.hedging.auto.tracks(&ids) {
             // Turned on again later, or with other backends (a reload):
             // `auto` begins anew, its warm-up too.
@@ -376,12 +376,9 @@ impl Selector {
     /// delay of reads to it (`crate::hedge_auto`). Does nothing before
     /// `hedge_refresh_due`.
     pub fn refresh_hedge_delays(&mut self) -> Result<()> {
-        if self.settings.hedging.after != HedgeAfter::Auto {
-            self.hedging.auto.reset();
-            return Ok(());
-        }
+        // Turning `auto` off resets its state (`write_hedge_config`).
         let now = Instant::now();
-        if !self.hedging.auto.is_due(now) {
+        if self.settings.hedging.after != HedgeAfter::Auto || !self.hedging.auto.is_due(now) {
             return Ok(());
         }
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
@@ -392,7 +389,7 @@ impl Selector {
                 return Err(e);
             }
         };
-        let ids: Vec<u32> = self.backends.iter().map(|b| b.index).collect();
+        let ids = self.backend_ids();
         let delays = self.hedging.auto.refresh(now, &ids, latency, ceiling);
         for (b, delay) in self.backends.iter().zip(delays) {
             if let Some(d) = delay {
@@ -400,6 +397,10 @@ impl Selector {
             }
         }
         Ok(())
+    }
+
+    fn backend_ids(&self) -> Vec<u32> {
+        self.backends.iter().map(|b| b.index).collect()
     }
 
     /// When `refresh_hedge_delays` next has work: `None` unless hedging is
