@@ -402,6 +402,36 @@ fn set_changes_show_in_the_json_status() {
     assert!(out.contains("mark 0x00000010"), "{out}");
     assert!(out.contains("passed untouched:"), "{out}");
 
+    // Hedging is set at run time too: a fixed delay, then `auto`, whose
+    // delay starts at the ceiling (half the 1 s timeout, at most 50 ms).
+    let hedging = |args: &[&str]| {
+        let mut set = vec!["set", "--iface", CLIENT_IFACE];
+        set.extend_from_slice(args);
+        let (code, out) = run_ctl(&tb, &set);
+        assert_eq!(code, 0, "{out}");
+        let (_, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let status = hedging(&["--hedge-after", "2", "--hedge-budget", "10"]);
+    assert_eq!(status["settings"]["hedge_after"], "2", "{status}");
+    assert_eq!(status["settings"]["hedge_budget_percent"], 10, "{status}");
+    assert_eq!(
+        status["backends"][0]["hedge_delay_ns"], 2_000_000,
+        "{status}"
+    );
+    let status = hedging(&["--hedge-after", "auto"]);
+    assert_eq!(status["settings"]["hedge_after"], "auto", "{status}");
+    assert_eq!(
+        status["backends"][0]["hedge_delay_ns"], 50_000_000,
+        "{status}"
+    );
+    let status = hedging(&["--hedge-after", "off"]);
+    assert_eq!(status["settings"]["hedge_after"], "off", "{status}");
+    assert!(
+        status["backends"][0]["hedge_delay_ns"].is_null(),
+        "{status}"
+    );
+
     // A bad change is refused and changes nothing.
     let (code, err) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE]);
     assert_ne!(code, 0);

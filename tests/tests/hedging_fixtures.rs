@@ -7,8 +7,8 @@
 use etherparse::PacketBuilder;
 use selector_common::{Descriptor, InflightKey, programs};
 use selector_testbed::frames::{
-    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS, egress,
-    replica, request, run_tc, run_xdp, settings_for, verified_endpoints,
+    CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS,
+    egress, replica, request, run_tc, run_xdp, settings_for, verified_endpoints,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -43,6 +43,21 @@ fn hedged() -> Selector {
     assert_eq!(verdict, TC_ACT_PIPE);
     assert!(sel.plant_hedge(&key(), 1), "hedge claimed");
     assert!(!sel.plant_hedge(&key(), 2), "one hedge per read");
+    sel
+}
+
+/// A loaded selector whose egress program offers reads for hedging (the
+/// kernel side only: no agent thread takes the offers).
+fn offering() -> Selector {
+    use selector_common::hedge::{self, HedgeConfig};
+    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
+    let mut config: aya::maps::Array<_, HedgeConfig> =
+        aya::maps::Array::try_from(sel.ebpf_mut().map_mut(hedge::names::CONFIG).unwrap()).unwrap();
+    let on = HedgeConfig {
+        enabled: 1,
+        _pad: 0,
+    };
+    config.set(0, on, 0).unwrap();
     sel
 }
 
@@ -168,22 +183,10 @@ fn an_unhedged_read_is_answered_as_before() {
 /// not, and is counted.
 #[test]
 fn a_read_is_offered_with_its_bytes_and_a_long_one_is_counted_instead() {
-    use aya::maps::{Array, RingBuf};
-    use selector_common::hedge::{self, HedgeConfig, HedgeEvent, PAYLOAD_MAX, open_word};
+    use aya::maps::RingBuf;
+    use selector_common::hedge::{self, HedgeEvent, PAYLOAD_MAX, open_word};
 
-    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
-    let mut config: Array<_, HedgeConfig> =
-        Array::try_from(sel.ebpf_mut().map_mut(hedge::names::CONFIG).unwrap()).unwrap();
-    config
-        .set(
-            0,
-            HedgeConfig {
-                enabled: 1,
-                _pad: 0,
-            },
-            0,
-        )
-        .unwrap();
+    let mut sel = offering();
     let (verdict, _) = egress(&mut sel, &request(GET));
     assert_eq!(verdict, TC_ACT_PIPE);
     let mut long = b"\x12\x35\0\0\0\x01\0\0get ".to_vec();
@@ -226,4 +229,21 @@ fn a_read_is_offered_with_its_bytes_and_a_long_one_is_counted_instead() {
     assert_eq!(slot_of(0x1235).hedge, 0, "never hedgeable");
     let h = sel.hedge_counts().unwrap();
     assert_eq!((h[0].hedge_too_large, h[0].hedge_ring_full), (1, 0));
+}
+
+/// Only reads are hedged: a write with hedging on is tracked but never
+/// offered, and its slot never hedgeable.
+#[test]
+fn a_write_is_never_offered_for_hedging() {
+    use aya::maps::RingBuf;
+    use selector_common::hedge;
+
+    let mut sel = offering();
+    assert_eq!(egress(&mut sel, &request(SET)).0, TC_ACT_PIPE);
+    let slots = sel.inflight().unwrap();
+    assert_eq!(slots.len(), 1, "the write is tracked");
+    assert_eq!(slots[0].hedge, 0, "never hedgeable");
+    let mut ring =
+        RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
+    assert!(ring.next().is_none(), "no hedge event for a write");
 }
