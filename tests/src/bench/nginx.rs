@@ -88,6 +88,9 @@ impl Nginx {
         let conf = dir.join("nginx.conf");
         std::fs::write(&conf, config(dir, listen, backends, workers))?;
         let error_log = dir.join("error.log");
+        // What nginx says before its error log is open (a bad config, a
+        // port in use) goes to stderr.
+        let stderr_log = dir.join("stderr.log");
         let child = ns
             .command("nginx")
             .arg("-c")
@@ -97,7 +100,7 @@ impl Nginx {
             .arg("-e")
             .arg(&error_log)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&stderr_log)?)
             .spawn()
             .context("starting nginx")?;
         let mut nginx = Self {
@@ -106,8 +109,12 @@ impl Nginx {
             dir: dir.to_path_buf(),
         };
         nginx.wait_ready(ns).with_context(|| {
-            let log = std::fs::read_to_string(&error_log).unwrap_or_default();
-            format!("nginx did not come up; its log:\n{log}")
+            let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+            format!(
+                "nginx did not come up; its log:\n{}{}",
+                read(&error_log),
+                read(&stderr_log)
+            )
         })?;
         Ok(nginx)
     }
