@@ -27,8 +27,10 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         .args(["--inflight-small", "100", "--inflight-large", "5000"])
         .args(["--overload-duration", "1", "--overload-stop-ms", "200"])
         .args(["--overload-rate", "400"])
+        // A relative `--out`, as users type it.
+        .current_dir(std::env::temp_dir())
         .arg("--out")
-        .arg(&out)
+        .arg(out.file_name().unwrap())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

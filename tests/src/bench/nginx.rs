@@ -84,6 +84,9 @@ impl Nginx {
             );
         }
         std::fs::create_dir_all(dir)?;
+        // nginx takes a relative `-c` and `-e` from its `-p` prefix: with a
+        // relative `--out` they would name the directory twice.
+        let dir = &std::path::absolute(dir)?;
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
         let conf = dir.join("nginx.conf");
         std::fs::write(&conf, config(dir, listen, backends, workers))?;
