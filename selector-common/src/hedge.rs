@@ -49,7 +49,9 @@ const TARGET_MASK: u64 = 0b111 << TARGET_SHIFT;
 const TAG_SHIFT: u32 = 8;
 
 /// Request bytes (UDP payload) an event carries; a longer read is not hedged.
+/// A power of two: the kernel bounds the copy's length with a mask.
 pub const PAYLOAD_MAX: usize = 512;
+const _: () = assert!(PAYLOAD_MAX.is_power_of_two());
 
 /// Size of the event ring buffer in bytes (a power-of-two number of pages):
 /// about 1,900 events. Full: the read is not hedged, counted as `ring_full`.

@@ -80,7 +80,8 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         return in_flight_already(ctx, config, &dgram, &first, primary);
     }
     accounting::count(primary, |s| &mut s.requests);
-    if !is_read && config.descriptor.expects_no_reply(byte) {
+    let word = |i| dgram.payload_word(ctx, i);
+    if !is_read && config.descriptor.expects_no_reply(byte, word) {
         // Nothing will ever complete it: not pending, not steered.
         accounting::count(primary, |s| &mut s.no_reply);
         return Ok(TC_CONTINUE);

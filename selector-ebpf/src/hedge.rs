@@ -78,6 +78,10 @@ pub fn offer(
         if len == 0 || len as usize > PAYLOAD_MAX {
             1
         } else {
+            // The same length in 1..=PAYLOAD_MAX, in a form every verifier
+            // bounds: 6.12's does not carry the checks above to the
+            // helper's size argument ("invalid zero-sized read").
+            let len = ((len - 1) & (PAYLOAD_MAX as u32 - 1)) + 1;
             bpf_skb_load_bytes(
                 ctx.skb.skb as *const _,
                 dgram.ip.layout.payload() as u32,

@@ -213,6 +213,17 @@ impl Datagram {
         let p: *const u8 = ptr_at(pkt, self.ip.layout.payload() + i).ok()?;
         Some(unsafe { *p })
     }
+
+    /// Payload bytes `i..i + 8`, if all are inside both the packet and the
+    /// datagram.
+    #[inline(always)]
+    pub fn payload_word(&self, pkt: &impl Packet, i: usize) -> Option<[u8; 8]> {
+        if i + 8 > self.payload_len {
+            return None;
+        }
+        let i = i % MAX_DESCRIPTOR_SPAN as usize;
+        read_bytes(pkt, self.ip.layout.payload() + i).ok()
+    }
 }
 
 /// An address a unicast sender or receiver may have: not 0/8 ("this

@@ -684,7 +684,7 @@ members = ["10.0.0.3:1"]
         assert_eq!(&s.descriptor.prefix[..3], b"GET");
         assert!(
             s.descriptor
-                .expects_no_reply(|i| b"\0\0\0\0\0\0N!".get(i).copied())
+                .expects_no_reply(|i| b"\0\0\0\0\0\0N!".get(i).copied(), |_| None)
         );
         assert_eq!(s.timeout, Duration::from_millis(250));
         assert_eq!(s.grace, Duration::from_millis(400));

@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf, EbpfLoader, VerifierLogLevel,
     maps::{Array, HashMap},
     programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink},
 };
@@ -94,6 +94,18 @@ fn pin_name(slot: LinkSlot) -> &'static str {
     match slot {
         LinkSlot::Egress => "egress",
         _ => "ingress",
+    }
+}
+
+/// The verifier log a rejected load reports: its error and statistics,
+/// not the instruction-by-instruction trace (megabytes that an operator
+/// cannot use, and minutes to produce on a slow machine or an emulated
+/// one); `SELECTOR_VERIFIER_LOG=verbose` asks for the whole trace.
+fn verifier_log_level() -> VerifierLogLevel {
+    if std::env::var("SELECTOR_VERIFIER_LOG").is_ok_and(|v| v == "verbose") {
+        VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
+    } else {
+        VerifierLogLevel::STATS
     }
 }
 
@@ -306,6 +318,7 @@ impl Selector {
             None => Vec::new(),
         };
         let mut loader = EbpfLoader::new();
+        loader.verifier_log_level(verifier_log_level());
         loader.map_max_entries(names::INFLIGHT, slot_count);
         loader.map_max_entries(names::INFLIGHT_MARKS, mark_words(slot_count));
         loader.map_max_entries(names::REFERENCE, reference_entries);
