@@ -171,7 +171,7 @@ fn serve(socket: &UdpSocket, paused: &AtomicBool, stop: &AtomicBool) -> std::io:
 }
 
 /// UDP_SEGMENT on every later send (0: off).
-fn set_gso_size(socket: &UdpSocket, size: libc::c_int) -> std::io::Result<()> {
+pub fn set_gso_size(socket: &UdpSocket, size: libc::c_int) -> std::io::Result<()> {
     // SAFETY: a valid socket and an int option.
     let rc = unsafe {
         libc::setsockopt(
