@@ -118,6 +118,12 @@ pub fn pull_headers(ctx: &TcContext) {
     }
 }
 
+/// A GSO skb: one header for several datagrams, cut apart only after TC.
+#[inline(always)]
+pub fn segmented(ctx: &TcContext) -> bool {
+    unsafe { (*ctx.skb.skb).gso_size != 0 }
+}
+
 /// Where the IP and UDP headers start, and which family.
 #[derive(Clone, Copy)]
 pub struct Layout {
