@@ -313,9 +313,13 @@ pub enum PassReason {
     /// UDP over IPv6 with checksum 0: invalid there (RFC 8200 8.1), so it
     /// is neither trusted nor rewritten.
     ZeroChecksum = 6,
+    /// A GSO skb to a backend (egress only): several datagrams, each a
+    /// request of its own, of which only the first's id is readable, and
+    /// which a rewrite would move together.
+    Segmented = 7,
 }
 
-pub const PASS_REASONS: u32 = 7;
+pub const PASS_REASONS: u32 = 8;
 
 impl PassReason {
     pub const ALL: [PassReason; PASS_REASONS as usize] = [
@@ -326,6 +330,7 @@ impl PassReason {
         PassReason::NoRequestId,
         PassReason::ExtensionHeader,
         PassReason::ZeroChecksum,
+        PassReason::Segmented,
     ];
 
     /// The name in status output and metrics.
@@ -338,6 +343,7 @@ impl PassReason {
             PassReason::NoRequestId => "no_request_id",
             PassReason::ExtensionHeader => "extension_header",
             PassReason::ZeroChecksum => "zero_checksum",
+            PassReason::Segmented => "segmented",
         }
     }
 }

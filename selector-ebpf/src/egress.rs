@@ -52,6 +52,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         // Removed by a reload: only its requests in flight are still served.
         return pass(PassReason::NotBackend);
     }
+    if packet::segmented(ctx) {
+        // Requests batched by UDP_SEGMENT: only the first id is readable,
+        // and steering it would take the others along untracked.
+        return pass(PassReason::Segmented);
+    }
     let (group, primary_pos) = split_backend_id(primary);
     // Chosen before the payload is parsed, where the verifier has few
     // paths to walk it on; used only if this is a new read.

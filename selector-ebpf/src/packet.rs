@@ -41,10 +41,14 @@ const IPPROTO_UDP: u8 = 17;
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET: u16 = 0x1fff;
 
-/// Something whose bytes live between `data` and `data_end`.
+/// A frame whose directly readable bytes live between `data` and
+/// `data_end`; on TC that is only the skb's linear part, and the rest of
+/// the frame may be in page fragments.
 pub trait Packet {
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
+    /// The whole frame's length: what IP and UDP lengths are bounded by.
+    fn frame_len(&self) -> usize;
 }
 
 impl Packet for TcContext {
@@ -56,6 +60,10 @@ impl Packet for TcContext {
     fn data_end(&self) -> usize {
         TcContext::data_end(self)
     }
+    #[inline(always)]
+    fn frame_len(&self) -> usize {
+        self.len() as usize
+    }
 }
 
 impl Packet for XdpContext {
@@ -66,6 +74,12 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn data_end(&self) -> usize {
         XdpContext::data_end(self)
+    }
+    /// Programs loaded without XDP frags support only ever see a frame
+    /// whole (generic XDP linearizes the skb first).
+    #[inline(always)]
+    fn frame_len(&self) -> usize {
+        XdpContext::data_end(self) - XdpContext::data(self)
     }
 }
 
@@ -91,16 +105,23 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
     Ok(unsafe { p.read_unaligned() })
 }
 
-/// Makes the headers and descriptor span readable when the skb is paged.
+/// Makes the headers and descriptor span readable when the skb is paged;
+/// the rest of the payload may stay in page fragments.
 #[inline(always)]
 pub fn pull_headers(ctx: &TcContext) {
     let linear = ctx.data_end() - ctx.data();
-    let len = ctx.len() as usize;
+    let len = ctx.frame_len();
     if linear < PARSE_SPAN && len > linear {
         let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
         // On failure the parser sees the short linear part and passes.
         let _ = ctx.pull_data(want as u32);
     }
+}
+
+/// A GSO skb: one header for several datagrams, cut apart only after TC.
+#[inline(always)]
+pub fn segmented(ctx: &TcContext) -> bool {
+    unsafe { (*ctx.skb.skb).gso_size != 0 }
 }
 
 /// Where the IP and UDP headers start, and which family.
@@ -150,7 +171,8 @@ pub struct Ip {
     pub layout: Layout,
     /// IPv4 only.
     pub id: u16,
-    /// Offset of the end of the IP packet (never Ethernet padding).
+    /// Offset of the end of the IP packet (never Ethernet padding). On TC
+    /// it may lie past the linear part: a bound, not a readable range.
     pub end: usize,
     /// More fragments follow, or this is not the first: a fragment.
     pub fragment: bool,
@@ -197,13 +219,14 @@ pub struct Datagram {
     pub src_port: u16,
     pub dst_port: u16,
     /// UDP payload bytes in this packet (per the UDP header, and for a first
-    /// fragment only what it carries).
+    /// fragment only what it carries). Only the descriptor span of them is
+    /// linear after `pull_headers`; `bpf_skb_load_bytes` reads the rest.
     pub payload_len: usize,
 }
 
 impl Datagram {
     /// Payload byte `i`, if it is inside both the packet and the datagram
-    /// (never Ethernet padding).
+    /// (never Ethernet padding) and in the linear part.
     #[inline(always)]
     pub fn payload_byte(&self, pkt: &impl Packet, i: usize) -> Option<u8> {
         if i >= self.payload_len {
@@ -312,7 +335,7 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
         return Err(PassReason::BadHeader);
     }
     let total_len = usize::from(u16::from_be_bytes([h[2], h[3]]));
-    let frame_after_l2 = pkt.data_end() - pkt.data() - l3;
+    let frame_after_l2 = pkt.frame_len() - l3;
     if total_len < IPV4_LEN || total_len > frame_after_l2 {
         return Err(PassReason::BadHeader);
     }
@@ -345,7 +368,7 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
         return Err(PassReason::BadHeader);
     }
     let payload_len = usize::from(u16::from_be_bytes([h[4], h[5]]));
-    let frame_after_l2 = pkt.data_end() - pkt.data() - l3;
+    let frame_after_l2 = pkt.frame_len() - l3;
     // Payload length 0 is a jumbogram (a hop-by-hop option): not parsed.
     if payload_len == 0 || IPV6_LEN + payload_len > frame_after_l2 {
         return Err(PassReason::BadHeader);

@@ -166,9 +166,12 @@ pub fn dns_server(i: usize) -> ([u8; 4], u16) {
     (replica(i).0, 53)
 }
 
-/// `struct __sk_buff` is 192 bytes; `mark` is at offset 8.
+/// `struct __sk_buff` is 192 bytes; `mark` is at offset 8, `gso_segs` at
+/// 164 and `gso_size` at 176.
 const SKB_CTX_LEN: usize = 192;
 const SKB_MARK: std::ops::Range<usize> = 8..12;
+const SKB_GSO_SEGS: std::ops::Range<usize> = 164..168;
+const SKB_GSO_SIZE: std::ops::Range<usize> = 176..180;
 
 /// Runs the TC program `name` with an skb mark: (verdict, output, mark after).
 pub fn run_tc_marked(
@@ -177,23 +180,51 @@ pub fn run_tc_marked(
     input: &[u8],
     mark: u32,
 ) -> (u32, Vec<u8>, u32) {
-    let prog = classifier(sel, name);
     let mut ctx = [0u8; SKB_CTX_LEN];
     ctx[SKB_MARK].copy_from_slice(&mark.to_ne_bytes());
+    let (verdict, out, ctx_out) = run_tc_ctx(sel, name, input, &ctx);
+    let mark_out = u32::from_ne_bytes(ctx_out[SKB_MARK].try_into().unwrap());
+    (verdict, out, mark_out)
+}
+
+/// Runs the egress program on `input` as a GSO skb of `segments` datagrams
+/// of `gso_size` payload bytes (the test harness keeps the skb linear and
+/// whole; only its GSO fields say it would be cut apart).
+pub fn egress_gso(
+    sel: &mut Selector,
+    input: &[u8],
+    gso_size: u32,
+    segments: u32,
+) -> (u32, Vec<u8>) {
+    let mut ctx = [0u8; SKB_CTX_LEN];
+    ctx[SKB_GSO_SIZE].copy_from_slice(&gso_size.to_ne_bytes());
+    ctx[SKB_GSO_SEGS].copy_from_slice(&segments.to_ne_bytes());
+    let (verdict, out, _) = run_tc_ctx(sel, programs::EGRESS, input, &ctx);
+    (verdict, out)
+}
+
+/// Runs the TC program `name` once with `ctx` as its `__sk_buff`:
+/// (verdict, output, `__sk_buff` after).
+fn run_tc_ctx(
+    sel: &mut Selector,
+    name: &str,
+    input: &[u8],
+    ctx: &[u8; SKB_CTX_LEN],
+) -> (u32, Vec<u8>, [u8; SKB_CTX_LEN]) {
+    let prog = classifier(sel, name);
     let mut ctx_out = [0u8; SKB_CTX_LEN];
     let mut out = vec![0u8; input.len() + 256];
     let r = prog
         .test_run(TestRunOptions {
             data_in: Some(input),
             data_out: Some(&mut out),
-            ctx_in: Some(&ctx),
+            ctx_in: Some(ctx),
             ctx_out: Some(&mut ctx_out),
             ..Default::default()
         })
         .unwrap();
     out.truncate(r.data_size_out as usize);
-    let mark_out = u32::from_ne_bytes(ctx_out[SKB_MARK].try_into().unwrap());
-    (r.return_value, out, mark_out)
+    (r.return_value, out, ctx_out)
 }
 
 /// Runs the egress program with an skb mark: (verdict, output, mark after).

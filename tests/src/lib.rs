@@ -12,6 +12,7 @@ pub mod faults;
 pub mod frames;
 pub mod memcached;
 pub mod netns;
+pub mod paged;
 pub mod prometheus;
 pub mod topology;
 

@@ -14,9 +14,9 @@ use selector_common::{
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, ETH_ADDRS, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET,
     TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE, XDP_PASS,
-    assert_only_changed, counters, dns_server, egress, egress_marked, fits_skb_test_run, passed,
-    replica, request, run_tc, run_xdp, set_issued, settings_for, stats, udp, verified_endpoints,
-    verified_ipv4,
+    assert_only_changed, counters, dns_server, egress, egress_gso, egress_marked,
+    fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued, settings_for, stats,
+    udp, verified_endpoints, verified_ipv4,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -103,6 +103,25 @@ fn redirected_copy_is_marked_and_passes_its_second_egress_untouched() {
         assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
         assert_eq!(stats(&sel)[1].requests, 0);
     }
+}
+
+#[test]
+fn a_gso_batch_of_requests_passes_untouched_and_counted_as_segmented() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5); // a lone read would move
+    // Two reads with their own ids, as UDP_SEGMENT sends them in one skb.
+    let mut second = GET.to_vec();
+    second[..2].copy_from_slice(&0x5678u16.to_be_bytes());
+    let input = request(&[GET, &second].concat());
+    let (verdict, out) = egress_gso(&mut sel, &input, GET.len() as u32, 2);
+    assert_eq!((verdict, &out), (TC_ACT_PIPE, &input));
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::Segmented), 1);
+    assert_eq!(stats(&sel)[0].requests, 0);
+    assert_eq!(counters(&sel).issued[..3], [5, 0, 0]);
+    assert!(sel.inflight().unwrap().is_empty());
+    // The same bytes as one datagram are one read, and it moves.
+    let (verdict, _) = egress(&mut sel, &input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
 }
 
 #[test]

@@ -214,25 +214,14 @@ fn serve_paged_replies(
     addr: std::net::SocketAddrV4,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
 ) -> thread::JoinHandle<std::io::Result<u64>> {
-    use std::{os::fd::AsRawFd as _, sync::atomic::Ordering};
+    use std::sync::atomic::Ordering;
     ns.exec("ethtool", &["-K", CLIENT_IFACE, "tx", "on", "sg", "on"])
         .expect("offloads on");
     let socket = ns
         .run(move || std::net::UdpSocket::bind(addr))
         .unwrap()
         .expect("bind");
-    let gso_size: libc::c_int = 1400;
-    // SAFETY: a valid socket and an int option.
-    let rc = unsafe {
-        libc::setsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_UDP,
-            libc::UDP_SEGMENT,
-            (&gso_size as *const libc::c_int).cast(),
-            size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(rc, 0, "UDP_SEGMENT: {}", std::io::Error::last_os_error());
+    selector_testbed::paged::set_gso_size(&socket, 1400).expect("UDP_SEGMENT");
     socket
         .set_read_timeout(Some(Duration::from_millis(20)))
         .unwrap();
