@@ -313,9 +313,14 @@ pub enum PassReason {
     /// UDP over IPv6 with checksum 0: invalid there (RFC 8200 8.1), so it
     /// is neither trusted nor rewritten.
     ZeroChecksum = 6,
+    /// To a member, but not a request of its protocol (`Descriptor::
+    /// is_request`: for DNS a standard query with one question, for
+    /// memcached a single-datagram request frame): no server answers it as
+    /// one, so counted pending it would only make the member look loaded.
+    NotRequest = 7,
 }
 
-pub const PASS_REASONS: u32 = 7;
+pub const PASS_REASONS: u32 = 8;
 
 impl PassReason {
     pub const ALL: [PassReason; PASS_REASONS as usize] = [
@@ -326,6 +331,7 @@ impl PassReason {
         PassReason::NoRequestId,
         PassReason::ExtensionHeader,
         PassReason::ZeroChecksum,
+        PassReason::NotRequest,
     ];
 
     /// The name in status output and metrics.
@@ -338,6 +344,7 @@ impl PassReason {
             PassReason::NoRequestId => "no_request_id",
             PassReason::ExtensionHeader => "extension_header",
             PassReason::ZeroChecksum => "zero_checksum",
+            PassReason::NotRequest => "not_request",
         }
     }
 }
