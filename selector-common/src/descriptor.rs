@@ -26,6 +26,22 @@ pub const REJECT_MEMCACHED: u8 = 1;
 /// DNS: the query turned into a SERVFAIL response with the same id.
 pub const REJECT_DNS: u8 = 2;
 
+/// Which datagrams to a member are requests (tracked, counted pending,
+/// steerable). Anything else passes untouched: a local sender could
+/// otherwise make a healthy member look loaded with datagrams no server
+/// answers as a request. `REQUEST_ANY`: every datagram holding the id.
+pub const REQUEST_ANY: u8 = 0;
+/// DNS (RFC 1035 4.1.1): a whole 12-byte header, QR 0 (a query), opcode
+/// QUERY, exactly one question.
+pub const REQUEST_DNS_QUERY: u8 = 1;
+/// memcached's UDP frame header as a request carries it: sequence 0, one
+/// datagram, reserved 0 (memcached itself refuses multi-datagram requests).
+pub const REQUEST_MEMCACHED: u8 = 2;
+/// The DNS header's length.
+pub const DNS_HEADER_LEN: usize = 12;
+/// memcached's UDP frame header's length.
+pub const MEMCACHED_HEADER_LEN: usize = 8;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Descriptor {
@@ -46,7 +62,9 @@ pub struct Descriptor {
     pub multi_datagram: u8,
     /// `REJECT_*`: which protocol error the kernel can answer with.
     pub reject_kind: u8,
-    pub _pad2: [u8; 2],
+    /// `REQUEST_*`: which datagrams are requests at all.
+    pub request_kind: u8,
+    pub _pad2: u8,
     pub no_reply: [u8; MAX_NO_REPLY_LEN as usize],
 }
 
@@ -94,12 +112,14 @@ impl Descriptor {
             no_reply_offset: 8,
             multi_datagram: 1,
             reject_kind: REJECT_MEMCACHED,
-            _pad2: [0; 2],
+            request_kind: REQUEST_MEMCACHED,
+            _pad2: 0,
             no_reply: *b"noreply\0",
         }
     }
 
-    /// DNS: the 16-bit message id at offset 0; every query is a read.
+    /// DNS: the 16-bit message id at offset 0; every query is a read, and
+    /// only a standard query with one question is a request.
     pub const fn dns() -> Self {
         Self {
             id_offset: 0,
@@ -113,7 +133,8 @@ impl Descriptor {
             no_reply_offset: 0,
             multi_datagram: 0,
             reject_kind: REJECT_DNS,
-            _pad2: [0; 2],
+            request_kind: REQUEST_DNS_QUERY,
+            _pad2: 0,
             no_reply: [0; MAX_NO_REPLY_LEN as usize],
         }
     }
@@ -137,6 +158,8 @@ impl Descriptor {
             prefix_offset,
             prefix,
             reject_kind: REJECT_NONE,
+            // Nothing is known of the protocol's header.
+            request_kind: REQUEST_ANY,
             ..Self::dns()
         };
         d.validate()?;
@@ -205,6 +228,34 @@ impl Descriptor {
             i += 1;
         }
         Some(id)
+    }
+
+    /// Whether the payload is a request the protocol defines (see
+    /// `REQUEST_*`). A few fixed byte reads and no loop, so it costs the
+    /// kernel program's verifier little.
+    #[inline(always)]
+    pub fn is_request(&self, byte_at: impl Fn(usize) -> Option<u8>) -> bool {
+        match self.request_kind {
+            REQUEST_DNS_QUERY => {
+                // Byte 2: QR (bit 7) then the opcode (bits 6-3), both 0;
+                // bytes 4-5: QDCOUNT, big-endian.
+                byte_at(DNS_HEADER_LEN - 1).is_some()
+                    && matches!(byte_at(2), Some(flags) if flags & 0xf8 == 0)
+                    && byte_at(4) == Some(0)
+                    && byte_at(5) == Some(1)
+            }
+            // After the 16-bit request id: sequence, datagram count and
+            // reserved, each 16 bits, big-endian.
+            REQUEST_MEMCACHED => {
+                byte_at(2) == Some(0)
+                    && byte_at(3) == Some(0)
+                    && byte_at(4) == Some(0)
+                    && byte_at(5) == Some(1)
+                    && byte_at(6) == Some(0)
+                    && byte_at(MEMCACHED_HEADER_LEN - 1) == Some(0)
+            }
+            _ => true,
+        }
     }
 
     /// Whether the payload is a read: no prefix configured, or it starts with
@@ -435,6 +486,96 @@ mod tests {
         assert_eq!(d.request_id(reader(q)), Some(0xbeef));
         assert!(d.is_read(reader(q)));
         assert!(d.is_read(reader(b"")));
+    }
+
+    /// A standard query for `a.` IN A, id 0xbeef, RD set: 12-byte header,
+    /// then the question.
+    const DNS_QUERY: &[u8] =
+        b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x01a\x00\x00\x01\x00\x01";
+
+    #[test]
+    fn dns_only_a_standard_query_with_one_question_is_a_request() {
+        let d = Descriptor::dns();
+        assert!(d.is_request(reader(DNS_QUERY)));
+        // The bare header is enough; so is an EDNS query (ARCOUNT 1).
+        assert!(d.is_request(reader(&DNS_QUERY[..12])));
+        let edns = b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x01";
+        assert!(d.is_request(reader(edns)));
+        // The AD and CD bits of a query are not the opcode.
+        let ad_cd = b"\xbe\xef\x01\x30\x00\x01\x00\x00\x00\x00\x00\x00";
+        assert!(d.is_request(reader(ad_cd)));
+
+        let untracked: [(&str, &[u8]); 9] = [
+            ("2 bytes", b"\xbe\xef"),
+            ("11 bytes", b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00"),
+            ("empty", b""),
+            (
+                "QR=1 (a response)",
+                b"\xbe\xef\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00",
+            ),
+            (
+                "opcode NOTIFY (4)",
+                b"\xbe\xef\x20\x00\x00\x01\x00\x00\x00\x00\x00\x00",
+            ),
+            (
+                "opcode UPDATE (5)",
+                b"\xbe\xef\x28\x00\x00\x01\x00\x00\x00\x00\x00\x00",
+            ),
+            (
+                "opcode IQUERY (1)",
+                b"\xbe\xef\x08\x00\x00\x01\x00\x00\x00\x00\x00\x00",
+            ),
+            (
+                "QDCOUNT 0",
+                b"\xbe\xef\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00",
+            ),
+            (
+                "QDCOUNT 2",
+                b"\xbe\xef\x01\x00\x00\x02\x00\x00\x00\x00\x00\x00",
+            ),
+        ];
+        for (what, payload) in untracked {
+            assert!(!d.is_request(reader(payload)), "{what} is no request");
+        }
+        // QDCOUNT 256 differs from 1 only in the high byte.
+        let qd256 = b"\xbe\xef\x01\x00\x01\x01\x00\x00\x00\x00\x00\x00";
+        assert!(!d.is_request(reader(qd256)));
+    }
+
+    #[test]
+    fn memcached_only_a_single_datagram_request_frame_is_a_request() {
+        let d = Descriptor::memcached();
+        assert!(d.is_request(reader(MC_GET)));
+        assert!(d.is_request(reader(MC_SET)));
+        // The header alone is a request (memcached answers it with an error).
+        assert!(d.is_request(reader(&MC_GET[..8])));
+        let untracked: [(&str, &[u8]); 7] = [
+            ("2 bytes", b"\x12\x34"),
+            ("7 bytes", b"\x12\x34\x00\x00\x00\x01\x00"),
+            ("sequence 1", b"\x12\x34\x00\x01\x00\x01\x00\x00get foo\r\n"),
+            (
+                "sequence 256",
+                b"\x12\x34\x01\x00\x00\x01\x00\x00get foo\r\n",
+            ),
+            ("total 0", b"\x12\x34\x00\x00\x00\x00\x00\x00get foo\r\n"),
+            ("total 2", b"\x12\x34\x00\x00\x00\x02\x00\x00get foo\r\n"),
+            ("reserved 1", b"\x12\x34\x00\x00\x00\x01\x00\x01get foo\r\n"),
+        ];
+        for (what, payload) in untracked {
+            assert!(!d.is_request(reader(payload)), "{what} is no request");
+        }
+        let total_257 = b"\x12\x34\x00\x00\x01\x01\x00\x00get foo\r\n";
+        assert!(!d.is_request(reader(total_257)));
+        let reserved_256 = b"\x12\x34\x00\x00\x00\x01\x01\x00get foo\r\n";
+        assert!(!d.is_request(reader(reserved_256)));
+    }
+
+    #[test]
+    fn a_custom_descriptor_takes_every_datagram_with_an_id_as_a_request() {
+        let d = Descriptor::custom(0, 2, 0, b"").unwrap();
+        assert_eq!(d.request_kind, REQUEST_ANY);
+        assert!(d.is_request(reader(b"\xbe\xef")));
+        assert!(d.is_request(reader(b"\xbe\xef\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00")));
     }
 
     #[test]

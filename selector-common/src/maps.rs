@@ -317,9 +317,14 @@ pub enum PassReason {
     /// request of its own, of which only the first's id is readable, and
     /// which a rewrite would move together.
     Segmented = 7,
+    /// To a member, but not a request of its protocol (`Descriptor::
+    /// is_request`: for DNS a standard query with one question, for
+    /// memcached a single-datagram request frame): no server answers it as
+    /// one, so counted pending it would only make the member look loaded.
+    NotRequest = 8,
 }
 
-pub const PASS_REASONS: u32 = 8;
+pub const PASS_REASONS: u32 = 9;
 
 impl PassReason {
     pub const ALL: [PassReason; PASS_REASONS as usize] = [
@@ -331,6 +336,7 @@ impl PassReason {
         PassReason::ExtensionHeader,
         PassReason::ZeroChecksum,
         PassReason::Segmented,
+        PassReason::NotRequest,
     ];
 
     /// The name in status output and metrics.
@@ -344,6 +350,7 @@ impl PassReason {
             PassReason::ExtensionHeader => "extension_header",
             PassReason::ZeroChecksum => "zero_checksum",
             PassReason::Segmented => "segmented",
+            PassReason::NotRequest => "not_request",
         }
     }
 }

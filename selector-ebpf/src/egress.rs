@@ -65,6 +65,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     let Some(request_id) = config.descriptor.request_id(byte) else {
         return pass(PassReason::NoRequestId);
     };
+    // Junk to a member (a DNS response, 2 bytes) is not tracked: nothing
+    // answers it, so it would only hold a pending count for a timeout.
+    if !config.descriptor.is_request(byte) {
+        return pass(PassReason::NotRequest);
+    }
     let is_read = config.descriptor.is_read(byte);
     let client = packet::src_address(ctx, l)?;
     let key = InflightKey::new(client, dgram.src_port, group, request_id);

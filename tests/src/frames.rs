@@ -166,6 +166,38 @@ pub fn dns_server(i: usize) -> ([u8; 4], u16) {
     (replica(i).0, 53)
 }
 
+/// A standard DNS query for example.org A, id 0xbeef, RD set.
+pub const DNS_QUERY: &[u8] =
+    b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01";
+
+/// Datagrams to a DNS member that are no standard query with one question,
+/// each named: too short for the header, a response, other opcodes, other
+/// question counts.
+pub const DNS_NOT_QUERIES: [(&str, &[u8]); 7] = [
+    ("2 bytes", b"\xbe\xef"),
+    ("11 bytes", b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00"),
+    (
+        "QR=1",
+        b"\xbe\xef\x81\x80\x00\x01\x00\x01\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01",
+    ),
+    (
+        "opcode NOTIFY",
+        b"\xbe\xef\x20\x00\x00\x01\x00\x00\x00\x00\x00\x00",
+    ),
+    (
+        "opcode UPDATE",
+        b"\xbe\xef\x28\x00\x00\x01\x00\x00\x00\x00\x00\x00",
+    ),
+    (
+        "QDCOUNT 0",
+        b"\xbe\xef\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00",
+    ),
+    (
+        "QDCOUNT 2",
+        b"\xbe\xef\x01\x00\x00\x02\x00\x00\x00\x00\x00\x00",
+    ),
+];
+
 /// `struct __sk_buff` is 192 bytes; `mark` is at offset 8, `gso_segs` at
 /// 164 and `gso_size` at 176.
 const SKB_CTX_LEN: usize = 192;

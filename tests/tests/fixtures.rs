@@ -12,9 +12,9 @@ use selector_common::{
     latency, names, programs,
 };
 use selector_testbed::frames::{
-    CLIENT, CLIENT_MAC, CLIENT_PORT, ETH_ADDRS, GET, IP_CHECK, IP_DST, IP_SRC, PRIMARY_MAC, SET,
-    TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE, XDP_PASS,
-    assert_only_changed, counters, dns_server, egress, egress_gso, egress_marked,
+    CLIENT, CLIENT_MAC, CLIENT_PORT, DNS_NOT_QUERIES, DNS_QUERY, ETH_ADDRS, GET, IP_CHECK, IP_DST,
+    IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE,
+    XDP_PASS, assert_only_changed, counters, dns_server, egress, egress_gso, egress_marked,
     fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued, settings_for, stats,
     udp, verified_endpoints, verified_ipv4,
 };
@@ -642,8 +642,7 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
     let mut sel = selector_for(Descriptor::dns(), dns_server);
     set_issued(&mut sel, 0, 3);
     // A query for example.org A, id 0xbeef.
-    let query: &[u8] =
-        b"\xbe\xef\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00\x07example\x03org\x00\x00\x01\x00\x01";
+    let query = DNS_QUERY;
     let input = udp((CLIENT, CLIENT_PORT), dns_server(0), query);
     let (verdict, out) = egress(&mut sel, &input);
     assert_eq!(verdict, TC_ACT_REDIRECT);
@@ -659,6 +658,74 @@ fn dns_queries_are_redirected_and_answers_rewritten_back() {
     assert_only_changed(&reply, &out, &[IP_CHECK, IP_SRC, UDP_CHECK]);
     assert_eq!(verified_endpoints(&out).0, dns_server(0));
     assert_eq!(sel.pending().unwrap(), vec![3, 0, 0]);
+}
+
+/// Issue 21: a datagram to a DNS member that is no standard query (a local
+/// user's junk) would otherwise count as pending for a whole timeout and
+/// push real lookups off a healthy primary.
+#[test]
+fn dns_datagrams_that_are_no_query_pass_untouched_and_are_not_pending() {
+    let mut sel = selector_for(Descriptor::dns(), dns_server);
+    // Over the threshold: a tracked read would be steered to member 1.
+    set_issued(&mut sel, 0, 3);
+    for (n, (what, payload)) in DNS_NOT_QUERIES.iter().enumerate() {
+        let input = udp((CLIENT, CLIENT_PORT), dns_server(0), payload);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input), "{what}");
+        assert_eq!(counters(&sel).issued[..3], [3, 0, 0], "{what}");
+        assert!(sel.inflight().unwrap().is_empty(), "{what}");
+        assert_eq!(stats(&sel)[0].requests, 0, "{what}");
+        assert_eq!(
+            passed(&sel, Direction::Egress, PassReason::NotRequest),
+            n as u64 + 1,
+            "{what}"
+        );
+    }
+    // A real query is tracked (and steered).
+    let input = udp((CLIENT, CLIENT_PORT), dns_server(0), DNS_QUERY);
+    let (verdict, out) = egress(&mut sel, &input);
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, dns_server(1));
+    assert_eq!(counters(&sel).issued[..3], [3, 1, 0]);
+    assert_eq!(sel.inflight().unwrap()[0].request_id, 0xbeef);
+    // A response-shaped datagram with its id is no retransmit of it.
+    let (_, qr1) = DNS_NOT_QUERIES[2];
+    let input = udp((CLIENT, CLIENT_PORT), dns_server(0), qr1);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    assert_eq!(counters(&sel).issued[..3], [3, 1, 0]);
+    assert_eq!(
+        passed(&sel, Direction::Egress, PassReason::NotRequest),
+        DNS_NOT_QUERIES.len() as u64 + 1
+    );
+}
+
+/// memcached: only a frame header a request carries (sequence 0, one
+/// datagram, reserved 0) makes a datagram a request.
+#[test]
+fn memcached_frames_that_are_no_request_pass_untouched_and_are_not_pending() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    let frames: [(&str, &[u8]); 5] = [
+        ("7 bytes", b"\x12\x34\x00\x00\x00\x01\x00"),
+        ("sequence 1", b"\x12\x34\x00\x01\x00\x01\x00\x00get foo\r\n"),
+        ("total 0", b"\x12\x34\x00\x00\x00\x00\x00\x00get foo\r\n"),
+        ("total 2", b"\x12\x34\x00\x00\x00\x02\x00\x00get foo\r\n"),
+        ("reserved 1", b"\x12\x34\x00\x00\x00\x01\x00\x01get foo\r\n"),
+    ];
+    for (n, (what, payload)) in frames.iter().enumerate() {
+        let input = request(payload);
+        assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input), "{what}");
+        assert_eq!(counters(&sel).issued[..3], [5, 0, 0], "{what}");
+        assert!(sel.inflight().unwrap().is_empty(), "{what}");
+        assert_eq!(
+            passed(&sel, Direction::Egress, PassReason::NotRequest),
+            n as u64 + 1,
+            "{what}"
+        );
+    }
+    let (verdict, out) = egress(&mut sel, &request(GET));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(1));
+    assert_eq!(counters(&sel).issued[..3], [5, 1, 0]);
 }
 
 #[test]

@@ -42,6 +42,8 @@ const PRIMED_PER_ROUND: usize = 32;
 const DEFAULT_SEED: u64 = 0x5e1e_c70f_0220_2024;
 /// The memcached descriptor's request id: 2 bytes at payload offset 0.
 const MEMCACHED_ID_SPAN: usize = 2;
+/// Its UDP frame header: id, sequence, datagram count, reserved.
+const MEMCACHED_HEADER_LEN: usize = 8;
 /// Failing frames shown in the summary, each as its first bytes in hex.
 const SHOWN_FAILURES: usize = 6;
 const SHOWN_HEX_BYTES: usize = 72;
@@ -272,6 +274,8 @@ enum NotOwned {
     ZeroUdpChecksumOverIpv6,
     NotABackend,
     NoRequestId,
+    /// Egress: a memcached frame header no request carries.
+    NotARequest,
 }
 
 impl NotOwned {
@@ -288,6 +292,7 @@ impl NotOwned {
             NotOwned::ZeroUdpChecksumOverIpv6 => PassReason::ZeroChecksum,
             NotOwned::NotABackend => PassReason::NotBackend,
             NotOwned::NoRequestId => PassReason::NoRequestId,
+            NotOwned::NotARequest => PassReason::NotRequest,
             NotOwned::TruncatedIpv4Header
             | NotOwned::NotIpv4Version
             | NotOwned::IpOptions
@@ -353,6 +358,9 @@ impl fmt::Display for NotOwned {
             NotOwned::ZeroUdpChecksumOverIpv6 => "UDP checksum 0 over IPv6",
             NotOwned::NotABackend => "not to (egress) / from (ingress) a configured backend",
             NotOwned::NoRequestId => "payload too short for the request id",
+            NotOwned::NotARequest => {
+                "egress: no memcached request frame header (sequence 0, 1 datagram, reserved 0)"
+            }
         };
         f.write_str(text)
     }
@@ -588,8 +596,15 @@ impl Datagram<'_> {
         if !to_or_from_backend {
             return Err(NotOwned::NotABackend);
         }
-        if udp_len.min(udp.len()) - UDP_HEADER_LEN < MEMCACHED_ID_SPAN {
+        let payload = &udp[UDP_HEADER_LEN..udp_len.min(udp.len())];
+        if payload.len() < MEMCACHED_ID_SPAN {
             return Err(NotOwned::NoRequestId);
+        }
+        // Only requests are tracked; replies are matched by their id alone.
+        if direction == Direction::Egress
+            && payload.get(MEMCACHED_ID_SPAN..MEMCACHED_HEADER_LEN) != Some(&[0, 0, 0, 1, 0, 0])
+        {
+            return Err(NotOwned::NotARequest);
         }
         Ok(())
     }
@@ -2229,6 +2244,20 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
         ownership(&short, Direction::Egress),
         Err(NotOwned::NoRequestId)
     );
+    // A request's frame header: sequence 0, one datagram, reserved 0;
+    // a reply's may be any of a multi-datagram answer.
+    let second = b"\x12\x34\x00\x01\x00\x02\x00\x00END\r\n";
+    let header_only = udp((CLIENT, CLIENT_PORT), replica(1), &GET[..8]);
+    assert_eq!(ownership(&header_only, Direction::Egress), Ok(()));
+    for payload in [&GET[..7], &second[..]] {
+        let frame = udp((CLIENT, CLIENT_PORT), replica(1), payload);
+        assert_eq!(
+            ownership(&frame, Direction::Egress),
+            Err(NotOwned::NotARequest)
+        );
+    }
+    let second_reply = udp(replica(1), (CLIENT, CLIENT_PORT), second);
+    assert_eq!(ownership(&second_reply, Direction::Ingress), Ok(()));
 
     // One rule broken, the header checksum repaired after.
     let broken = |edit: fn(&mut Vec<u8>)| {

@@ -18,7 +18,8 @@ use crate::{
 pub enum ProtoArg {
     /// memcached UDP: 16-bit request id in the frame header; reads are get/gets.
     Memcached,
-    /// DNS: 16-bit message id; every query is a read.
+    /// DNS: 16-bit message id; every query is a read; only a standard query
+    /// with one question is tracked.
     Dns,
     /// Set with --req-id-offset, --req-id-len and optionally --read-prefix.
     Custom,
