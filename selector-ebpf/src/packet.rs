@@ -54,11 +54,11 @@ pub trait Packet {
 impl Packet for TcContext {
     #[inline(always)]
     fn data(&self) -> usize {
-        TcContext::data(self)
+        unsafe { (*skb(self)).data as usize }
     }
     #[inline(always)]
     fn data_end(&self) -> usize {
-        TcContext::data_end(self)
+        unsafe { (*skb(self)).data_end as usize }
     }
     #[inline(always)]
     fn frame_len(&self) -> usize {
@@ -81,6 +81,15 @@ impl Packet for XdpContext {
     fn frame_len(&self) -> usize {
         XdpContext::data_end(self) - XdpContext::data(self)
     }
+}
+
+/// The context pointer, opaque to the compiler at each read: left alone,
+/// LLVM may keep `&skb->data_end` in a register across the program and
+/// load through it, and the verifier refuses a load through a context
+/// pointer with an offset added ("dereference of modified ctx ptr").
+#[inline(always)]
+fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
+    core::hint::black_box(ctx.skb.skb)
 }
 
 /// The one bounds-checked packet accessor.

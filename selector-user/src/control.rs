@@ -218,6 +218,10 @@ pub struct Status {
     /// Hedging totals over all backends.
     #[serde(default)]
     pub hedges: crate::hedging::HedgeCounts,
+    /// How the TC programs are attached: `tcx` (links) or `netlink`
+    /// (legacy tc filters, on kernels without TCX).
+    #[serde(default)]
+    pub tc_attach: String,
 }
 
 /// The settings part of [`Status`].
@@ -296,7 +300,7 @@ impl Status {
         };
         let mut out = format!(
             "selector on {}: {}\n\
-             proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, drained: {drained}\n",
+             proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, tc {}, drained: {drained}\n",
             self.iface,
             s.tunables(),
             s.proto,
@@ -304,6 +308,7 @@ impl Status {
             s.grace_ms,
             s.mark,
             s.ingress,
+            self.tc_attach,
         );
         out += &telemetry::render_summary(&self.backends);
         out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
@@ -543,6 +548,7 @@ mod tests {
                 service_ns: Some(250_000),
             }],
             hedges: Default::default(),
+            tc_attach: "tcx".into(),
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {

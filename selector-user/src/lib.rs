@@ -23,6 +23,7 @@ pub mod settings;
 pub mod shared;
 pub mod sweep;
 pub mod sys;
+pub mod tc_attach;
 pub mod telemetry;
 
 pub use loader::Selector;

@@ -30,6 +30,7 @@ use crate::{
     pinning::{self, LinkSlot, PinDir},
     settings::{BackendPlan, IngressMode, Settings},
     shared::{SharedArray, load},
+    tc_attach::TcAttach,
 };
 
 /// A loaded, configured and attached selector. Dropping it detaches.
@@ -63,6 +64,8 @@ pub struct Selector {
     latency_cache: std::sync::Mutex<std::collections::HashMap<u32, CachedHistogram>>,
     /// Why the reply path is where it is, when `--ingress auto` chose it.
     pub ingress_choice: Option<String>,
+    /// How the TC programs attach on this kernel (probed at attach).
+    pub tc_attach: Option<TcAttach>,
     /// The hedge thread and its settings.
     pub(crate) hedging: crate::hedging::Hedging,
 }
@@ -325,9 +328,12 @@ impl Selector {
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
         }
-        let mut ebpf = loader
-            .load(EBPF_OBJECT)
-            .context("loading the kernel programs")?;
+        let mut ebpf = loader.load(EBPF_OBJECT).with_context(|| {
+            format!(
+                "loading the kernel programs on Linux {}",
+                crate::preflight::kernel_release()
+            )
+        })?;
         if pins.is_some() {
             // A map added to the object but not to the pinned list would
             // silently start from zero at every restart.
@@ -366,16 +372,20 @@ impl Selector {
             pins,
             adopted,
             ingress_choice: None,
+            tc_attach: None,
             latency_cache: Default::default(),
             hedging: Default::default(),
         };
         selector.write_tables()?;
+        let release = crate::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
-            p.load()?;
+            p.load()
+                .with_context(|| format!("loading {name} on Linux {release}"))?;
         }
         let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
-        p.load()?;
+        p.load()
+            .with_context(|| format!("loading {} on Linux {release}", programs::INGRESS_XDP))?;
         Ok(selector)
     }
 
@@ -406,13 +416,21 @@ impl Selector {
                     LinkSlot::Egress => (TcAttachType::Egress, "egress"),
                     _ => (TcAttachType::Ingress, "ingress"),
                 };
+                let how = match self.tc_attach {
+                    Some(how) => how,
+                    None => *self.tc_attach.insert(TcAttach::probe(&iface)?),
+                };
+                if pinned && how != TcAttach::Tcx {
+                    bail!(
+                        "--pin needs TCX links (Linux 6.6 or later); this kernel attaches through legacy tc filters, which cannot be pinned: run without --pin"
+                    );
+                }
                 let p: &mut SchedClassifier = self.program_mut(name)?.try_into()?;
-                let id = p
-                    .attach(&iface, attach)
-                    .with_context(|| format!("attaching TC {what} to {iface}"))?;
+                let id = how
+                    .attach(p, &iface, attach)
+                    .with_context(|| format!("attaching TC {what} to {iface} ({how})"))?;
                 if pinned {
-                    let link = p.take_link(id)?.try_into();
-                    Some(link.context("--pin needs TCX links (Linux 6.6 or later)")?)
+                    Some(p.take_link(id)?.try_into()?)
                 } else {
                     None
                 }

@@ -721,6 +721,15 @@ pub fn detach_attached(iface: &str) -> Result<Vec<String>> {
             .with_context(|| format!("detaching link {} of {iface}", link.id()))?;
         done.push(format!("{kind} program {}", link.program_id()));
     }
+    // Legacy tc filters (kernels without TCX, or SELECTOR_TC_ATTACH=netlink)
+    // are found by name.
+    done.extend(crate::tc_attach::detach_filters(
+        iface,
+        &[
+            (selector_common::programs::EGRESS, TcAttachType::Egress),
+            (selector_common::programs::INGRESS_TC, TcAttachType::Ingress),
+        ],
+    )?);
     if done.is_empty() && !targets.is_empty() {
         return Err(anyhow!(
             "selector programs are attached to {iface} but not through links this command can detach (netlink TC?)"

@@ -133,8 +133,9 @@ impl Agent {
             .ingress_choice
             .as_ref()
             .map_or(String::new(), |c| format!("; {c}"));
+        let tc = selector.tc_attach.map_or("", |t| t.name());
         println!(
-            "selector: attached to {} ({} ingress{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
+            "selector: attached to {} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             settings.ingress.name(),
             addrs.len(),

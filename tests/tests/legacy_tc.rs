@@ -1,0 +1,192 @@
+//! The agent on legacy tc (clsact and cls_bpf filters), as on kernels
+//! without TCX (6.1): forced here with `SELECTOR_TC_ATTACH=netlink`, chosen
+//! by the probe on such kernels (`cargo xtask test-kernels` runs this file
+//! there). Real memcached replicas in namespaces, the agent binary.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    process::Stdio,
+    thread,
+    time::Duration,
+};
+
+use selector_testbed::{
+    LoadSpec, Testbed,
+    agent::{self, Agent, AgentProcess, selector_binary},
+    netns::Namespace,
+    run_load,
+    topology::CLIENT_IFACE,
+};
+use selector_user::{
+    control::Status,
+    tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR},
+};
+
+const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
+const KEYS: usize = 100;
+
+/// Starts `selector run` on legacy tc; (the agent and the rest of its
+/// output, its first line).
+fn spawn_on_legacy_tc(ns: &Namespace) -> (Agent, String) {
+    let mut child = ns
+        .command(selector_binary().to_str().unwrap())
+        .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
+        .args(["--threshold", "1", "--quiet", "--ingress", "tc"])
+        .env(OVERRIDE_VAR, "netlink")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().and_then(Result::ok).unwrap_or_default();
+    ((AgentProcess(child), lines), first)
+}
+
+/// `tc filter show dev eth0 DIRECTION` in the client namespace.
+fn filters(tb: &Testbed, direction: &str) -> String {
+    let out = tb
+        .client
+        .exec("tc", &["filter", "show", "dev", CLIENT_IFACE, direction])
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Another component's filter (u32, matching nothing), which ours must
+/// leave alone.
+fn add_foreign_filter(tb: &Testbed) {
+    let _ = tb
+        .client
+        .exec("tc", &["qdisc", "add", "dev", CLIENT_IFACE, "clsact"]);
+    tb.client
+        .exec(
+            "tc",
+            &[
+                "filter",
+                "add",
+                "dev",
+                CLIENT_IFACE,
+                "egress",
+                "pref",
+                "7",
+                "protocol",
+                "all",
+                "u32",
+                "match",
+                "u32",
+                "0x5e1ec7ed",
+                "0xffffffff",
+                "at",
+                "0",
+            ],
+        )
+        .unwrap();
+}
+
+fn ours(listing: &str, program: &str) -> bool {
+    listing.contains(program) && listing.contains(&format!("pref {FILTER_PRIORITY} "))
+}
+
+fn stalled_load(tb: &Testbed) -> selector_testbed::LoadReport {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0].into(),
+        rate: 2000,
+        duration: Duration::from_millis(1200),
+        keys: KEYS,
+        drain: Duration::from_secs(1),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    thread::sleep(Duration::from_millis(500));
+    tb.replicas[0].stop();
+    thread::sleep(Duration::from_millis(60));
+    tb.replicas[0].resume();
+    load.join().unwrap().expect("load")
+}
+
+#[test]
+fn legacy_tc_filters_steer_beside_other_filters_and_go_with_the_agent() {
+    let mut tb = Testbed::new("ltca", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), KEYS).unwrap();
+    add_foreign_filter(&tb);
+    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client);
+    assert!(first.contains("tc by netlink"), "{first}");
+    let egress = filters(&tb, "egress");
+    assert!(ours(&egress, "selector_egress"), "{egress}");
+    assert!(egress.contains("5e1ec7ed"), "{egress}");
+    assert!(
+        ours(&filters(&tb, "ingress"), "selector_ingress_tc"),
+        "{}",
+        filters(&tb, "ingress")
+    );
+    assert_eq!(
+        agent::attached(&tb.client, CLIENT_IFACE),
+        agent::Attached::NOTHING
+    );
+
+    let report = stalled_load(&tb);
+    let status: Status = agent::status_json(&tb.client, CLIENT_IFACE);
+    assert_eq!(status.tc_attach, "netlink");
+    let away = status.backends[0].stats.redirected_away;
+    assert!(away > 0, "reads must leave the stalled primary: {status:?}");
+    assert_eq!(
+        report.lost(),
+        0,
+        "{} of {} answered",
+        report.received,
+        report.sent
+    );
+    assert_eq!(report.wrong_values, 0);
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    let egress = filters(&tb, "egress");
+    assert!(!egress.contains("selector_"), "{egress}");
+    assert!(egress.contains("5e1ec7ed"), "{egress}");
+    assert!(!filters(&tb, "ingress").contains("selector_"));
+    tb.replicas.clear();
+}
+
+#[test]
+fn a_killed_agents_filters_refuse_a_second_agent_until_detached() {
+    let tb = Testbed::new("ltcb", 3).unwrap();
+    add_foreign_filter(&tb);
+    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client);
+    assert!(first.contains("tc by netlink"), "{first}");
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    // Filters outlive their process, unlike links.
+    assert!(ours(&filters(&tb, "egress"), "selector_egress"));
+
+    let refused = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args([
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--ingress",
+            "tc",
+        ])
+        .env(OVERRIDE_VAR, "netlink")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success());
+    assert!(
+        text.contains("already attached") && text.contains("selector detach"),
+        "{text}"
+    );
+
+    let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("tc filter selector_egress"), "{out}");
+    let egress = filters(&tb, "egress");
+    assert!(!egress.contains("selector_"), "{egress}");
+    assert!(egress.contains("5e1ec7ed"), "{egress}");
+    assert!(!filters(&tb, "ingress").contains("selector_"));
+    let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_ne!(code, 0, "nothing left to detach: {out}");
+}
