@@ -604,6 +604,7 @@ mod tests {
             }),
             drained: vec![replica],
             hedges: Default::default(),
+            tc_attach: "tcx".into(),
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),
