@@ -202,7 +202,12 @@ pub enum Reply {
 ///      "service_ns": 250000}       recent time per completed request (the
 ///                                  latency policy's); null until measured
 ///   ],
-///   "hedges": {...}                the hedge fields above, summed (delay null)
+///   "hedges": {...},               the hedge fields above, summed (delay null)
+///   "config_reload_success": true, false if the last reload was refused
+///   "config_reload_timestamp_seconds": 1764748800.25
+///                                  when the configuration in force was
+///                                  loaded (the start, or the last reload
+///                                  that applied), seconds since the epoch
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -218,6 +223,14 @@ pub struct Status {
     /// Hedging totals over all backends.
     #[serde(default)]
     pub hedges: crate::hedging::HedgeCounts,
+    /// False if the last reload was refused (the previous configuration
+    /// runs); `None` from an agent that predates it.
+    #[serde(default)]
+    pub config_reload_success: Option<bool>,
+    /// When the configuration in force was loaded (the start, or the last
+    /// reload that applied), seconds since the Unix epoch.
+    #[serde(default)]
+    pub config_reload_timestamp_seconds: Option<f64>,
 }
 
 /// The settings part of [`Status`].
@@ -543,6 +556,8 @@ mod tests {
                 service_ns: Some(250_000),
             }],
             hedges: Default::default(),
+            config_reload_success: Some(false),
+            config_reload_timestamp_seconds: Some(1_764_748_800.25),
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -566,6 +581,8 @@ mod tests {
         assert_eq!(json["backends"][0]["hedges_sent"], 2);
         assert_eq!(json["backends"][0]["hedges_won"], 1);
         assert_eq!(json["settings"]["hedge_after"], "off");
+        assert_eq!(json["config_reload_success"], false);
+        assert_eq!(json["config_reload_timestamp_seconds"], 1_764_748_800.25);
         let text = status.render();
         assert!(
             text.contains(
@@ -601,6 +618,7 @@ mod tests {
             panic!("not a status");
         };
         assert_eq!(status.last_interval, None);
+        assert_eq!(status.config_reload_success, None);
         let b = &status.backends[0];
         assert_eq!((b.p999_ns, b.latency_buckets.len()), (None, 0));
         assert_eq!(b.tail, BackendTail::default());

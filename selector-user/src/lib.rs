@@ -4,6 +4,7 @@
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod health;
 pub mod hedge_auto;
 pub mod hedge_wire;
 pub mod hedging;
@@ -19,6 +20,7 @@ pub mod plant;
 pub mod preflight;
 pub mod reload;
 pub mod resolv_conf;
+pub mod sd_notify;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

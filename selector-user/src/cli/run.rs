@@ -15,8 +15,8 @@ use super::{
     control_server::{ControlCall, ControlServer},
 };
 use crate::{
-    Selector, config::RunConfig, control::SettingsInForce, metrics::MetricsServer, neighbours,
-    next_hops::NextHops, reload::Reloader, sys, telemetry,
+    Selector, config::RunConfig, control::SettingsInForce, health::Health, metrics::MetricsServer,
+    neighbours, next_hops::NextHops, reload::Reloader, sd_notify::Notifier, sys, telemetry,
 };
 
 /// How often the next hops' Ethernet addresses are re-read: a neighbour
@@ -47,26 +47,37 @@ pub async fn run(args: RunArgs) -> Result<()> {
         None => Selector::attach(settings)?,
     };
     let reloader = Reloader::new(args.config.clone(), args.options(), &config);
-    let mut agent = Agent::new(selector, reloader, &config)?;
+    let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
         println!(
-            "selector: metrics at http://{}/metrics",
+            "selector: metrics at http://{}/metrics (probes: /healthz, /readyz)",
             metrics.local_addr()?
         );
         let caller = control.local_caller();
         // Scrapes are answered by the main loop, like `selector status`.
-        tokio::spawn(metrics.serve(move || {
-            let caller = caller.clone();
-            async move { caller.status().await }
-        }));
+        tokio::spawn(metrics.serve(
+            move || {
+                let caller = caller.clone();
+                async move { caller.status().await }
+            },
+            agent.health.clone(),
+        ));
     }
+    agent.notifier.ready(&agent.summary());
     agent
         .steer(&mut signals, &mut hangups, &mut control, config.duration)
         .await;
+    agent.health.update(|h| h.stopping = true);
     if agent.selector.pinned().is_some() {
         // Pinned: the programs steer on, and the next agent sweeps.
+        agent
+            .notifier
+            .stopping("exiting: the pinned programs steer on");
         return agent.leave_pinned();
     }
+    agent
+        .notifier
+        .stopping("stopping: waiting for the redirected reads in flight");
     agent.stop(&mut signals, &mut control).await?;
     agent.detach()
 }
@@ -109,11 +120,20 @@ struct Agent {
     last: telemetry::Snapshot,
     /// The interval tails so far, for the table, status and metrics.
     tails: telemetry::TailHistory,
+    /// What `/healthz` and `/readyz` read.
+    health: Health,
+    /// systemd's notification socket (`Type=notify`), if any.
+    notifier: Notifier,
 }
 
 impl Agent {
     /// Has the backends' next hops kept resolved and prints the attached line.
-    fn new(mut selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
+    fn new(
+        mut selector: Selector,
+        reloader: Reloader,
+        config: &RunConfig,
+        notifier: Notifier,
+    ) -> Result<Self> {
         let addrs: Vec<SocketAddr> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
             neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
@@ -152,6 +172,8 @@ impl Agent {
         let interval = config.interval;
         let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
+        let health = Health::new(sweep_every);
+        health.update(|h| h.attached = true);
         Ok(Self {
             selector,
             neighbours,
@@ -162,7 +184,21 @@ impl Agent {
             quiet: config.quiet,
             last,
             tails: telemetry::TailHistory::default(),
+            health,
+            notifier,
         })
+    }
+
+    /// One line for systemd's `STATUS=`: what is steered and how.
+    fn summary(&self) -> String {
+        let settings = &self.selector.settings;
+        format!(
+            "steering {}: {} backends in {} groups, {}",
+            settings.iface,
+            self.selector.backends.len(),
+            settings.groups.len(),
+            SettingsInForce::from(settings).tunables()
+        )
     }
 
     /// Steers until a signal or the end of `duration` (seconds).
@@ -176,6 +212,7 @@ impl Agent {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
+        let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -184,6 +221,7 @@ impl Agent {
         };
         tokio::pin!(until_deadline);
         loop {
+            self.health.turned();
             // `--hedge-after auto`: the delays follow the latencies, first
             // every few ms until estimated (`hedge_auto`); no timer without.
             let hedge_refresh = self.selector.hedge_refresh_due();
@@ -215,6 +253,7 @@ impl Agent {
                 }
                 _ = interval_tick.tick() => self.end_interval(),
                 _ = next_hop_tick.tick() => self.refresh_next_hops(),
+                _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
             }
         }
     }
@@ -236,7 +275,9 @@ impl Agent {
         let mut sweep_tick = interval(self.sweep_every);
         let mut poll_tick = interval(STOP_POLL);
         let mut print_tick = ticks_after(self.interval);
+        let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
         loop {
+            self.health.turned();
             tokio::select! {
                 _ = signals.recv() => {
                     println!("selector: second signal: detaching with {waiting} redirected reads in flight");
@@ -257,6 +298,7 @@ impl Agent {
                     self.answer(call, true);
                 }
                 _ = print_tick.tick() => print_stopping(waiting),
+                _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
             }
         }
     }
@@ -340,14 +382,19 @@ impl Agent {
 
     fn sweep(&mut self) {
         // A failed sweep is retried next tick; the data path goes on.
-        if let Err(e) = self.selector.sweep(sys::monotonic_ns()) {
-            log::warn!("sweep failed: {e:#}");
+        match self.selector.sweep(sys::monotonic_ns()) {
+            Ok(_) => self.health.swept(),
+            Err(e) => log::warn!("sweep failed: {e:#}"),
         }
         self.selector.flush_kernel_logs();
     }
 
     /// Answers a control request; true if it was a reload that applied.
     fn answer(&mut self, call: ControlCall, stopping: bool) -> bool {
+        let reloading = call.is_reload() && !stopping;
+        if reloading {
+            self.notifier.reloading();
+        }
         let reloaded = call.answer(
             &mut self.selector,
             &mut self.reloader,
@@ -357,14 +404,36 @@ impl Agent {
         if reloaded {
             self.after_reload();
         }
+        if reloading {
+            self.reload_done();
+        }
         reloaded
     }
 
     /// Re-reads the config file and applies it (SIGHUP).
     fn reload(&mut self) -> Result<String> {
-        let message = self.reloader.reload(&mut self.selector)?;
-        self.after_reload();
-        Ok(message)
+        self.notifier.reloading();
+        let outcome = self.reloader.reload(&mut self.selector);
+        if outcome.is_ok() {
+            self.after_reload();
+        }
+        self.reload_done();
+        outcome
+    }
+
+    /// After a reload, applied or refused: readiness says whether the
+    /// file's configuration is in force, and systemd hears it is done.
+    fn reload_done(&mut self) {
+        let refused = self.reloader.record.refused.clone();
+        let status = match &refused {
+            None => self.summary(),
+            Some(_) => format!(
+                "{} (last reload refused: previous configuration kept)",
+                self.summary()
+            ),
+        };
+        self.health.update(|h| h.reload_refused = refused);
+        self.notifier.ready(&status);
     }
 
     /// The loop's derived state follows a reload: backends, sweep period,
@@ -373,6 +442,8 @@ impl Agent {
         self.after_groups_changed();
         self.quiet = self.reloader.quiet;
         self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
+        let sweep_every = self.sweep_every;
+        self.health.update(|h| h.sweep_period = sweep_every);
         let addrs: Vec<SocketAddr> = self.selector.backends.iter().map(|b| b.addr).collect();
         match self
             .neighbours
@@ -438,6 +509,16 @@ fn sweep_period(interval: Duration, timeout: Duration) -> Duration {
 
 fn print_stopping(waiting: usize) {
     println!("selector: stopping: {waiting} redirected reads in flight");
+}
+
+/// The next tick of an optional interval; never without one.
+async fn tick_if_some(ticks: &mut Option<tokio::time::Interval>) {
+    match ticks {
+        Some(ticks) => {
+            ticks.tick().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// An interval whose first tick is one period from now (tokio's fires at once).
