@@ -1,7 +1,8 @@
 //! What `/healthz` and `/readyz` on the metrics endpoint answer.
 //!
 //! The agent's owner loop (`cli::run`) records in a [`Health`] when it
-//! turns, when a sweep completes, whether the programs are attached,
+//! turns, when a sweep completes, whether the programs are attached (checked
+//! every second, see [`crate::attachment`]),
 //! whether the last reload was refused and whether it is stopping; the
 //! endpoint reads a copy and decides with the pure functions [`liveness`]
 //! and [`readiness`]:
@@ -29,8 +30,9 @@ pub const READY_SWEEP_FLOOR: Duration = Duration::from_secs(1);
 pub struct HealthState {
     /// When the owner loop last turned.
     pub last_turn: Instant,
-    /// The programs are attached (and the configuration written).
-    pub attached: bool,
+    /// Why the programs are not attached to the interface; `None` when
+    /// they are.
+    pub not_attached: Option<String>,
     /// When the last sweep completed without error.
     pub last_sweep: Option<Instant>,
     /// How often the loop sweeps.
@@ -46,7 +48,7 @@ impl HealthState {
     pub fn new(now: Instant, sweep_period: Duration) -> Self {
         Self {
             last_turn: now,
-            attached: false,
+            not_attached: Some("the agent has not attached yet".into()),
             last_sweep: None,
             sweep_period,
             reload_refused: None,
@@ -94,8 +96,8 @@ pub fn readiness(state: &HealthState, now: Instant) -> Verdict {
     if state.stopping {
         missing.push("stopping: the agent no longer steers".to_string());
     }
-    if !state.attached {
-        missing.push("programs not attached yet".to_string());
+    if let Some(why) = &state.not_attached {
+        missing.push(why.clone());
     }
     let bound = sweep_bound(state.sweep_period);
     match state.last_sweep {
@@ -165,7 +167,7 @@ mod tests {
 
     fn running(now: Instant) -> HealthState {
         HealthState {
-            attached: true,
+            not_attached: None,
             last_sweep: Some(now - PERIOD),
             ..HealthState::new(now - Duration::from_millis(50), PERIOD)
         }
@@ -213,7 +215,16 @@ mod tests {
         assert!(!ready.ok);
         assert_eq!(
             ready.body,
-            "not ready: programs not attached yet; no sweep completed yet\n"
+            "not ready: the agent has not attached yet; no sweep completed yet\n"
+        );
+        let gone = HealthState {
+            not_attached: Some("interface eth0 is gone".into()),
+            ..running(now)
+        };
+        let ready = readiness(&gone, now);
+        assert_eq!(
+            (ready.ok, ready.body.as_str()),
+            (false, "not ready: interface eth0 is gone\n")
         );
         let refused = HealthState {
             reload_refused: Some("x.toml:3: threshold: must be at least 1".into()),

@@ -930,11 +930,11 @@ mod tests {
         );
         assert!(
             response.ends_with(
-                "\r\n\r\nnot ready: programs not attached yet; no sweep completed yet\n"
+                "\r\n\r\nnot ready: the agent has not attached yet; no sweep completed yet\n"
             ),
             "{response}"
         );
-        health.update(|s| s.attached = true);
+        health.update(|s| s.not_attached = None);
         health.swept();
         let response = get("GET /readyz HTTP/1.1\r\n\r\n").await;
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");

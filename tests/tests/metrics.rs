@@ -387,3 +387,49 @@ fn unix_now() -> f64 {
         .unwrap()
         .as_secs_f64()
 }
+
+/// `GET path` until its status is `status` (the agent checks its
+/// attachment every second), or panics after 5 s with the last answer.
+fn wait_for_status(tb: &Testbed, path: &'static str, status: u16) -> HttpResponse {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let response = get(tb, path, None);
+        if response.status == status {
+            return response;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path} never answered {status}: {} {}",
+            response.status,
+            response.body
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Links taken from under a running agent (as a forced `selector detach`
+/// would, or the interface's deletion) leave it running but steering
+/// nothing: `/readyz` names both paths within a few seconds, `/healthz`
+/// stays 200.
+#[test]
+fn readyz_fails_when_the_programs_are_detached_under_the_agent() {
+    let tb = Testbed::new("selmd", 3).unwrap();
+    let agent = spawn_agent(&tb, &["--metrics-addr", METRICS_ADDR]);
+    wait_for_status(&tb, "/readyz", 200);
+    let detached = tb
+        .client
+        .run(|| selector_user::pinning::detach_attached(CLIENT_IFACE))
+        .unwrap()
+        .unwrap();
+    assert_eq!(detached.len(), 2, "{detached:?}");
+    let ready = wait_for_status(&tb, "/readyz", 503);
+    assert_eq!(
+        ready.body,
+        format!(
+            "not ready: the request path (TC egress) is not attached to {CLIENT_IFACE}; \
+             the reply path (tc ingress) is not attached to {CLIENT_IFACE}\n"
+        )
+    );
+    assert_eq!(get(&tb, "/healthz", None).status, 200);
+    stop_agent(agent);
+}

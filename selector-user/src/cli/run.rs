@@ -23,6 +23,9 @@ use crate::{
 /// that changes is followed within this.
 const NEXT_HOP_REFRESH: Duration = Duration::from_millis(100);
 
+/// How often the agent checks that its programs are still attached.
+const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
+
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
@@ -173,7 +176,7 @@ impl Agent {
         let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
         let health = Health::new(sweep_every);
-        health.update(|h| h.attached = true);
+        health.update(|h| h.not_attached = None);
         Ok(Self {
             selector,
             neighbours,
@@ -213,6 +216,7 @@ impl Agent {
         let mut interval_tick = ticks_after(self.interval);
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
         let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
+        let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -254,6 +258,7 @@ impl Agent {
                 _ = interval_tick.tick() => self.end_interval(),
                 _ = next_hop_tick.tick() => self.refresh_next_hops(),
                 _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
+                _ = attachment_tick.tick() => self.check_attachment(),
             }
         }
     }
@@ -364,6 +369,30 @@ impl Agent {
             neighbours.release();
         }
         Ok(())
+    }
+
+    /// Records for `/readyz` whether the programs are still attached, and
+    /// says so when that changes.
+    fn check_attachment(&mut self) {
+        let missing = match crate::attachment::missing(&self.selector) {
+            Ok(missing) => missing,
+            Err(e) => {
+                log::warn!("checking the attachment failed: {e:#}");
+                return;
+            }
+        };
+        let now = (!missing.is_empty()).then(|| missing.join("; "));
+        let before = self.health.state().not_attached;
+        if now != before {
+            match &now {
+                Some(why) => println!("selector: not steering: {why}"),
+                None => println!(
+                    "selector: attached to {} again",
+                    self.selector.settings.iface
+                ),
+            }
+        }
+        self.health.update(|h| h.not_attached = now);
     }
 
     fn refresh_next_hops(&mut self) {
