@@ -410,26 +410,28 @@ fn wait_for_status(tb: &Testbed, path: &'static str, status: u16) -> HttpRespons
 /// Links taken from under a running agent (as a forced `selector detach`
 /// would, or the interface's deletion) leave it running but steering
 /// nothing: `/readyz` names both paths within a few seconds, `/healthz`
-/// stays 200.
+/// stays 200. With the reply path on TC ingress and on XDP.
 #[test]
 fn readyz_fails_when_the_programs_are_detached_under_the_agent() {
     let tb = Testbed::new("selmd", 3).unwrap();
-    let agent = spawn_agent(&tb, &["--metrics-addr", METRICS_ADDR]);
-    wait_for_status(&tb, "/readyz", 200);
-    let detached = tb
-        .client
-        .run(|| selector_user::pinning::detach_attached(CLIENT_IFACE))
-        .unwrap()
-        .unwrap();
-    assert_eq!(detached.len(), 2, "{detached:?}");
-    let ready = wait_for_status(&tb, "/readyz", 503);
-    assert_eq!(
-        ready.body,
-        format!(
-            "not ready: the request path (TC egress) is not attached to {CLIENT_IFACE}; \
-             the reply path (tc ingress) is not attached to {CLIENT_IFACE}\n"
-        )
-    );
-    assert_eq!(get(&tb, "/healthz", None).status, 200);
-    stop_agent(agent);
+    for ingress in ["tc", "xdp"] {
+        let agent = spawn_agent(&tb, &["--metrics-addr", METRICS_ADDR, "--ingress", ingress]);
+        wait_for_status(&tb, "/readyz", 200);
+        let detached = tb
+            .client
+            .run(|| selector_user::pinning::detach_attached(CLIENT_IFACE))
+            .unwrap()
+            .unwrap();
+        assert_eq!(detached.len(), 2, "{detached:?}");
+        let ready = wait_for_status(&tb, "/readyz", 503);
+        assert_eq!(
+            ready.body,
+            format!(
+                "not ready: the request path (TC egress) is not attached to {CLIENT_IFACE}; \
+                 the reply path ({ingress} ingress) is not attached to {CLIENT_IFACE}\n"
+            )
+        );
+        assert_eq!(get(&tb, "/healthz", None).status, 200);
+        stop_agent(agent);
+    }
 }
