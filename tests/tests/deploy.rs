@@ -17,11 +17,14 @@ use selector_testbed::{
     agent::{Attached, attached, selector_binary, totals_rows},
     bpffs::Bpffs,
     netns::unique_tag,
+    prometheus::http_get,
     run_load,
     topology::CLIENT_IFACE,
 };
 
 const UNIT: &str = include_str!("../../deploy/selector.service");
+/// The agent's metrics endpoint, on the client namespace's loopback.
+const METRICS_ADDR: &str = "127.0.0.1:9464";
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
 /// A `[Service]` setting of the unit, split on spaces.
@@ -254,9 +257,21 @@ fn the_agent_speaks_the_units_notify_protocol() {
             &tb.client,
             &binary.path(),
             &unit_capabilities(),
-            &["run", "--iface", CLIENT_IFACE, "--group", GROUP, "--quiet"],
+            &[
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--quiet",
+                "--metrics-addr",
+                METRICS_ADDR,
+            ],
         );
-        command.env("NOTIFY_SOCKET", &notify).stdout(Stdio::piped());
+        command
+            .env("NOTIFY_SOCKET", &notify)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         match watchdog_usec {
             Some(usec) => command.env("WATCHDOG_USEC", usec),
             None => command.env_remove("WATCHDOG_USEC"),
@@ -279,8 +294,9 @@ fn the_agent_speaks_the_units_notify_protocol() {
     );
     assert_eq!(ready.lines().count(), 2, "{ready:?}");
 
-    // Every 100 ms: about 10 in a second; at least 5 on a busy machine.
-    let until = Instant::now() + Duration::from_secs(1);
+    // Every 100 ms: about 15 in 1.5 s (past the agent's first attachment
+    // check, at 1 s); at least 7 on a busy machine.
+    let until = Instant::now() + Duration::from_millis(1500);
     let mut pings = 0;
     while Instant::now() < until {
         let mut buf = [0u8; 64];
@@ -288,7 +304,16 @@ fn the_agent_speaks_the_units_notify_protocol() {
         assert_eq!(&buf[..n], b"WATCHDOG=1");
         pings += 1;
     }
-    assert!(pings >= 5, "{pings} WATCHDOG=1 in a second");
+    assert!(pings >= 7, "{pings} WATCHDOG=1 in 1.5 s");
+    // Past its first attachment check (every second), ready, with no more
+    // than the unit's capabilities.
+    let metrics: std::net::SocketAddr = METRICS_ADDR.parse().unwrap();
+    let ready = tb
+        .client
+        .run(move || http_get(metrics, "/readyz", None))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ready.status, 200, "{}", ready.body);
 
     // SIGHUP: the agent was started without a config file, so the reload
     // is refused, and systemd still hears it begin and end.
@@ -307,7 +332,10 @@ fn the_agent_speaks_the_units_notify_protocol() {
         stopping.starts_with("STOPPING=1\nSTATUS=stopping"),
         "{stopping:?}"
     );
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
     assert!(agent.wait().unwrap().success());
+    assert_eq!(stderr, "", "a clean run under the unit warns of nothing");
 
     // No WATCHDOG_USEC: READY=1 and STOPPING=1, and no ping between.
     let mut agent = start(None);

@@ -127,6 +127,8 @@ struct Agent {
     health: Health,
     /// systemd's notification socket (`Type=notify`), if any.
     notifier: Notifier,
+    /// The last attachment check failed (warned once).
+    attachment_unknown: bool,
 }
 
 impl Agent {
@@ -189,6 +191,7 @@ impl Agent {
             tails: telemetry::TailHistory::default(),
             health,
             notifier,
+            attachment_unknown: false,
         })
     }
 
@@ -376,11 +379,18 @@ impl Agent {
     fn check_attachment(&mut self) {
         let missing = match crate::attachment::missing(&self.selector) {
             Ok(missing) => missing,
+            // Said once; readiness keeps the last answer.
+            Err(e) if self.attachment_unknown => {
+                log::debug!("checking the attachment failed: {e:#}");
+                return;
+            }
             Err(e) => {
                 log::warn!("checking the attachment failed: {e:#}");
+                self.attachment_unknown = true;
                 return;
             }
         };
+        self.attachment_unknown = false;
         let now = (!missing.is_empty()).then(|| missing.join("; "));
         let before = self.health.state().not_attached;
         if now != before {
