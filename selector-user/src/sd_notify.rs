@@ -96,6 +96,11 @@ impl Notifier {
         self.notify(&format!("READY=1\nSTATUS={}", one_line(status)));
     }
 
+    /// `STATUS=` alone: what `systemctl status` shows.
+    pub fn status(&self, status: &str) {
+        self.notify(&format!("STATUS={}", one_line(status)));
+    }
+
     /// `RELOADING=1`, with the monotonic time systemd wants beside it.
     pub fn reloading(&self) {
         self.notify(&format!(
@@ -170,6 +175,8 @@ mod tests {
         );
         notifier.watchdog();
         assert_eq!(received(&listener), "WATCHDOG=1");
+        notifier.status("not steering:\tgone");
+        assert_eq!(received(&listener), "STATUS=not steering: gone");
         notifier.stopping("stopping");
         assert_eq!(received(&listener), "STOPPING=1\nSTATUS=stopping");
         notifier.reloading();

@@ -375,7 +375,7 @@ impl Agent {
     }
 
     /// Records for `/readyz` whether the programs are still attached, and
-    /// says so when that changes.
+    /// says so (and tells systemd's `STATUS=`) when that changes.
     fn check_attachment(&mut self) {
         let missing = match crate::attachment::missing(&self.selector) {
             Ok(missing) => missing,
@@ -394,13 +394,12 @@ impl Agent {
         let now = (!missing.is_empty()).then(|| missing.join("; "));
         let before = self.health.state().not_attached;
         if now != before {
-            match &now {
-                Some(why) => println!("selector: not steering: {why}"),
-                None => println!(
-                    "selector: attached to {} again",
-                    self.selector.settings.iface
-                ),
-            }
+            let status = match &now {
+                Some(why) => format!("not steering: {why}"),
+                None => self.summary(),
+            };
+            println!("selector: {status}");
+            self.notifier.status(&status);
         }
         self.health.update(|h| h.not_attached = now);
     }
