@@ -4,7 +4,8 @@
 //! Transport: an abstract Unix socket named `selector/<iface>`. Abstract
 //! names belong to the network namespace, so each namespace's `eth0` has its
 //! own agent, and the name disappears with the agent. Only root or the
-//! agent's own user may use it.
+//! agent's own user may use it. A command without `--iface` finds the one
+//! agent of its namespace by that name (`cli::find_agent`).
 //!
 //! One request, one reply, each a single line of JSON:
 //!
