@@ -1,6 +1,7 @@
 //! The shipped systemd unit: it verifies, and the agent works with exactly
 //! the capabilities it grants and the user it names (under setpriv),
-//! pinning, leaving its programs pinned at exit and detaching them, while
+//! pinning, leaving its programs pinned at exit, adopting them when
+//! restarted, and detaching them, while
 //! any one capability missing is named in one line with nothing attached;
 //! it is `Type=notify` with a watchdog, and the agent speaks that protocol.
 //! The DaemonSet agrees with the unit, its config and the agent's probes.
@@ -194,6 +195,42 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     assert!(rows[0].away > 0, "the stall moved reads: {rows:?}");
 
     // Pinned: a stop (or a restart) leaves the programs steering.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
+
+    // A restart (an upgrade) adopts the pins with the same capabilities.
+    let mut agent = as_the_unit(
+        &tb.client,
+        &binary.path(),
+        &caps,
+        &[
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--threshold",
+            "1",
+            "--quiet",
+            "--pin",
+            &pin,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().map(Result::unwrap).unwrap_or_else(|| {
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+        panic!("the restarted agent did not attach: {stderr}")
+    });
+    assert!(
+        first.starts_with("selector: attached to") && first.contains("adopted the pins"),
+        "{first}"
+    );
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
     assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
