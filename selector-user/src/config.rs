@@ -280,6 +280,12 @@ impl Options {
         if servers.is_empty() {
             return invalid(key, format!("{} names no nameserver", path.display()));
         }
+        let upstream = Path::new(crate::resolv_conf::RESOLVED_UPSTREAM);
+        if let Err(e) =
+            crate::resolv_conf::refuse_resolved_stub(path, &servers, upstream, upstream.exists())
+        {
+            return invalid(key, e);
+        }
         if !skipped.is_empty() {
             log::info!("{}: not used: {skipped:?}", path.display());
         }
@@ -773,13 +779,28 @@ members = ["10.0.0.3:1"]
         assert_eq!(c.settings.protocol(), Protocol::Dns);
         let memcached = Options {
             proto: Some(Protocol::Memcached),
-            ..flags
+            ..flags.clone()
         };
         let e = format!(
             "{:#}",
             parse(BASE).unwrap().resolve_with(&memcached).unwrap_err()
         );
         assert!(e.contains("resolv-conf") && e.contains("dns"), "{e}");
+        // systemd-resolved's stub alone is refused, naming its upstream file.
+        std::fs::write(&path, "nameserver 127.0.0.53\noptions edns0 trust-ad\n").unwrap();
+        let stub = Options {
+            iface: Some("eth0".into()),
+            ..flags
+        };
+        let e = format!(
+            "{:#}",
+            parse(BASE).unwrap().resolve_with(&stub).unwrap_err()
+        );
+        assert!(
+            e.contains("resolv-conf") && e.contains("systemd-resolved's local stub (127.0.0.53)"),
+            "{e}"
+        );
+        assert!(e.contains("/run/systemd/resolve/resolv.conf"), "{e}");
         std::fs::remove_file(path).unwrap();
     }
 

@@ -4,7 +4,8 @@
 //! Transport: an abstract Unix socket named `selector/<iface>`. Abstract
 //! names belong to the network namespace, so each namespace's `eth0` has its
 //! own agent, and the name disappears with the agent. Only root or the
-//! agent's own user may use it.
+//! agent's own user may use it. A command without `--iface` finds the one
+//! agent of its namespace by that name (`cli::find_agent`).
 //!
 //! One request, one reply, each a single line of JSON:
 //!
@@ -202,7 +203,12 @@ pub enum Reply {
 ///      "service_ns": 250000}       recent time per completed request (the
 ///                                  latency policy's); null until measured
 ///   ],
-///   "hedges": {...}                the hedge fields above, summed (delay null)
+///   "hedges": {...},               the hedge fields above, summed (delay null)
+///   "config_reload_success": true, false if the last reload was refused
+///   "config_reload_timestamp_seconds": 1764748800.25
+///                                  when the configuration in force was
+///                                  loaded (the start, or the last reload
+///                                  that applied), seconds since the epoch
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -222,6 +228,14 @@ pub struct Status {
     /// (legacy tc filters, on kernels without TCX).
     #[serde(default)]
     pub tc_attach: String,
+    /// False if the last reload was refused (the previous configuration
+    /// runs); `None` from an agent that predates it.
+    #[serde(default)]
+    pub config_reload_success: Option<bool>,
+    /// When the configuration in force was loaded (the start, or the last
+    /// reload that applied), seconds since the Unix epoch.
+    #[serde(default)]
+    pub config_reload_timestamp_seconds: Option<f64>,
 }
 
 /// The settings part of [`Status`].
@@ -549,6 +563,8 @@ mod tests {
             }],
             hedges: Default::default(),
             tc_attach: "tcx".into(),
+            config_reload_success: Some(false),
+            config_reload_timestamp_seconds: Some(1_764_748_800.25),
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -572,6 +588,8 @@ mod tests {
         assert_eq!(json["backends"][0]["hedges_sent"], 2);
         assert_eq!(json["backends"][0]["hedges_won"], 1);
         assert_eq!(json["settings"]["hedge_after"], "off");
+        assert_eq!(json["config_reload_success"], false);
+        assert_eq!(json["config_reload_timestamp_seconds"], 1_764_748_800.25);
         let text = status.render();
         assert!(
             text.contains(
@@ -607,6 +625,7 @@ mod tests {
             panic!("not a status");
         };
         assert_eq!(status.last_interval, None);
+        assert_eq!(status.config_reload_success, None);
         let b = &status.backends[0];
         assert_eq!((b.p999_ns, b.latency_buckets.len()), (None, 0));
         assert_eq!(b.tail, BackendTail::default());

@@ -1,9 +1,11 @@
 //! The selector agent as a library: the `selector` binary, the integration
 //! tests and the demo/benchmark drive the same code.
 
+pub mod attachment;
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod health;
 pub mod hedge_auto;
 pub mod hedge_wire;
 pub mod hedging;
@@ -19,6 +21,7 @@ pub mod plant;
 pub mod preflight;
 pub mod reload;
 pub mod resolv_conf;
+pub mod sd_notify;
 pub mod settings;
 pub mod shared;
 pub mod sweep;

@@ -5,10 +5,18 @@
 //! format 0.0.4 when the client does not ask for OpenMetrics (curl,
 //! `promtool check metrics`).
 //!
+//! `GET /healthz` and `GET /readyz` answer 200 or 503 with a short text
+//! (see [`crate::health`]); other paths 404.
+//!
 //! Per-backend metrics carry the labels `backend` (addr:port) and `group`
 //! (from 1 in `--group` order). Counters are totals since the agent started.
 
-use std::{fmt, future::Future, net::SocketAddr, time::Duration};
+use std::{
+    fmt,
+    future::Future,
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
 
 use anyhow::{Context as _, Result};
 use prometheus_client::{
@@ -23,11 +31,19 @@ use tokio::{
     net::{TcpListener, TcpStream},
 };
 
-use crate::{control::Status, telemetry::BackendTotals};
+use crate::{
+    control::Status,
+    health::{self, Health},
+    telemetry::BackendTotals,
+};
 
 pub const OPENMETRICS_CONTENT_TYPE: &str =
     "application/openmetrics-text; version=1.0.0; charset=utf-8";
 pub const PROMETHEUS_TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+/// The liveness probe's path (see [`health::liveness`]).
+pub const LIVENESS_PATH: &str = "/healthz";
+/// The readiness probe's path (see [`health::readiness`]).
+pub const READINESS_PATH: &str = "/readyz";
 
 /// How long a client has to send its request head.
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
@@ -53,8 +69,9 @@ impl MetricsServer {
     }
 
     /// Answers connections until the task is dropped, each in a task of its
-    /// own; `status` fetches the agent's status for a scrape.
-    pub async fn serve<F, Fut>(self, status: F)
+    /// own; `status` fetches the agent's status for a scrape, and `health`
+    /// is what the agent's loop last recorded, for the probes.
+    pub async fn serve<F, Fut>(self, status: F, health: Health)
     where
         F: Fn() -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<Status>> + Send + 'static,
@@ -62,7 +79,7 @@ impl MetricsServer {
         loop {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
-                    tokio::spawn(answer(stream, status.clone()));
+                    tokio::spawn(answer(stream, status.clone(), health.clone()));
                 }
                 // Out of descriptors, say: wait instead of spinning.
                 Err(e) => {
@@ -75,7 +92,7 @@ impl MetricsServer {
 }
 
 /// Reads one request and writes one response, then closes the connection.
-async fn answer<F, Fut>(mut stream: TcpStream, status: F)
+async fn answer<F, Fut>(mut stream: TcpStream, status: F, health: Health)
 where
     F: Fn() -> Fut,
     Fut: Future<Output = Result<Status>>,
@@ -89,7 +106,12 @@ where
             Ok(status) => Response::ok(format, render(format, &status)),
             Err(e) => Response::text("503 Service Unavailable", &format!("{e:#}\n")),
         },
-        Route::NotFound => Response::text("404 Not Found", "only /metrics is served\n"),
+        Route::Live => Response::verdict(health::liveness(&health.state(), Instant::now())),
+        Route::Ready => Response::verdict(health::readiness(&health.state(), Instant::now())),
+        Route::NotFound => Response::text(
+            "404 Not Found",
+            "served here: /metrics, /healthz, /readyz\n",
+        ),
         Route::MethodNotAllowed => Response::text("405 Method Not Allowed", "only GET\n"),
         Route::BadRequest => Response::text("400 Bad Request", "bad request\n"),
     };
@@ -121,6 +143,10 @@ pub enum Format {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Route {
     Metrics(Format),
+    /// `/healthz`: the agent's loop is turning.
+    Live,
+    /// `/readyz`: attached, swept recently, configuration applied.
+    Ready,
     NotFound,
     MethodNotAllowed,
     BadRequest,
@@ -143,8 +169,11 @@ fn route(head: &str) -> Route {
     if method != "GET" {
         return Route::MethodNotAllowed;
     }
-    if target.split('?').next() != Some("/metrics") {
-        return Route::NotFound;
+    match target.split('?').next() {
+        Some("/metrics") => {}
+        Some(LIVENESS_PATH) => return Route::Live,
+        Some(READINESS_PATH) => return Route::Ready,
+        _ => return Route::NotFound,
     }
     let accept = lines
         .filter_map(|line| line.split_once(':'))
@@ -196,6 +225,16 @@ impl Response {
             content_type,
             body,
         }
+    }
+
+    /// 200 or 503, with the verdict's text.
+    fn verdict(verdict: health::Verdict) -> Self {
+        let status = if verdict.ok {
+            "200 OK"
+        } else {
+            "503 Service Unavailable"
+        };
+        Self::text(status, &verdict.body)
     }
 
     fn text(status: &'static str, body: &str) -> Self {
@@ -468,6 +507,24 @@ impl Collector for StatusCollector {
             MetricType::Gauge,
         )?;
         ConstGauge::new(status.in_flight as u64).encode(family)?;
+        let family = e.encode_descriptor(
+            "selector_config_reload_success",
+            "1 if the last configuration reload applied (or none was tried since the start), 0 if it was refused.",
+            None,
+            MetricType::Gauge,
+        )?;
+        if let Some(success) = status.config_reload_success {
+            ConstGauge::new(u64::from(success)).encode(family)?;
+        }
+        let family = e.encode_descriptor(
+            "selector_config_reload_timestamp",
+            "When the configuration in force was loaded (the start, or the last reload that applied), since the Unix epoch.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        if let Some(seconds) = status.config_reload_timestamp_seconds {
+            ConstGauge::new(seconds).encode(family)?;
+        }
         let mut family = e.encode_descriptor(
             "selector_passed",
             "Packets passed untouched, by direction and reason.",
@@ -605,6 +662,8 @@ mod tests {
             drained: vec![replica],
             hedges: Default::default(),
             tc_attach: "tcx".into(),
+            config_reload_success: Some(true),
+            config_reload_timestamp_seconds: Some(1_764_748_800.5),
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),
@@ -728,6 +787,14 @@ mod tests {
             text.contains("# UNIT selector_response_latency_seconds seconds\n"),
             "{text}"
         );
+        assert_eq!(sample(&text, "selector_config_reload_success"), 1.0);
+        assert_eq!(
+            sample(&text, "selector_config_reload_timestamp_seconds"),
+            1_764_748_800.5
+        );
+        status.config_reload_success = Some(false);
+        let text = openmetrics(&status);
+        assert_eq!(sample(&text, "selector_config_reload_success"), 0.0);
     }
 
     #[test]
@@ -804,6 +871,9 @@ mod tests {
         assert_eq!(route(text_first), Route::Metrics(Format::PrometheusText));
         let refused = "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;q=0\r\n\r\n";
         assert_eq!(route(refused), Route::Metrics(Format::PrometheusText));
+        assert_eq!(route("GET /healthz HTTP/1.1\r\n\r\n"), Route::Live);
+        assert_eq!(route("GET /readyz?verbose HTTP/1.1\r\n\r\n"), Route::Ready);
+        assert_eq!(route("GET /readyzz HTTP/1.1\r\n\r\n"), Route::NotFound);
         assert_eq!(route("GET / HTTP/1.1\r\n\r\n"), Route::NotFound);
         assert_eq!(route("GET /metricsx HTTP/1.1\r\n\r\n"), Route::NotFound);
         assert_eq!(
@@ -820,7 +890,8 @@ mod tests {
             .await
             .unwrap();
         let addr = server.local_addr().unwrap();
-        let serving = tokio::spawn(server.serve(|| async { Ok(status()) }));
+        let health = Health::new(Duration::from_millis(250));
+        let serving = tokio::spawn(server.serve(|| async { Ok(status()) }, health.clone()));
         let get = |request: &'static str| async move {
             let mut stream = TcpStream::connect(addr).await.unwrap();
             stream.write_all(request.as_bytes()).await.unwrap();
@@ -850,6 +921,31 @@ mod tests {
         );
         let response = get("GET /nothing HTTP/1.1\r\n\r\n").await;
         assert!(response.starts_with("HTTP/1.1 404 "), "{response}");
+        // Not attached, never swept: alive, not ready, and why.
+        let response = get("GET /healthz HTTP/1.1\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        let response = get("GET /readyz HTTP/1.1\r\n\r\n").await;
+        assert!(
+            response.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{response}"
+        );
+        assert!(
+            response.ends_with(
+                "\r\n\r\nnot ready: the agent has not attached yet; no sweep completed yet\n"
+            ),
+            "{response}"
+        );
+        health.update(|s| s.not_attached = None);
+        health.swept();
+        let response = get("GET /readyz HTTP/1.1\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+        // A loop that stopped turning.
+        health.update(|s| s.last_turn = Instant::now() - Duration::from_secs(30));
+        let response = get("GET /healthz HTTP/1.1\r\n\r\n").await;
+        assert!(
+            response.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
+            "{response}"
+        );
         serving.abort();
     }
 }

@@ -21,7 +21,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::{
     AddressFamily, RouteNetlinkMessage,
-    link::{LinkAttribute, LinkInfo, LinkMessage},
+    link::{LinkAttribute, LinkInfo, LinkMessage, LinkXdp},
     neighbour::{
         NeighbourAddress, NeighbourAttribute, NeighbourExtFlags, NeighbourMessage, NeighbourState,
     },
@@ -246,6 +246,21 @@ impl Netlink {
             .find_map(|a| match a {
                 LinkAttribute::LinkInfo(infos) => infos.into_iter().find_map(|i| match i {
                     LinkInfo::Kind(kind) => Some(kind.to_string()),
+                    _ => None,
+                }),
+                _ => None,
+            }))
+    }
+
+    /// The id of the XDP program attached to `ifindex` (IFLA_XDP_PROG_ID),
+    /// if any.
+    pub fn xdp_program(&mut self, ifindex: u32) -> Result<Option<u32>> {
+        Ok(self
+            .link_attributes(ifindex)?
+            .into_iter()
+            .find_map(|a| match a {
+                LinkAttribute::Xdp(xdp) => xdp.into_iter().find_map(|x| match x {
+                    LinkXdp::ProgId(id) if id != 0 => Some(id),
                     _ => None,
                 }),
                 _ => None,

@@ -45,6 +45,7 @@ use selector_common::{
 };
 
 use crate::{
+    attachment::{TcxSide, tcx_program_ids},
     control,
     settings::{IngressMode, Settings},
     shared::{SharedArray, load},
@@ -393,14 +394,16 @@ impl PinDir {
             .into();
         let program = link.info()?.program_id();
         if slot != LinkSlot::IngressXdp {
-            let attach = if slot == LinkSlot::Egress {
-                TcAttachType::Egress
+            let side = if slot == LinkSlot::Egress {
+                TcxSide::Egress
             } else {
-                TcAttachType::Ingress
+                TcxSide::Ingress
             };
-            let (_, attached) = SchedClassifier::query_tcx(iface, attach)
+            // Ids only: opening the programs by id (aya's `query_tcx`)
+            // takes CAP_SYS_ADMIN, which the agent runs without.
+            let attached = tcx_program_ids(crate::interface::index(iface)?, side)
                 .with_context(|| format!("querying the TCX programs of {iface}"))?;
-            if !attached.iter().any(|p| p.id() == program) {
+            if !attached.contains(&program) {
                 bail!(
                     "the link pinned at {} is not attached to {iface} in this network namespace (pinned for another namespace, or the interface was re-created); run `selector detach --iface {iface} --pin DIR` first",
                     path.display()

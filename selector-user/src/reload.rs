@@ -25,7 +25,7 @@ use std::{
     net::SocketAddr,
     path::PathBuf,
     sync::atomic::Ordering,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
@@ -477,6 +477,47 @@ impl Selector {
     }
 }
 
+/// How the last load of the configuration went, as Prometheus reports its
+/// own (`selector_config_reload_success`,
+/// `selector_config_reload_timestamp_seconds`): the start's load counts as
+/// the first, so a fresh agent reports success at its start time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReloadRecord {
+    /// Why the last reload was refused; `None` if it applied (or none was
+    /// tried since the start).
+    pub refused: Option<String>,
+    /// When the configuration in force was loaded: the start, or the last
+    /// reload that applied.
+    pub last_success: SystemTime,
+}
+
+impl ReloadRecord {
+    pub fn success(&self) -> bool {
+        self.refused.is_none()
+    }
+
+    /// [`Self::last_success`] in seconds since the Unix epoch.
+    pub fn timestamp_seconds(&self) -> f64 {
+        self.last_success
+            .duration_since(UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64())
+    }
+
+    /// The record after a reload that ended with `outcome`.
+    fn after<T>(&self, outcome: &Result<T>, now: SystemTime) -> Self {
+        match outcome {
+            Ok(_) => Self {
+                refused: None,
+                last_success: now,
+            },
+            Err(e) => Self {
+                refused: Some(format!("{e:#}")),
+                last_success: self.last_success,
+            },
+        }
+    }
+}
+
 /// What the agent needs to reload: where the file is, the flags it was
 /// started with (they still win over the file), and the tables.
 #[derive(Debug)]
@@ -491,6 +532,8 @@ pub struct Reloader {
     metrics_addr: Option<SocketAddr>,
     /// `--ingress` as asked (`auto` resolves at attach; the file says `auto`).
     requested_ingress: IngressMode,
+    /// How the last reload went.
+    pub record: ReloadRecord,
 }
 
 impl Reloader {
@@ -505,16 +548,28 @@ impl Reloader {
             pin: start.pin.clone(),
             metrics_addr: start.metrics_addr,
             requested_ingress: start.settings.ingress,
+            record: ReloadRecord {
+                refused: None,
+                last_success: SystemTime::now(),
+            },
         }
     }
 
     /// Re-reads the file and applies it to `selector`. On any error nothing
-    /// has changed. Returns what is in force now, in one line.
+    /// has changed. Returns what is in force now, in one line. The outcome
+    /// is kept in [`Self::record`] (without `--config` there is nothing to
+    /// reload, and nothing is recorded).
     pub fn reload(&mut self, selector: &mut Selector) -> Result<String> {
         let path = self
             .path
             .clone()
             .ok_or_else(|| anyhow!("the agent was started without --config: nothing to reload"))?;
+        let outcome = self.reload_from(path, selector);
+        self.record = self.record.after(&outcome, SystemTime::now());
+        outcome
+    }
+
+    fn reload_from(&mut self, path: PathBuf, selector: &mut Selector) -> Result<String> {
         let wanted = ConfigFile::read(&path)?.resolve_with(&self.flags)?;
         self.check_fixed(&selector.settings, &wanted)?;
         let changes = plan_groups(
@@ -772,5 +827,30 @@ mod tests {
         let c = reload(&t, &[&[3, 4], &[1, 2]], &[None, None]).unwrap();
         let order: Vec<u32> = c.table.backends().iter().map(|b| b.index).collect();
         assert_eq!(order, vec![0, 1, 8, 9]);
+    }
+
+    #[test]
+    fn a_refused_reload_keeps_the_last_success_time() {
+        let start = UNIX_EPOCH + Duration::from_secs(1_000);
+        let fresh = ReloadRecord {
+            refused: None,
+            last_success: start,
+        };
+        assert!(fresh.success());
+        assert_eq!(fresh.timestamp_seconds(), 1_000.0);
+        let later = start + Duration::from_millis(2_500);
+        let refused = fresh.after::<()>(
+            &Err(anyhow!("f.toml:3: threshold: must be at least 1")),
+            later,
+        );
+        assert!(!refused.success());
+        assert_eq!(refused.timestamp_seconds(), 1_000.0);
+        assert_eq!(
+            refused.refused.as_deref(),
+            Some("f.toml:3: threshold: must be at least 1")
+        );
+        let applied = refused.after(&Ok(()), later);
+        assert_eq!(applied.refused, None);
+        assert_eq!(applied.timestamp_seconds(), 1_002.5);
     }
 }

@@ -614,3 +614,76 @@ fn line_index(lines: &[String], wanted: impl Fn(&str) -> bool) -> usize {
         .position(|l| wanted(l))
         .unwrap_or_else(|| panic!("no such line in {lines:#?}"))
 }
+
+/// Without `--iface`, the control commands talk to the only agent in the
+/// namespace (found by its listening socket in /proc/net/unix); with none,
+/// or with two, they fail in one line saying what to do. Each test's
+/// agents run in a namespace of its own, so what runs elsewhere never
+/// counts.
+#[test]
+fn control_commands_without_iface_find_the_only_agent() {
+    let tb = Testbed::new("selcf", 3).unwrap();
+    let (code, out) = run_ctl(&tb, &["status"]);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(out.trim_end().lines().count(), 1, "{out}");
+    assert!(
+        out.starts_with("error: no selector agent is running in this network namespace"),
+        "{out}"
+    );
+
+    let (mut agent, _lines) = spawn_agent(&tb, &["--quiet"]);
+    let (code, out) = run_ctl(&tb, &["status", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let status: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(status["iface"], CLIENT_IFACE, "{status}");
+    let (code, out) = run_ctl(&tb, &["set", "--threshold", "7"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = run_ctl(&tb, &["drain", "10.77.0.11:11211"]);
+    assert_eq!(code, 0, "{out}");
+    let status: serde_json::Value = agent::status_json(&tb.client, CLIENT_IFACE);
+    assert_eq!(status["settings"]["threshold"], 7, "{status}");
+    assert_eq!(status["drained"][0], "10.77.0.11:11211", "{status}");
+    let (code, out) = run_ctl(&tb, &["undrain", "10.77.0.11:11211"]);
+    assert_eq!(code, 0, "{out}");
+    // Reload reaches the agent (which was started without --config).
+    let (code, out) = run_ctl(&tb, &["reload"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nothing to reload"), "{out}");
+
+    // A second agent, on another interface of the namespace.
+    tb.client
+        .ip(&[
+            "link", "add", "ctl0", "type", "veth", "peer", "name", "ctl1",
+        ])
+        .unwrap();
+    tb.client
+        .ip(&["addr", "add", "10.88.0.1/24", "dev", "ctl0"])
+        .unwrap();
+    for dev in ["ctl0", "ctl1"] {
+        tb.client.ip(&["link", "set", dev, "up"]).unwrap();
+    }
+    let (mut second, _second_lines) = agent::spawn_agent(
+        &tb.client,
+        &["--iface", "ctl0", "--group", "10.88.0.2:11211", "--quiet"],
+    );
+    for args in [&["status"][..], &["set", "--threshold", "3"][..]] {
+        let (code, out) = run_ctl(&tb, args);
+        assert_eq!(code, 1, "{args:?}: {out}");
+        assert_eq!(
+            out.trim_end(),
+            format!(
+                "error: 2 selector agents run in this network namespace (on ctl0, {CLIENT_IFACE}): name one with --iface"
+            ),
+            "{args:?}"
+        );
+    }
+    // Named, each is reached.
+    let (code, out) = run_ctl(&tb, &["status", "--iface", "ctl0", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("\"iface\":\"ctl0\""), "{out}");
+
+    for child in [&mut agent, &mut second] {
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        assert!(child.wait().unwrap().success());
+    }
+}

@@ -1,12 +1,16 @@
 //! The shipped systemd unit: it verifies, and the agent works with exactly
 //! the capabilities it grants and the user it names (under setpriv),
-//! pinning, leaving its programs pinned at exit and detaching them, while
-//! any one capability missing is named in one line with nothing attached.
+//! pinning, leaving its programs pinned at exit, adopting them when
+//! restarted, and detaching them, while
+//! any one capability missing is named in one line with nothing attached;
+//! it is `Type=notify` with a watchdog, and the agent speaks that protocol.
+//! The DaemonSet agrees with the unit, its config and the agent's probes.
 
 use std::{
+    os::unix::net::UnixDatagram,
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use selector_testbed::{
@@ -14,11 +18,14 @@ use selector_testbed::{
     agent::{Attached, attached, selector_binary, totals_rows},
     bpffs::Bpffs,
     netns::unique_tag,
+    prometheus::http_get,
     run_load,
     topology::CLIENT_IFACE,
 };
 
 const UNIT: &str = include_str!("../../deploy/selector.service");
+/// The agent's metrics endpoint, on the client namespace's loopback.
+const METRICS_ADDR: &str = "127.0.0.1:9464";
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
 /// A `[Service]` setting of the unit, split on spaces.
@@ -191,6 +198,42 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
     assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
+
+    // A restart (an upgrade) adopts the pins with the same capabilities.
+    let mut agent = as_the_unit(
+        &tb.client,
+        &binary.path(),
+        &caps,
+        &[
+            "run",
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            GROUP,
+            "--threshold",
+            "1",
+            "--quiet",
+            "--pin",
+            &pin,
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().map(Result::unwrap).unwrap_or_else(|| {
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+        panic!("the restarted agent did not attach: {stderr}")
+    });
+    assert!(
+        first.starts_with("selector: attached to") && first.contains("adopted the pins"),
+        "{first}"
+    );
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
     let out = as_the_unit(
         &tb.client,
         &binary.path(),
@@ -205,6 +248,142 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+/// The next notification on `socket` other than `WATCHDOG=1`, and how
+/// many `WATCHDOG=1` came before it.
+fn next_notification(socket: &UnixDatagram) -> (String, usize) {
+    let mut pings = 0;
+    loop {
+        let mut buf = [0u8; 1024];
+        let n = socket
+            .recv(&mut buf)
+            .expect("a notification within the read timeout");
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if text == "WATCHDOG=1" {
+            pings += 1;
+        } else {
+            return (text, pings);
+        }
+    }
+}
+
+/// `Type=notify` with `WatchdogSec=`: the agent (with the unit's
+/// capabilities) says READY=1 once attached, with a STATUS= line; sends
+/// WATCHDOG=1 from its loop every half `WATCHDOG_USEC` (small here, to see
+/// several); RELOADING=1 then READY=1 around a SIGHUP reload; STOPPING=1
+/// on SIGTERM. Without a watchdog asked for, it sends none.
+#[test]
+fn the_agent_speaks_the_units_notify_protocol() {
+    assert_eq!(unit_setting("Type"), Some(vec!["notify".to_string()]));
+    let watchdog = unit_setting("WatchdogSec").expect("WatchdogSec=");
+    assert!(
+        watchdog[0].parse::<u64>().is_ok_and(|s| s > 0),
+        "{watchdog:?}"
+    );
+
+    let tb = Testbed::new("seldn", 3).unwrap();
+    let binary = PublicBinary::new();
+    let notify = binary.dir.join("notify");
+    let socket = UnixDatagram::bind(&notify).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let start = |watchdog_usec: Option<&str>| {
+        let mut command = as_the_unit(
+            &tb.client,
+            &binary.path(),
+            &unit_capabilities(),
+            &[
+                "run",
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                GROUP,
+                "--quiet",
+                "--metrics-addr",
+                METRICS_ADDR,
+            ],
+        );
+        command
+            .env("NOTIFY_SOCKET", &notify)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        match watchdog_usec {
+            Some(usec) => command.env("WATCHDOG_USEC", usec),
+            None => command.env_remove("WATCHDOG_USEC"),
+        };
+        selector_testbed::agent::AgentProcess(command.spawn().unwrap())
+    };
+
+    let mut agent = start(Some("200000"));
+    let (ready, _) = next_notification(&socket);
+    // Sent after attaching: the programs are there when it arrives.
+    assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to"), "{first}");
+    assert!(
+        ready.starts_with(&format!(
+            "READY=1\nSTATUS=steering {CLIENT_IFACE}: 3 backends in 1 groups, policy threshold"
+        )),
+        "{ready:?}"
+    );
+    assert_eq!(ready.lines().count(), 2, "{ready:?}");
+
+    // Every 100 ms: about 15 in 1.5 s (past the agent's first attachment
+    // check, at 1 s); at least 7 on a busy machine.
+    let until = Instant::now() + Duration::from_millis(1500);
+    let mut pings = 0;
+    while Instant::now() < until {
+        let mut buf = [0u8; 64];
+        let n = socket.recv(&mut buf).unwrap();
+        assert_eq!(&buf[..n], b"WATCHDOG=1");
+        pings += 1;
+    }
+    assert!(pings >= 7, "{pings} WATCHDOG=1 in 1.5 s");
+    // Past its first attachment check (every second), ready, with no more
+    // than the unit's capabilities.
+    let metrics: std::net::SocketAddr = METRICS_ADDR.parse().unwrap();
+    let ready = tb
+        .client
+        .run(move || http_get(metrics, "/readyz", None))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ready.status, 200, "{}", ready.body);
+
+    // SIGHUP: the agent was started without a config file, so the reload
+    // is refused, and systemd still hears it begin and end.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGHUP) };
+    let (reloading, _) = next_notification(&socket);
+    assert!(
+        reloading.starts_with("RELOADING=1\nMONOTONIC_USEC="),
+        "{reloading:?}"
+    );
+    let (ready, _) = next_notification(&socket);
+    assert!(ready.starts_with("READY=1\nSTATUS=steering"), "{ready:?}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let (stopping, _) = next_notification(&socket);
+    assert!(
+        stopping.starts_with("STOPPING=1\nSTATUS=stopping"),
+        "{stopping:?}"
+    );
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(stderr, "", "a clean run under the unit warns of nothing");
+
+    // No WATCHDOG_USEC: READY=1 and STOPPING=1, and no ping between.
+    let mut agent = start(None);
+    let (ready, _) = next_notification(&socket);
+    assert!(ready.starts_with("READY=1\n"), "{ready:?}");
+    std::thread::sleep(Duration::from_millis(500));
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let (stopping, pings) = next_notification(&socket);
+    assert!(stopping.starts_with("STOPPING=1\n"), "{stopping:?}");
+    assert_eq!(pings, 0);
+    assert!(agent.wait().unwrap().success());
 }
 
 #[test]
@@ -256,8 +435,9 @@ fn strings(list: &yaml_rust2::Yaml) -> Vec<String> {
 /// agree with each other and with the unit: the ConfigMap is a config the
 /// agent accepts, the container gets the unit's capabilities and nothing
 /// else on the host network, it reads the ConfigMap where `--config` says,
-/// the scrape annotations name the metrics port, and the pins land on the
-/// host's bpffs.
+/// the scrape annotations name the metrics port, the liveness and
+/// readiness probes ask that port for the agent's `/healthz` and `/readyz`,
+/// and the pins land on the host's bpffs.
 #[test]
 fn the_daemonset_agrees_with_the_unit_and_its_config() {
     use selector_user::config::{ConfigFile, Options};
@@ -315,6 +495,19 @@ fn the_daemonset_agrees_with_the_unit_and_its_config() {
             .map(|p| p.to_string()),
         Some(port)
     );
+    // The probes ask the metrics port for the agent's own health paths.
+    for (probe, path) in [
+        ("livenessProbe", selector_user::metrics::LIVENESS_PATH),
+        ("readinessProbe", selector_user::metrics::READINESS_PATH),
+    ] {
+        let get = &container[probe]["httpGet"];
+        assert_eq!(get["path"].as_str(), Some(path), "{probe}");
+        assert_eq!(
+            get["port"].as_str(),
+            container["ports"][0]["name"].as_str(),
+            "{probe}"
+        );
+    }
     let bpffs = mount_of("bpffs");
     assert!(config.pin.expect("pin").starts_with(&bpffs));
     let host_bpffs = spec["volumes"]

@@ -143,6 +143,20 @@ fn a_real_prometheus_counts_the_reads_the_client_sent() {
     assert!(openmetrics.body.ends_with("# EOF\n"));
     let missing = get(&tb, "/", None);
     assert_eq!(missing.status, 404);
+    // The probes: a running agent is live and ready.
+    let live = get(&tb, "/healthz", None);
+    assert_eq!(
+        (live.status, live.body.as_str()),
+        (200, "ok: the agent's loop is turning\n")
+    );
+    let ready = get(&tb, "/readyz", None);
+    assert_eq!(
+        (ready.status, ready.body.as_str()),
+        (
+            200,
+            "ready: attached, swept recently, configuration applied\n"
+        )
+    );
 
     drop(prometheus);
     stop_agent(agent);
@@ -260,4 +274,164 @@ fn tail_blame_falls_on_a_stalled_primary_and_leaves_it_when_steering() {
         steered < observed - 0.3,
         "steering must move the tail off the stalled primary: {steered:.3} vs {observed:.3}"
     );
+}
+
+/// The value of the sample `name` (no labels) in an exposition.
+fn sample(exposition: &str, name: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no {name} in\n{exposition}"))
+        .parse()
+        .unwrap()
+}
+
+/// A reload's outcome, like Prometheus' own: in `selector status --json`
+/// (`config_reload_success`, `config_reload_timestamp_seconds`), in the
+/// metrics of the same names, and in `/readyz`. The start counts as a
+/// successful load; a good reload moves the time on; a refused one sets
+/// success to 0, keeps the time, and makes the agent unready (still live)
+/// until a good one applies.
+#[test]
+fn reload_outcomes_show_in_status_metrics_and_readiness() {
+    let tb = Testbed::new("selmr", 3).unwrap();
+    let dir = std::env::temp_dir().join(format!(
+        "selector-metrics-reload-{}",
+        selector_testbed::netns::unique_tag()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("selector.toml");
+    let members: Vec<String> = tb
+        .replica_endpoints()
+        .iter()
+        .map(|m| format!("\"{m}\""))
+        .collect();
+    let config = |threshold: u32| {
+        format!(
+            "iface = \"{CLIENT_IFACE}\"\nquiet = true\nmetrics-addr = \"{METRICS_ADDR}\"\n\
+             threshold = {threshold}\n[[group]]\nmembers = [{}]\n",
+            members.join(", ")
+        )
+    };
+    std::fs::write(&path, config(2)).unwrap();
+    let before_start = unix_now();
+    let agent = agent::spawn_agent(&tb.client, &["--config", path.to_str().unwrap()]);
+    let reload = || agent::run_selector(&tb.client, &["reload", "--iface", CLIENT_IFACE]);
+    // (success, timestamp) from the JSON status and from the metrics, which
+    // must agree.
+    let outcome = || {
+        let status = status_json(&tb);
+        let metrics = get(&tb, "/metrics", None).body;
+        let success = status["config_reload_success"].as_bool().unwrap();
+        let at = status["config_reload_timestamp_seconds"].as_f64().unwrap();
+        assert_eq!(
+            sample(&metrics, "selector_config_reload_success"),
+            f64::from(u8::from(success))
+        );
+        let exported = sample(&metrics, "selector_config_reload_timestamp_seconds");
+        assert!((exported - at).abs() < 1e-3, "{exported} vs {at}");
+        (success, at)
+    };
+
+    let (success, started) = outcome();
+    assert!(success);
+    assert!(
+        started >= before_start - 1.0 && started <= unix_now(),
+        "{started} vs {before_start}"
+    );
+    assert_eq!(get(&tb, "/readyz", None).status, 200);
+
+    thread::sleep(Duration::from_millis(20));
+    std::fs::write(&path, config(3)).unwrap();
+    let (code, out) = reload();
+    assert_eq!(code, 0, "{out}");
+    let (success, reloaded) = outcome();
+    assert!(success && reloaded > started, "{reloaded} vs {started}");
+    assert_eq!(status_json(&tb)["settings"]["threshold"], 3);
+
+    std::fs::write(&path, config(0)).unwrap();
+    let (code, out) = reload();
+    assert_eq!(code, 1, "{out}");
+    let (success, kept) = outcome();
+    assert!(!success);
+    assert_eq!(
+        kept, reloaded,
+        "a refused reload keeps the last success time"
+    );
+    let ready = get(&tb, "/readyz", None);
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert!(
+        ready
+            .body
+            .starts_with("not ready: configuration not applied: the last reload was refused (")
+            && ready.body.contains("threshold: must be at least 1"),
+        "{}",
+        ready.body
+    );
+    assert_eq!(get(&tb, "/healthz", None).status, 200, "unready, not dead");
+
+    std::fs::write(&path, config(4)).unwrap();
+    let (code, out) = reload();
+    assert_eq!(code, 0, "{out}");
+    let (success, again) = outcome();
+    assert!(success && again > reloaded, "{again} vs {reloaded}");
+    assert_eq!(get(&tb, "/readyz", None).status, 200);
+
+    stop_agent(agent);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// `GET path` until its status is `status` (the agent checks its
+/// attachment every second), or panics after 5 s with the last answer.
+fn wait_for_status(tb: &Testbed, path: &'static str, status: u16) -> HttpResponse {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let response = get(tb, path, None);
+        if response.status == status {
+            return response;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path} never answered {status}: {} {}",
+            response.status,
+            response.body
+        );
+        thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Links taken from under a running agent (as a forced `selector detach`
+/// would, or the interface's deletion) leave it running but steering
+/// nothing: `/readyz` names both paths within a few seconds, `/healthz`
+/// stays 200. With the reply path on TC ingress and on XDP.
+#[test]
+fn readyz_fails_when_the_programs_are_detached_under_the_agent() {
+    let tb = Testbed::new("selmd", 3).unwrap();
+    for ingress in ["tc", "xdp"] {
+        let agent = spawn_agent(&tb, &["--metrics-addr", METRICS_ADDR, "--ingress", ingress]);
+        wait_for_status(&tb, "/readyz", 200);
+        let detached = tb
+            .client
+            .run(|| selector_user::pinning::detach_attached(CLIENT_IFACE))
+            .unwrap()
+            .unwrap();
+        assert_eq!(detached.len(), 2, "{detached:?}");
+        let ready = wait_for_status(&tb, "/readyz", 503);
+        assert_eq!(
+            ready.body,
+            format!(
+                "not ready: the request path (TC egress) is not attached to {CLIENT_IFACE}; \
+                 the reply path ({ingress} ingress) is not attached to {CLIENT_IFACE}\n"
+            )
+        );
+        assert_eq!(get(&tb, "/healthz", None).status, 200);
+        stop_agent(agent);
+    }
 }

@@ -92,6 +92,11 @@ impl LocalCaller {
 }
 
 impl ControlCall {
+    /// Whether this call asks for a reload.
+    pub fn is_reload(&self) -> bool {
+        self.request == Request::Reload
+    }
+
     /// Applies the request and sends the reply; true if it was a reload
     /// that applied. While the agent is stopping, only `status` is served:
     /// a change could start steering again.
@@ -103,7 +108,9 @@ impl ControlCall {
         stopping: bool,
     ) -> bool {
         let result = match &self.request {
-            Request::Status => status(selector, tails).map(|s| Reply::Status(Box::new(s))),
+            Request::Status => {
+                status(selector, reloader, tails).map(|s| Reply::Status(Box::new(s)))
+            }
             _ if stopping => Err(anyhow!("the agent is stopping; it takes no changes")),
             Request::Set(change) => set(selector, change),
             Request::Drain { backend, drained } => drain(selector, reloader, *backend, *drained),
@@ -124,7 +131,7 @@ impl ControlCall {
     }
 }
 
-fn status(selector: &Selector, tails: &TailHistory) -> Result<Status> {
+fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Result<Status> {
     let now = selector.snapshot()?;
     Ok(Status {
         iface: selector.settings.iface.clone(),
@@ -136,6 +143,8 @@ fn status(selector: &Selector, tails: &TailHistory) -> Result<Status> {
         backends: telemetry::totals(&selector.backends, &now, tails),
         hedges: crate::hedging::total(&now.hedges),
         tc_attach: selector.tc_attach.map_or("", |t| t.name()).into(),
+        config_reload_success: Some(reloader.record.success()),
+        config_reload_timestamp_seconds: Some(reloader.record.timestamp_seconds()),
     })
 }
 

@@ -5,6 +5,7 @@
 
 mod control_server;
 mod detach;
+mod find_agent;
 mod run;
 mod run_args;
 mod tunables;
@@ -64,16 +65,18 @@ pub enum Command {
 
 #[derive(Debug, Args)]
 pub struct ReloadArgs {
-    /// Interface the agent runs on (in this network namespace).
+    /// Interface the agent runs on (in this network namespace); may be
+    /// left out when exactly one agent runs in it.
     #[arg(long)]
-    pub iface: String,
+    pub iface: Option<String>,
 }
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
-    /// Interface the agent runs on (in this network namespace).
+    /// Interface the agent runs on (in this network namespace); may be
+    /// left out when exactly one agent runs in it.
     #[arg(long)]
-    pub iface: String,
+    pub iface: Option<String>,
     /// Print the status as one JSON document (schema: see the README).
     #[arg(long)]
     pub json: bool,
@@ -81,18 +84,20 @@ pub struct StatusArgs {
 
 #[derive(Debug, Args)]
 pub struct SetArgs {
-    /// Interface the agent runs on (in this network namespace).
+    /// Interface the agent runs on (in this network namespace); may be
+    /// left out when exactly one agent runs in it.
     #[arg(long)]
-    pub iface: String,
+    pub iface: Option<String>,
     #[command(flatten)]
     pub tunables: Tunables,
 }
 
 #[derive(Debug, Args)]
 pub struct BackendArgs {
-    /// Interface the agent runs on (in this network namespace).
+    /// Interface the agent runs on (in this network namespace); may be
+    /// left out when exactly one agent runs in it.
     #[arg(long)]
-    pub iface: String,
+    pub iface: Option<String>,
     /// The backend, as given to --group.
     pub backend: SocketAddr,
 }
@@ -190,6 +195,7 @@ pub fn control(command: Command) -> Result<()> {
             false,
         ),
     };
+    let iface = find_agent::agent_iface(iface)?;
     match control::send(&iface, &request)? {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
         Reply::Status(status) => print!("{}", status.render()),

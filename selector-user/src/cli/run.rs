@@ -15,13 +15,16 @@ use super::{
     control_server::{ControlCall, ControlServer},
 };
 use crate::{
-    Selector, config::RunConfig, control::SettingsInForce, metrics::MetricsServer, neighbours,
-    next_hops::NextHops, reload::Reloader, sys, telemetry,
+    Selector, config::RunConfig, control::SettingsInForce, health::Health, metrics::MetricsServer,
+    neighbours, next_hops::NextHops, reload::Reloader, sd_notify::Notifier, sys, telemetry,
 };
 
 /// How often the next hops' Ethernet addresses are re-read: a neighbour
 /// that changes is followed within this.
 const NEXT_HOP_REFRESH: Duration = Duration::from_millis(100);
+
+/// How often the agent checks that its programs are still attached.
+const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
 
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
@@ -47,26 +50,37 @@ pub async fn run(args: RunArgs) -> Result<()> {
         None => Selector::attach(settings)?,
     };
     let reloader = Reloader::new(args.config.clone(), args.options(), &config);
-    let mut agent = Agent::new(selector, reloader, &config)?;
+    let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
         println!(
-            "selector: metrics at http://{}/metrics",
+            "selector: metrics at http://{}/metrics (probes: /healthz, /readyz)",
             metrics.local_addr()?
         );
         let caller = control.local_caller();
         // Scrapes are answered by the main loop, like `selector status`.
-        tokio::spawn(metrics.serve(move || {
-            let caller = caller.clone();
-            async move { caller.status().await }
-        }));
+        tokio::spawn(metrics.serve(
+            move || {
+                let caller = caller.clone();
+                async move { caller.status().await }
+            },
+            agent.health.clone(),
+        ));
     }
+    agent.notifier.ready(&agent.summary());
     agent
         .steer(&mut signals, &mut hangups, &mut control, config.duration)
         .await;
+    agent.health.update(|h| h.stopping = true);
     if agent.selector.pinned().is_some() {
         // Pinned: the programs steer on, and the next agent sweeps.
+        agent
+            .notifier
+            .stopping("exiting: the pinned programs steer on");
         return agent.leave_pinned();
     }
+    agent
+        .notifier
+        .stopping("stopping: waiting for the redirected reads in flight");
     agent.stop(&mut signals, &mut control).await?;
     agent.detach()
 }
@@ -109,11 +123,22 @@ struct Agent {
     last: telemetry::Snapshot,
     /// The interval tails so far, for the table, status and metrics.
     tails: telemetry::TailHistory,
+    /// What `/healthz` and `/readyz` read.
+    health: Health,
+    /// systemd's notification socket (`Type=notify`), if any.
+    notifier: Notifier,
+    /// The last attachment check failed (warned once).
+    attachment_unknown: bool,
 }
 
 impl Agent {
     /// Has the backends' next hops kept resolved and prints the attached line.
-    fn new(mut selector: Selector, reloader: Reloader, config: &RunConfig) -> Result<Self> {
+    fn new(
+        mut selector: Selector,
+        reloader: Reloader,
+        config: &RunConfig,
+        notifier: Notifier,
+    ) -> Result<Self> {
         let addrs: Vec<SocketAddr> = selector.backends.iter().map(|b| b.addr).collect();
         let (neighbours, unresolved) =
             neighbours::keep_resolved(&addrs, Duration::from_millis(500))?;
@@ -153,6 +178,8 @@ impl Agent {
         let interval = config.interval;
         let sweep_every = sweep_period(interval, settings.timeout);
         let last = selector.snapshot()?;
+        let health = Health::new(sweep_every);
+        health.update(|h| h.not_attached = None);
         Ok(Self {
             selector,
             neighbours,
@@ -163,7 +190,22 @@ impl Agent {
             quiet: config.quiet,
             last,
             tails: telemetry::TailHistory::default(),
+            health,
+            notifier,
+            attachment_unknown: false,
         })
+    }
+
+    /// One line for systemd's `STATUS=`: what is steered and how.
+    fn summary(&self) -> String {
+        let settings = &self.selector.settings;
+        format!(
+            "steering {}: {} backends in {} groups, {}",
+            settings.iface,
+            self.selector.backends.len(),
+            settings.groups.len(),
+            SettingsInForce::from(settings).tunables()
+        )
     }
 
     /// Steers until a signal or the end of `duration` (seconds).
@@ -177,6 +219,8 @@ impl Agent {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
+        let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
+        let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
         let until_deadline = async {
             match duration {
                 Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
@@ -185,6 +229,7 @@ impl Agent {
         };
         tokio::pin!(until_deadline);
         loop {
+            self.health.turned();
             // `--hedge-after auto`: the delays follow the latencies, first
             // every few ms until estimated (`hedge_auto`); no timer without.
             let hedge_refresh = self.selector.hedge_refresh_due();
@@ -216,6 +261,8 @@ impl Agent {
                 }
                 _ = interval_tick.tick() => self.end_interval(),
                 _ = next_hop_tick.tick() => self.refresh_next_hops(),
+                _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
+                _ = attachment_tick.tick() => self.check_attachment(),
             }
         }
     }
@@ -237,7 +284,9 @@ impl Agent {
         let mut sweep_tick = interval(self.sweep_every);
         let mut poll_tick = interval(STOP_POLL);
         let mut print_tick = ticks_after(self.interval);
+        let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
         loop {
+            self.health.turned();
             tokio::select! {
                 _ = signals.recv() => {
                     println!("selector: second signal: detaching with {waiting} redirected reads in flight");
@@ -258,6 +307,7 @@ impl Agent {
                     self.answer(call, true);
                 }
                 _ = print_tick.tick() => print_stopping(waiting),
+                _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
             }
         }
     }
@@ -325,6 +375,36 @@ impl Agent {
         Ok(())
     }
 
+    /// Records for `/readyz` whether the programs are still attached, and
+    /// says so (and tells systemd's `STATUS=`) when that changes.
+    fn check_attachment(&mut self) {
+        let missing = match crate::attachment::missing(&self.selector) {
+            Ok(missing) => missing,
+            // Said once; readiness keeps the last answer.
+            Err(e) if self.attachment_unknown => {
+                log::debug!("checking the attachment failed: {e:#}");
+                return;
+            }
+            Err(e) => {
+                log::warn!("checking the attachment failed: {e:#}");
+                self.attachment_unknown = true;
+                return;
+            }
+        };
+        self.attachment_unknown = false;
+        let now = (!missing.is_empty()).then(|| missing.join("; "));
+        let before = self.health.state().not_attached;
+        if now != before {
+            let status = match &now {
+                Some(why) => format!("not steering: {why}"),
+                None => self.summary(),
+            };
+            println!("selector: {status}");
+            self.notifier.status(&status);
+        }
+        self.health.update(|h| h.not_attached = now);
+    }
+
     fn refresh_next_hops(&mut self) {
         // On failure the entries stay as they were; the next tick retries.
         if let Err(e) = self.next_hops.refresh(&mut self.selector) {
@@ -341,14 +421,19 @@ impl Agent {
 
     fn sweep(&mut self) {
         // A failed sweep is retried next tick; the data path goes on.
-        if let Err(e) = self.selector.sweep(sys::monotonic_ns()) {
-            log::warn!("sweep failed: {e:#}");
+        match self.selector.sweep(sys::monotonic_ns()) {
+            Ok(_) => self.health.swept(),
+            Err(e) => log::warn!("sweep failed: {e:#}"),
         }
         self.selector.flush_kernel_logs();
     }
 
     /// Answers a control request; true if it was a reload that applied.
     fn answer(&mut self, call: ControlCall, stopping: bool) -> bool {
+        let reloading = call.is_reload() && !stopping;
+        if reloading {
+            self.notifier.reloading();
+        }
         let reloaded = call.answer(
             &mut self.selector,
             &mut self.reloader,
@@ -358,14 +443,36 @@ impl Agent {
         if reloaded {
             self.after_reload();
         }
+        if reloading {
+            self.reload_done();
+        }
         reloaded
     }
 
     /// Re-reads the config file and applies it (SIGHUP).
     fn reload(&mut self) -> Result<String> {
-        let message = self.reloader.reload(&mut self.selector)?;
-        self.after_reload();
-        Ok(message)
+        self.notifier.reloading();
+        let outcome = self.reloader.reload(&mut self.selector);
+        if outcome.is_ok() {
+            self.after_reload();
+        }
+        self.reload_done();
+        outcome
+    }
+
+    /// After a reload, applied or refused: readiness says whether the
+    /// file's configuration is in force, and systemd hears it is done.
+    fn reload_done(&mut self) {
+        let refused = self.reloader.record.refused.clone();
+        let status = match &refused {
+            None => self.summary(),
+            Some(_) => format!(
+                "{} (last reload refused: previous configuration kept)",
+                self.summary()
+            ),
+        };
+        self.health.update(|h| h.reload_refused = refused);
+        self.notifier.ready(&status);
     }
 
     /// The loop's derived state follows a reload: backends, sweep period,
@@ -374,6 +481,8 @@ impl Agent {
         self.after_groups_changed();
         self.quiet = self.reloader.quiet;
         self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
+        let sweep_every = self.sweep_every;
+        self.health.update(|h| h.sweep_period = sweep_every);
         let addrs: Vec<SocketAddr> = self.selector.backends.iter().map(|b| b.addr).collect();
         match self
             .neighbours
@@ -439,6 +548,16 @@ fn sweep_period(interval: Duration, timeout: Duration) -> Duration {
 
 fn print_stopping(waiting: usize) {
     println!("selector: stopping: {waiting} redirected reads in flight");
+}
+
+/// The next tick of an optional interval; never without one.
+async fn tick_if_some(ticks: &mut Option<tokio::time::Interval>) {
+    match ticks {
+        Some(ticks) => {
+            ticks.tick().await;
+        }
+        None => std::future::pending().await,
+    }
 }
 
 /// An interval whose first tick is one period from now (tokio's fires at once).

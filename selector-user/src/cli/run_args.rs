@@ -138,12 +138,16 @@ pub struct RunArgs {
     /// removes them.
     #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = DEFAULT_PIN_DIR)]
     pub pin: Option<PathBuf>,
-    /// Serve Prometheus metrics at http://ADDR:PORT/metrics.
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics, and the
+    /// probes /healthz (the agent's loop turns) and /readyz (attached,
+    /// swept recently, configuration applied): 200, or 503 saying why.
     #[arg(long, value_name = "ADDR:PORT")]
     pub metrics_addr: Option<SocketAddr>,
     /// Add a group of the nameservers in PATH (default /etc/resolv.conf)
     /// of the first one's family, in file order, port 53: the stub
     /// resolver's, whose primary is the first. Implies --proto dns; re-read on reload.
+    /// A file naming only systemd-resolved's stub (127.0.0.53) is refused:
+    /// use /run/systemd/resolve/resolv.conf, resolved's upstream list.
     #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "/etc/resolv.conf")]
     pub resolv_conf: Option<PathBuf>,
 }
