@@ -7,7 +7,8 @@
 //! Only ids are compared, with capabilities the agent has: aya's
 //! `query_tcx` opens every attached program by id, which takes
 //! CAP_SYS_ADMIN, so the TCX chains are read with BPF_PROG_QUERY itself
-//! (CAP_NET_ADMIN).
+//! (CAP_NET_ADMIN). Legacy tc filters (kernels without TCX) are not
+//! checked.
 
 use std::io;
 
@@ -29,7 +30,13 @@ pub fn missing(selector: &Selector) -> Result<Vec<String>> {
             .with_context(|| format!("program {name} missing from the object"))?;
         Ok(program.info()?.id())
     };
+    // Legacy tc filters are not listed here (no TCX chain to read): taken
+    // as attached.
+    let legacy = selector.tc_attach == Some(crate::tc_attach::TcAttach::Netlink);
     let in_tcx = |attach: TcxSide, id: u32| -> Result<bool> {
+        if legacy {
+            return Ok(true);
+        }
         let attached = tcx_program_ids(ifindex, attach)
             .with_context(|| format!("querying the TCX programs of {iface}"))?;
         Ok(attached.contains(&id))
