@@ -17,9 +17,13 @@ fn main() -> Result<()> {
     // VERIFIER_LOG=1: the verbose verifier log of every program, on stderr.
     let verbose = std::env::var_os("VERIFIER_LOG").is_some();
     let mut loader = EbpfLoader::new();
-    if verbose {
-        loader.verifier_log_level(VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS);
-    }
+    // Without it, a rejected load reports the verifier's error and
+    // statistics only: the whole trace takes minutes in an emulated VM.
+    loader.verifier_log_level(if verbose {
+        VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
+    } else {
+        VerifierLogLevel::STATS
+    });
     let mut ebpf = loader.load(EBPF_OBJECT).context("loading the object")?;
     println!("object and maps: {:?}", start.elapsed());
     let mut total = 0;

@@ -3,6 +3,7 @@
 //! xtask depends on nothing that needs the BPF toolchain, so it compiles on a
 //! fresh machine and installs that toolchain before anything else builds.
 
+mod kernels;
 mod setup;
 
 use std::process::Command;
@@ -37,11 +38,22 @@ enum Task {
         args: Vec<String>,
     },
     /// Formatting and lint checks, host unit tests, packet-fixture and
-    /// namespace integration tests (needs root).
+    /// namespace integration tests (needs root), then the kernel matrix
+    /// (`test-kernels`).
     Test {
         /// Skip fmt and clippy.
         #[arg(long)]
         no_lint: bool,
+        /// Skip the kernel matrix.
+        #[arg(long)]
+        no_kernels: bool,
+    },
+    /// The kernel matrix: boots Debian's 6.1 and 6.12 kernels under QEMU
+    /// (virtme-ng) and runs the verifier cost, the packet fixtures and
+    /// namespace smoke tests in each; one PASS/FAIL line per kernel.
+    TestKernels {
+        /// Only kernels whose release starts with one of these (e.g. 6.1).
+        kernels: Vec<String>,
     },
     /// The replica-stall benchmark and per-packet costs (see BENCHMARKS.md).
     Bench {
@@ -120,13 +132,31 @@ fn main() -> Result<()> {
                 run(&mut release_binary("selector-user", "selector", &args))
             }
         }
-        Task::Test { no_lint } => {
+        Task::Test {
+            no_lint,
+            no_kernels,
+        } => {
             setup::setup()?;
             require_root("the integration tests")?;
             if !no_lint {
                 lint()?;
             }
-            run_tests()
+            let suite = run_tests();
+            let matrix = if no_kernels {
+                Ok(())
+            } else {
+                kernels::test_kernels(&[])
+            };
+            // The totals line closes the output, whatever failed.
+            let totals = suite?;
+            println!("{totals}");
+            totals.check()?;
+            matrix
+        }
+        Task::TestKernels { kernels } => {
+            setup::setup()?;
+            require_root("the kernel matrix")?;
+            kernels::test_kernels(&kernels)
         }
         Task::Bench { args } => {
             setup::setup()?;
@@ -149,12 +179,39 @@ fn main() -> Result<()> {
     }
 }
 
-/// `cargo test` on the default members, echoing its output, then one
-/// closing line with the totals over every test binary.
-fn run_tests() -> Result<()> {
+/// The totals over every test binary of `cargo test`.
+struct Totals {
+    passed: u64,
+    failed: u64,
+    ignored: u64,
+    status: std::process::ExitStatus,
+}
+
+impl std::fmt::Display for Totals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "tests: {} passed, {} failed, {} skipped",
+            self.passed, self.failed, self.ignored
+        )
+    }
+}
+
+impl Totals {
+    fn check(&self) -> Result<()> {
+        if !self.status.success() {
+            bail!("cargo test failed ({})", self.status);
+        }
+        Ok(())
+    }
+}
+
+/// `cargo test` on the default members, echoing its output; the totals
+/// over every test binary.
+fn run_tests() -> Result<Totals> {
     use std::io::{BufRead as _, BufReader};
     let mut c = cargo();
-    c.args(["test", "--", "--test-threads=2"]);
+    c.args(["test", "--no-fail-fast", "--", "--test-threads=2"]);
     eprintln!("+ {}", describe(&c));
     let mut child = c.stdout(std::process::Stdio::piped()).spawn()?;
     let (mut passed, mut failed, mut ignored) = (0u64, 0u64, 0u64);
@@ -178,11 +235,12 @@ fn run_tests() -> Result<()> {
         }
     }
     let status = child.wait()?;
-    println!("tests: {passed} passed, {failed} failed, {ignored} skipped");
-    if !status.success() {
-        bail!("cargo test failed ({status})");
-    }
-    Ok(())
+    Ok(Totals {
+        passed,
+        failed,
+        ignored,
+        status,
+    })
 }
 
 /// fmt and clippy, for the host crates and for the kernel crate on its target.

@@ -82,7 +82,14 @@ pub fn setup() -> Result<()> {
 }
 
 fn debian_packages() -> Result<()> {
-    let missing: Vec<&str> = PACKAGES
+    install_missing(PACKAGES, "the tests, demo and benchmark")?;
+    // The packages' services are not wanted running on the host.
+    Ok(())
+}
+
+/// Installs those of `packages` that are missing, saying what and why.
+pub fn install_missing(packages: &[&str], why: &str) -> Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| {
@@ -91,16 +98,18 @@ fn debian_packages() -> Result<()> {
         })
         .collect();
     if missing.is_empty() {
-        eprintln!("setup: Debian packages present");
+        eprintln!("setup: Debian packages for {why} present");
         return Ok(());
     }
-    eprintln!("setup: installing Debian packages: {}", missing.join(" "));
+    eprintln!(
+        "setup: installing Debian packages for {why}: {}",
+        missing.join(" ")
+    );
     run(Command::new("apt-get").args(["update", "-qq"]))?;
     run(Command::new("apt-get")
         .env("DEBIAN_FRONTEND", "noninteractive")
         .args(["install", "-y", "-qq", "--no-install-recommends"])
         .args(&missing))?;
-    // The packages' services are not wanted running on the host.
     let _ = Command::new("pkill").args(["-x", "memcached"]).status();
     let _ = Command::new("pkill").args(["-x", "nginx"]).status();
     let _ = Command::new("pkill").args(["-x", "nsd"]).status();
