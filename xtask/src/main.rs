@@ -3,6 +3,7 @@
 //! xtask depends on nothing that needs the BPF toolchain, so it compiles on a
 //! fresh machine and installs that toolchain before anything else builds.
 
+mod packages;
 mod setup;
 
 use std::process::Command;

@@ -1,13 +1,13 @@
 //! Idempotent setup: each step checks first and says what it does.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
 use anyhow::{Result, bail};
 
-use crate::run;
+use crate::{packages, run};
 
 /// bpf-linker must be built against the LLVM that nightly rustc uses.
 const BPF_LINKER_VERSION: &str = "0.13";
@@ -94,18 +94,12 @@ fn debian_packages() -> Result<()> {
         eprintln!("setup: Debian packages present");
         return Ok(());
     }
-    eprintln!("setup: installing Debian packages: {}", missing.join(" "));
-    run(Command::new("apt-get").args(["update", "-qq"]))?;
-    run(Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing))?;
-    // The packages' services are not wanted running on the host.
-    let _ = Command::new("pkill").args(["-x", "memcached"]).status();
-    let _ = Command::new("pkill").args(["-x", "nginx"]).status();
-    let _ = Command::new("pkill").args(["-x", "nsd"]).status();
-    let _ = Command::new("pkill").args(["-x", "prometheus"]).status();
-    Ok(())
+    eprintln!(
+        "setup: will install {} Debian packages, their services kept from starting: {}",
+        missing.len(),
+        missing.join(" ")
+    );
+    packages::install(Path::new("/"), &missing, run)
 }
 
 fn rust_src() -> Result<()> {
