@@ -155,7 +155,7 @@ pub enum Reply {
 ///     "hedge_after": "off",        off | auto | milliseconds ("2", "0.5")
 ///     "hedge_budget_percent": 5,
 ///     "budget_us": 1000,           latency policy's budget, microseconds
-///     "tie_break": "first"         first | random
+///     "tie_break": "random"        random | first
 ///   },
 ///   "in_flight": 3,                requests pending now, all backends (the sum of `pending`; a hedge copy counts at its target)
 ///   "last_interval": {             the last interval ended; null before

@@ -249,7 +249,11 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     let mut tb = Testbed::new("selg", 3).unwrap();
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let (mut agent, lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    // `first`: every read leaving the primary goes to replica 1, stalled below.
+    let (mut agent, lines) = spawn_agent(
+        &tb,
+        &["--threshold", "1", "--tie-break", "first", "--quiet"],
+    );
     let spec = selector_testbed::LoadSpec {
         target: tb.replica_endpoints()[0].into(),
         rate: 2000,
@@ -364,7 +368,7 @@ fn set_changes_show_in_the_json_status() {
         (code, out.trim()),
         (
             0,
-            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop budget 1 ms tie-break first"
+            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop budget 1 ms tie-break random"
         )
     );
     let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
@@ -492,8 +496,19 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     let mut tb = Testbed::new("selr", 3).unwrap();
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let (mut agent, _lines) =
-        spawn_agent(&tb, &["--policy", "observe", "--threshold", "2", "--quiet"]);
+    // `first`: the first replica takes the reads until it is drained.
+    let (mut agent, _lines) = spawn_agent(
+        &tb,
+        &[
+            "--policy",
+            "observe",
+            "--threshold",
+            "2",
+            "--tie-break",
+            "first",
+            "--quiet",
+        ],
+    );
 
     // A second agent on the same interface is refused before it attaches.
     let (code, err) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);

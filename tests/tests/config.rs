@@ -191,10 +191,18 @@ fn config_file_reload_and_removal_with_requests_in_flight() {
         &[&r0, &r1, named],
     ));
 
-    // The file's settings, a host-name member resolved, a flag over the file.
+    // The file's settings, a host-name member resolved, a flag over the
+    // file. `first`: a read leaving r0 below goes to r1.
     let (mut child, out) = Output::of(agent::spawn_agent(
         &tb.client,
-        &["--config", file.arg(), "--timeout", "2000"],
+        &[
+            "--config",
+            file.arg(),
+            "--timeout",
+            "2000",
+            "--tie-break",
+            "first",
+        ],
     ));
     let s = status(&tb);
     assert_eq!(s["settings"]["policy"], "observe", "{s}");

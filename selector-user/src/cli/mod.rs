@@ -125,7 +125,8 @@ impl From<PolicyArg> for Policy {
 pub enum TieBreakArg {
     /// The first in group order (BookKeeper's first strict minimum).
     First,
-    /// One of them at random, so many clients do not herd onto one replica.
+    /// One of them at random, so many clients do not herd onto one replica
+    /// (the default).
     Random,
 }
 
