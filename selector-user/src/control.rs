@@ -202,7 +202,10 @@ pub enum Reply {
 ///      "service_ns": 250000}       recent time per completed request (the
 ///                                  latency policy's); null until measured
 ///   ],
-///   "hedges": {...}                the hedge fields above, summed (delay null)
+///   "hedges": {...},               the hedge fields above, summed (delay null)
+///   "build": {"version": "0.1.0", "commit": "8ab3247"}
+///                                  the agent's; commit `-dirty` if built
+///                                  from changed sources, `unknown` without git
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -218,6 +221,9 @@ pub struct Status {
     /// Hedging totals over all backends.
     #[serde(default)]
     pub hedges: crate::hedging::HedgeCounts,
+    /// The agent's version and git commit (empty from an agent too old to say).
+    #[serde(default)]
+    pub build: crate::build_info::BuildInfo,
 }
 
 /// The settings part of [`Status`].
@@ -320,6 +326,9 @@ impl Status {
                 },
                 &counts,
             );
+        }
+        if !self.build.version.is_empty() {
+            out += &format!("agent: {}\n", self.build);
         }
         out
     }
@@ -543,6 +552,10 @@ mod tests {
                 service_ns: Some(250_000),
             }],
             hedges: Default::default(),
+            build: crate::build_info::BuildInfo {
+                version: "0.1.0".into(),
+                commit: "8ab3247-dirty".into(),
+            },
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -579,6 +592,12 @@ mod tests {
             text.contains("passed untouched: ingress fragment 4"),
             "{text}"
         );
+        assert_eq!(json["build"]["version"], "0.1.0");
+        assert_eq!(json["build"]["commit"], "8ab3247-dirty");
+        assert!(
+            text.ends_with("agent: selector 0.1.0 (commit 8ab3247-dirty)\n"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -604,6 +623,8 @@ mod tests {
         let b = &status.backends[0];
         assert_eq!((b.p999_ns, b.latency_buckets.len()), (None, 0));
         assert_eq!(b.tail, BackendTail::default());
+        assert_eq!(status.build, Default::default());
+        assert!(!status.render().contains("agent:"));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The selector agent as a library: the `selector` binary, the integration
 //! tests and the demo/benchmark drive the same code.
 
+pub mod build_info;
 pub mod cli;
 pub mod config;
 pub mod control;

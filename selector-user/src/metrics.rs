@@ -297,6 +297,7 @@ impl Collector for StatusCollector {
         let status = &self.0;
         let backends = &status.backends;
         let e = &mut encoder;
+        crate::build_info::encode_metric(e, &status.build)?;
         let counters: [BackendCounter; 9] = [
             (
                 "selector_requests",
@@ -604,6 +605,10 @@ mod tests {
             }),
             drained: vec![replica],
             hedges: Default::default(),
+            build: crate::build_info::BuildInfo {
+                version: "0.1.0".into(),
+                commit: "8ab3247".into(),
+            },
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),

@@ -389,6 +389,9 @@ fn set_changes_show_in_the_json_status() {
     assert_eq!(settings["grace_ms"], 300, "{status}");
     assert_eq!(settings["proto"], "memcached", "{status}");
     assert_eq!(status["iface"], CLIENT_IFACE);
+    let (version, commit) = version_and_commit();
+    assert_eq!(status["build"]["version"], version.as_str(), "{status}");
+    assert_eq!(status["build"]["commit"], commit.as_str(), "{status}");
     assert!(status["passed"].is_array(), "{status}");
     let backends = status["backends"].as_array().unwrap();
     let names: Vec<&str> = backends
@@ -405,6 +408,10 @@ fn set_changes_show_in_the_json_status() {
     assert!(out.contains("on-overload drop"), "{out}");
     assert!(out.contains("mark 0x00000010"), "{out}");
     assert!(out.contains("passed untouched:"), "{out}");
+    assert!(
+        out.contains(&format!("agent: selector {version} (commit {commit})")),
+        "{out}"
+    );
 
     // Hedging is set at run time too: a fixed delay, then `auto`, whose
     // delay starts at the ceiling (half the 1 s timeout, at most 50 ms).
@@ -448,6 +455,38 @@ fn set_changes_show_in_the_json_status() {
 
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
+}
+
+/// `selector --version`: "selector VERSION (commit HASH)".
+fn version_and_commit() -> (String, String) {
+    let out = std::process::Command::new(selector_binary())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    let rest = line.trim_end().strip_prefix("selector ").expect(&line);
+    let (version, commit) = rest.split_once(" (commit ").expect(&line);
+    let commit = commit.strip_suffix(')').expect(&line);
+    (version.to_owned(), commit.to_owned())
+}
+
+#[test]
+fn version_names_the_commit_built_from() {
+    let (version, commit) = version_and_commit();
+    assert_eq!(version, env!("CARGO_PKG_VERSION"));
+    let hash = commit.strip_suffix("-dirty").unwrap_or(&commit);
+    assert!(
+        hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "{commit}"
+    );
+    // The checkout's HEAD (the binary was just built from it).
+    let head = std::process::Command::new("git")
+        .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "HEAD"])
+        .output()
+        .unwrap();
+    let head = String::from_utf8(head.stdout).unwrap();
+    assert!(head.starts_with(hash), "{commit} is not HEAD {head}");
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and

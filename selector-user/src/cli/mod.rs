@@ -28,7 +28,7 @@ use crate::{
 #[derive(Debug, Parser)]
 #[command(
     name = "selector",
-    version,
+    version = crate::build_info::LONG_VERSION,
     about = "Kernel-space replica selector: steers reads away from a stalled replica",
     long_about = "Kernel-space replica selector.\n\n\
         eBPF programs on the client's interface count the requests pending at each \
