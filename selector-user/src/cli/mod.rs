@@ -1,8 +1,9 @@
 //! The `selector` command line: its clap types, and the control commands
 //! (`status`, `set`, `drain`, `undrain`, `reload`) that talk to a running agent.
 //! `run` is in [`run`] (the loop) and [`run_args`] (its flags); `detach`
-//! in [`detach`].
+//! in [`detach`]; `check` in [`check`].
 
+mod check;
 mod control_server;
 mod detach;
 mod run;
@@ -15,6 +16,7 @@ use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use selector_common::{Policy, TieBreak};
 
+pub use check::CheckArgs;
 pub use detach::DetachArgs;
 pub use run::run;
 pub use run_args::RunArgs;
@@ -60,6 +62,11 @@ pub enum Command {
     Detach(DetachArgs),
     /// Make the running agent re-read its --config file and apply it.
     Reload(ReloadArgs),
+    /// Check a config file and flags exactly as `run` would (syntax, keys,
+    /// values, groups, host names), print one line saying what it would run
+    /// with, and exit; nothing is loaded or attached, and no privileges are
+    /// needed. An error names the file, the line and the key.
+    Check(Box<CheckArgs>),
 }
 
 #[derive(Debug, Args)]
@@ -164,6 +171,7 @@ impl From<OnOverloadArg> for OnOverload {
 pub fn control(command: Command) -> Result<()> {
     let (iface, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
+        Command::Check(a) => return check::check(&a),
         Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.iface, Request::Status, a.json),
         Command::Reload(a) => (a.iface, Request::Reload, false),
