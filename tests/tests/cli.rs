@@ -489,6 +489,59 @@ fn version_names_the_commit_built_from() {
     assert!(head.starts_with(hash), "{commit} is not HEAD {head}");
 }
 
+/// `selector ARGS` outside any namespace (nothing here touches the host):
+/// (exit code, stdout, stderr).
+fn selector_output(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(selector_binary())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn completions_and_man_pages_come_from_the_binary() {
+    let (code, bash, err) = selector_output(&["completions", "bash"]);
+    assert_eq!(code, 0, "{err}");
+    // Loaded by a real bash, it completes the subcommands.
+    let script = std::env::temp_dir().join(format!("selector-completion-{}", std::process::id()));
+    std::fs::write(&script, &bash).unwrap();
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "source {}; COMP_WORDS=(selector ''); COMP_CWORD=1; _selector selector '' selector; echo \"${{COMPREPLY[@]}}\"",
+            script.display()
+        ))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&script);
+    let words = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = words.split_whitespace().collect();
+    for subcommand in [
+        "run", "set", "drain", "undrain", "status", "detach", "reload", "check",
+    ] {
+        assert!(words.contains(&subcommand), "{subcommand} not in {words:?}");
+    }
+    let (code, zsh, _) = selector_output(&["completions", "zsh"]);
+    assert_eq!((code, zsh.starts_with("#compdef selector")), (0, true));
+    let (code, _, err) = selector_output(&["completions", "tcsh"]);
+    assert_eq!(code, 2, "{err}");
+
+    let (code, man, err) = selector_output(&["man"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(man.contains(".TH selector 1"), "{man}");
+    let (code, man, _) = selector_output(&["man", "check"]);
+    assert_eq!(code, 0);
+    assert!(man.contains(".TH selector-check 1"), "{man}");
+    let (code, _, err) = selector_output(&["man", "nosuch"]);
+    assert_eq!(code, 1);
+    assert!(err.starts_with("error: no subcommand 'nosuch'"), "{err}");
+}
+
 /// Starts `selector run` with the standard group and `extra` flags, and
 /// waits for its "attached" line.
 fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {

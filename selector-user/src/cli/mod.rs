@@ -6,6 +6,7 @@
 mod check;
 mod control_server;
 mod detach;
+mod generate;
 mod run;
 mod run_args;
 mod tunables;
@@ -18,6 +19,7 @@ use selector_common::{Policy, TieBreak};
 
 pub use check::CheckArgs;
 pub use detach::DetachArgs;
+pub use generate::{CompletionsArgs, ManArgs};
 pub use run::run;
 pub use run_args::RunArgs;
 pub use tunables::{TUNABLE_FLAGS, Tunables};
@@ -67,6 +69,13 @@ pub enum Command {
     /// with, and exit; nothing is loaded or attached, and no privileges are
     /// needed. An error names the file, the line and the key.
     Check(Box<CheckArgs>),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(hide = true)]
+    Completions(CompletionsArgs),
+    /// Print the man page of selector, or of a subcommand, in roff
+    /// (`selector man | man -l -`).
+    #[command(hide = true)]
+    Man(ManArgs),
 }
 
 #[derive(Debug, Args)]
@@ -172,6 +181,8 @@ pub fn control(command: Command) -> Result<()> {
     let (iface, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
         Command::Check(a) => return check::check(&a),
+        Command::Completions(a) => return generate::completions(&a, &mut std::io::stdout()),
+        Command::Man(a) => return generate::man(&a, &mut std::io::stdout()),
         Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.iface, Request::Status, a.json),
         Command::Reload(a) => (a.iface, Request::Reload, false),
