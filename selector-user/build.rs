@@ -64,7 +64,11 @@ fn git_commit() -> String {
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
     };
-    let Some(hash) = git(&["rev-parse", "--short", "HEAD"]) else {
+    // Sources unpacked inside some other checkout are not that checkout's.
+    let toplevel = git(&["rev-parse", "--show-toplevel"]).map(|t| Path::new(&t).canonicalize());
+    let ours = matches!((toplevel, root.canonicalize()), (Some(Ok(t)), Ok(r)) if t == r);
+    let hash = git(&["rev-parse", "--short", "HEAD"]);
+    let (true, Some(hash)) = (ours, hash) else {
         return "unknown".into();
     };
     // A commit, a checkout or `git add` moves HEAD, its branch (a loose
