@@ -268,6 +268,13 @@ mod tests {
         }
     }
 
+    /// The signal dispositions are the process's: tests that install
+    /// take turns.
+    fn one_install_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        static INSTALLS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        INSTALLS.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn command_line(cmd: &Command) -> Vec<String> {
         std::iter::once(cmd.get_program())
             .chain(cmd.get_args())
@@ -303,6 +310,7 @@ mod tests {
 
     #[test]
     fn services_are_forbidden_during_the_install_and_allowed_after() {
+        let _one = one_install_at_a_time();
         let root = TempRoot::new("no-policy");
         let mut seen = Vec::new();
         install(&root.0, &["memcached"], |cmd| {
@@ -324,6 +332,7 @@ mod tests {
 
     #[test]
     fn an_existing_policy_is_put_back_even_when_apt_get_fails() {
+        let _one = one_install_at_a_time();
         let root = TempRoot::new("own-policy");
         let own = "#!/bin/sh\n# the operator's\nexit 0\n";
         fs::write(root.policy(), own).unwrap();
@@ -347,6 +356,38 @@ mod tests {
     }
 
     #[test]
+    fn ctrl_c_during_apt_get_stops_the_install_and_puts_the_policy_back() {
+        let _one = one_install_at_a_time();
+        let root = TempRoot::new("interrupt");
+        fs::write(root.policy(), "exit 0\n").unwrap();
+        let mut ran = Vec::new();
+        let err = install(&root.0, &["memcached"], |cmd| {
+            ran.push(command_line(cmd)[1].clone());
+            // What Ctrl-C sends xtask while apt-get runs (apt-get, which
+            // gets it too, would fail).
+            let pid = std::process::id().to_string();
+            assert!(
+                Command::new("kill")
+                    .args(["-INT", &pid])
+                    .status()
+                    .unwrap()
+                    .success()
+            );
+            // Delivered to some thread of this process: wait for it.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+            while !INTERRUPTED.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            Ok(())
+        })
+        .unwrap_err();
+        assert_eq!(err.to_string(), "interrupted");
+        assert_eq!(ran, ["update"], "install must not start after Ctrl-C");
+        assert_eq!(fs::read_to_string(root.policy()).unwrap(), "exit 0\n");
+        assert_eq!(root.entries(), ["policy-rc.d"]);
+    }
+
+    #[test]
     fn a_panic_during_the_install_still_puts_the_policy_back() {
         let root = TempRoot::new("panic");
         fs::write(root.policy(), "#!/bin/sh\nexit 0\n").unwrap();
@@ -364,6 +405,7 @@ mod tests {
 
     #[test]
     fn a_killed_setups_leftover_is_undone_first() {
+        let _one = one_install_at_a_time();
         let root = TempRoot::new("leftover");
         // What a SIGKILLed setup leaves: its policy, and the operator's aside.
         fs::write(root.policy(), policy_script()).unwrap();
