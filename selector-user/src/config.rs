@@ -643,6 +643,22 @@ members = ["10.0.0.1:11211", "10.0.0.2:11211"]
         }
         let config = file.resolve_with(&Options::default()).unwrap();
         assert!(config.settings.plan().is_ok());
+        // The settings it gives are `selector run`'s defaults, so that a
+        // copy of it changes nothing an operator did not change.
+        let (s, d) = (&config.settings, Settings::new("eth0", vec![]));
+        assert_eq!(
+            (s.policy, s.threshold, s.budget),
+            (d.policy, d.threshold, d.budget)
+        );
+        assert_eq!((s.tie_break, s.ingress), (d.tie_break, d.ingress));
+        assert_eq!((s.timeout, s.grace, s.mark), (d.timeout, d.grace, d.mark));
+        assert_eq!(
+            (s.inflight_max, s.on_overload),
+            (d.inflight_max, d.on_overload)
+        );
+        assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
+        assert_eq!(s.hedging, d.hedging);
+        assert_eq!(s.descriptor, d.descriptor);
     }
 
     #[test]

@@ -156,7 +156,7 @@ pub enum Reply {
 ///     "hedge_after": "off",        off | auto | milliseconds ("2", "0.5")
 ///     "hedge_budget_percent": 5,
 ///     "budget_us": 1000,           latency policy's budget, microseconds
-///     "tie_break": "first"         first | random
+///     "tie_break": "random"        random | first
 ///   },
 ///   "in_flight": 3,                requests pending now, all backends (the sum of `pending`; a hedge copy counts at its target)
 ///   "last_interval": {             the last interval ended; null before
@@ -209,6 +209,9 @@ pub enum Reply {
 ///                                  when the configuration in force was
 ///                                  loaded (the start, or the last reload
 ///                                  that applied), seconds since the epoch
+///   "build": {"version": "0.1.0", "commit": "8ab3247"}
+///                                  the agent's; commit `-dirty` if built
+///                                  from changed sources, `unknown` without git
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -236,6 +239,9 @@ pub struct Status {
     /// reload that applied), seconds since the Unix epoch.
     #[serde(default)]
     pub config_reload_timestamp_seconds: Option<f64>,
+    /// The agent's version and git commit (empty from an agent too old to say).
+    #[serde(default)]
+    pub build: crate::build_info::BuildInfo,
 }
 
 /// The settings part of [`Status`].
@@ -339,6 +345,9 @@ impl Status {
                 },
                 &counts,
             );
+        }
+        if !self.build.version.is_empty() {
+            out += &format!("agent: {}\n", self.build);
         }
         out
     }
@@ -565,6 +574,10 @@ mod tests {
             tc_attach: "tcx".into(),
             config_reload_success: Some(false),
             config_reload_timestamp_seconds: Some(1_764_748_800.25),
+            build: crate::build_info::BuildInfo {
+                version: "0.1.0".into(),
+                commit: "8ab3247-dirty".into(),
+            },
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -603,6 +616,12 @@ mod tests {
             text.contains("passed untouched: ingress fragment 4"),
             "{text}"
         );
+        assert_eq!(json["build"]["version"], "0.1.0");
+        assert_eq!(json["build"]["commit"], "8ab3247-dirty");
+        assert!(
+            text.ends_with("agent: selector 0.1.0 (commit 8ab3247-dirty)\n"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -629,6 +648,8 @@ mod tests {
         let b = &status.backends[0];
         assert_eq!((b.p999_ns, b.latency_buckets.len()), (None, 0));
         assert_eq!(b.tail, BackendTail::default());
+        assert_eq!(status.build, Default::default());
+        assert!(!status.render().contains("agent:"));
     }
 
     #[test]

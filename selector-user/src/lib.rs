@@ -2,6 +2,7 @@
 //! tests and the demo/benchmark drive the same code.
 
 pub mod attachment;
+pub mod build_info;
 pub mod cli;
 pub mod config;
 pub mod control;

@@ -336,6 +336,7 @@ impl Collector for StatusCollector {
         let status = &self.0;
         let backends = &status.backends;
         let e = &mut encoder;
+        crate::build_info::encode_metric(e, &status.build)?;
         let counters: [BackendCounter; 9] = [
             (
                 "selector_requests",
@@ -664,6 +665,10 @@ mod tests {
             tc_attach: "tcx".into(),
             config_reload_success: Some(true),
             config_reload_timestamp_seconds: Some(1_764_748_800.5),
+            build: crate::build_info::BuildInfo {
+                version: "0.1.0".into(),
+                commit: "8ab3247".into(),
+            },
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),

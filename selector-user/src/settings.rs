@@ -187,7 +187,9 @@ impl Settings {
             policy: Policy::Threshold,
             threshold: DEFAULT_THRESHOLD,
             budget: DEFAULT_BUDGET,
-            tie_break: TieBreak::First,
+            // Many client hosts with equal counts spread out (no herding);
+            // `First` is BookKeeper's rule.
+            tie_break: TieBreak::Random,
             descriptor: Descriptor::memcached(),
             timeout,
             inflight_max: DEFAULT_INFLIGHT_MAX,

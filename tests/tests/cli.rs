@@ -249,7 +249,11 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     let mut tb = Testbed::new("selg", 3).unwrap();
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let (mut agent, lines) = spawn_agent(&tb, &["--threshold", "1", "--quiet"]);
+    // `first`: every read leaving the primary goes to replica 1, stalled below.
+    let (mut agent, lines) = spawn_agent(
+        &tb,
+        &["--threshold", "1", "--tie-break", "first", "--quiet"],
+    );
     let spec = selector_testbed::LoadSpec {
         target: tb.replica_endpoints()[0].into(),
         rate: 2000,
@@ -364,7 +368,7 @@ fn set_changes_show_in_the_json_status() {
         (code, out.trim()),
         (
             0,
-            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop budget 1 ms tie-break first"
+            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop budget 1 ms tie-break random"
         )
     );
     let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
@@ -385,6 +389,9 @@ fn set_changes_show_in_the_json_status() {
     assert_eq!(settings["grace_ms"], 300, "{status}");
     assert_eq!(settings["proto"], "memcached", "{status}");
     assert_eq!(status["iface"], CLIENT_IFACE);
+    let (version, commit) = version_and_commit();
+    assert_eq!(status["build"]["version"], version.as_str(), "{status}");
+    assert_eq!(status["build"]["commit"], commit.as_str(), "{status}");
     assert!(status["passed"].is_array(), "{status}");
     let backends = status["backends"].as_array().unwrap();
     let names: Vec<&str> = backends
@@ -401,6 +408,10 @@ fn set_changes_show_in_the_json_status() {
     assert!(out.contains("on-overload drop"), "{out}");
     assert!(out.contains("mark 0x00000010"), "{out}");
     assert!(out.contains("passed untouched:"), "{out}");
+    assert!(
+        out.contains(&format!("agent: selector {version} (commit {commit})")),
+        "{out}"
+    );
 
     // Hedging is set at run time too: a fixed delay, then `auto`, whose
     // delay starts at the ceiling (half the 1 s timeout, at most 50 ms).
@@ -444,6 +455,91 @@ fn set_changes_show_in_the_json_status() {
 
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
+}
+
+/// `selector --version`: "selector VERSION (commit HASH)".
+fn version_and_commit() -> (String, String) {
+    let out = std::process::Command::new(selector_binary())
+        .arg("--version")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let line = String::from_utf8(out.stdout).unwrap();
+    let rest = line.trim_end().strip_prefix("selector ").expect(&line);
+    let (version, commit) = rest.split_once(" (commit ").expect(&line);
+    let commit = commit.strip_suffix(')').expect(&line);
+    (version.to_owned(), commit.to_owned())
+}
+
+#[test]
+fn version_names_the_commit_built_from() {
+    let (version, commit) = version_and_commit();
+    assert_eq!(version, env!("CARGO_PKG_VERSION"));
+    let hash = commit.strip_suffix("-dirty").unwrap_or(&commit);
+    assert!(
+        hash.len() >= 7 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+        "{commit}"
+    );
+    // The checkout's HEAD (the binary was just built from it).
+    let head = std::process::Command::new("git")
+        .args(["-C", env!("CARGO_MANIFEST_DIR"), "rev-parse", "HEAD"])
+        .output()
+        .unwrap();
+    let head = String::from_utf8(head.stdout).unwrap();
+    assert!(head.starts_with(hash), "{commit} is not HEAD {head}");
+}
+
+/// `selector ARGS` outside any namespace (nothing here touches the host):
+/// (exit code, stdout, stderr).
+fn selector_output(args: &[&str]) -> (i32, String, String) {
+    let out = std::process::Command::new(selector_binary())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn completions_and_man_pages_come_from_the_binary() {
+    let (code, bash, err) = selector_output(&["completions", "bash"]);
+    assert_eq!(code, 0, "{err}");
+    // Loaded by a real bash, it completes the subcommands.
+    let script = std::env::temp_dir().join(format!("selector-completion-{}", std::process::id()));
+    std::fs::write(&script, &bash).unwrap();
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "source {}; COMP_WORDS=(selector ''); COMP_CWORD=1; _selector selector '' selector; echo \"${{COMPREPLY[@]}}\"",
+            script.display()
+        ))
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&script);
+    let words = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<&str> = words.split_whitespace().collect();
+    for subcommand in [
+        "run", "set", "drain", "undrain", "status", "detach", "reload", "check",
+    ] {
+        assert!(words.contains(&subcommand), "{subcommand} not in {words:?}");
+    }
+    let (code, zsh, _) = selector_output(&["completions", "zsh"]);
+    assert_eq!((code, zsh.starts_with("#compdef selector")), (0, true));
+    let (code, _, err) = selector_output(&["completions", "tcsh"]);
+    assert_eq!(code, 2, "{err}");
+
+    let (code, man, err) = selector_output(&["man"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(man.contains(".TH selector 1"), "{man}");
+    let (code, man, _) = selector_output(&["man", "check"]);
+    assert_eq!(code, 0);
+    assert!(man.contains(".TH selector-check 1"), "{man}");
+    let (code, _, err) = selector_output(&["man", "nosuch"]);
+    assert_eq!(code, 1);
+    assert!(err.starts_with("error: no subcommand 'nosuch'"), "{err}");
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and
@@ -492,8 +588,19 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
     let mut tb = Testbed::new("selr", 3).unwrap();
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
-    let (mut agent, _lines) =
-        spawn_agent(&tb, &["--policy", "observe", "--threshold", "2", "--quiet"]);
+    // `first`: the first replica takes the reads until it is drained.
+    let (mut agent, _lines) = spawn_agent(
+        &tb,
+        &[
+            "--policy",
+            "observe",
+            "--threshold",
+            "2",
+            "--tie-break",
+            "first",
+            "--quiet",
+        ],
+    );
 
     // A second agent on the same interface is refused before it attaches.
     let (code, err) = run_ctl(&tb, &["run", "--iface", CLIENT_IFACE, "--group", GROUP]);

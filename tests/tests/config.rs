@@ -191,10 +191,18 @@ fn config_file_reload_and_removal_with_requests_in_flight() {
         &[&r0, &r1, named],
     ));
 
-    // The file's settings, a host-name member resolved, a flag over the file.
+    // The file's settings, a host-name member resolved, a flag over the
+    // file. `first`: a read leaving r0 below goes to r1.
     let (mut child, out) = Output::of(agent::spawn_agent(
         &tb.client,
-        &["--config", file.arg(), "--timeout", "2000"],
+        &[
+            "--config",
+            file.arg(),
+            "--timeout",
+            "2000",
+            "--tie-break",
+            "first",
+        ],
     ));
     let s = status(&tb);
     assert_eq!(s["settings"]["policy"], "observe", "{s}");
@@ -476,4 +484,98 @@ fn a_bad_file_at_start_names_its_line_and_key_and_nothing_runs() {
     );
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     assert!(child.wait().unwrap().success());
+}
+
+/// `selector check` as `nobody` (no capability at all): the file is
+/// checked as `run` checks it, bad values and unknown keys are refused
+/// naming the file and line, and nothing is attached. With `--host` it
+/// also checks the kernel, the capabilities and the interface.
+#[test]
+fn check_validates_a_file_as_run_does_unprivileged_and_attaches_nothing() {
+    let tb = Testbed::new("selck", 0).unwrap();
+    let _etc = NetnsEtc::new(&tb.client, "");
+    let file = ConfigFile::new("check");
+    let selector = selector_binary();
+    let run = |nobody: bool, args: &[&str]| {
+        let mut command = if nobody {
+            let mut c = tb.client.command("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(&selector);
+            c
+        } else {
+            tb.client.command(selector.to_str().unwrap())
+        };
+        let out = command.args(args).output().unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let members = ["10.77.0.10:11211", "10.77.0.11:11211"];
+
+    file.write(&config("threshold = 2\n", &members));
+    let (code, out, err) = run(true, &["check", "--config", file.arg()]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out,
+        format!(
+            "{}: valid: iface {CLIENT_IFACE}, 1 groups, 2 backends, policy threshold threshold 2 max-pending 0 max-pending-client 0 on-overload pass budget 1 ms tie-break random, proto memcached, timeout 1000 ms, auto ingress\n",
+            file.arg()
+        )
+    );
+
+    // `config` puts the lines given on line 4.
+    for (top, expect) in [
+        ("threshold = 0\n", ":4: threshold: must be at least 1"),
+        (
+            "policy = \"fastest\"\n",
+            ":4:10: policy: unknown policy 'fastest'",
+        ),
+        (
+            "colour = \"blue\"\n",
+            ":4:1: colour: unknown field `colour`",
+        ),
+    ] {
+        file.write(&config(top, &members));
+        let (code, out, err) = run(true, &["check", "--config", file.arg()]);
+        assert_eq!((code, out.as_str()), (1, ""), "{top}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+        let prefix = format!("error: {}{expect}", file.arg());
+        assert!(err.starts_with(&prefix), "expected '{prefix}' in: {err}");
+    }
+    // A flag is checked with the file, as with run.
+    file.write(&config("", &members));
+    let (code, _, err) = run(true, &["check", "--config", file.arg(), "--mark", "3"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--mark must have exactly one bit set"),
+        "{err}"
+    );
+
+    // --host: what run checks on the host before it attaches.
+    let (code, _, err) = run(true, &["check", "--config", file.arg(), "--host"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("missing capability"), "{err}");
+    let (code, out, err) = run(false, &["check", "--config", file.arg(), "--host"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(": valid (and this host): "), "{out}");
+    let (code, _, err) = run(
+        false,
+        &[
+            "check",
+            "--config",
+            file.arg(),
+            "--host",
+            "--iface",
+            "nosuch0",
+        ],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("interface 'nosuch0' not found"), "{err}");
+
+    assert_eq!(
+        agent::attached(&tb.client, CLIENT_IFACE),
+        agent::Attached::NOTHING
+    );
 }

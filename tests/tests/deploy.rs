@@ -519,3 +519,30 @@ fn the_daemonset_agrees_with_the_unit_and_its_config() {
         .map(str::to_owned);
     assert_eq!(host_bpffs.as_deref(), Some("/sys/fs/bpf"));
 }
+
+/// Host network and added capabilities are refused by the `baseline` and
+/// `restricted` Pod Security levels: the namespace the DaemonSet runs in
+/// must enforce `privileged`, or its pods are never admitted.
+#[test]
+fn the_daemonsets_namespace_admits_its_privileges() {
+    let namespace = manifest("Namespace");
+    let name = namespace["metadata"]["name"].as_str().expect("a name");
+    for kind in ["DaemonSet", "ConfigMap"] {
+        assert_eq!(
+            manifest(kind)["metadata"]["namespace"].as_str(),
+            Some(name),
+            "the {kind} is in the labelled namespace"
+        );
+    }
+    let labels = &namespace["metadata"]["labels"];
+    assert_eq!(
+        labels["pod-security.kubernetes.io/enforce"].as_str(),
+        Some("privileged"),
+        "{labels:?}"
+    );
+    // What needs it: the pod asks for what `baseline` refuses.
+    let spec = &manifest("DaemonSet")["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"].as_bool(), Some(true));
+    let added = strings(&spec["containers"][0]["securityContext"]["capabilities"]["add"]);
+    assert!(added.iter().any(|c| c == "BPF"), "{added:?}");
+}

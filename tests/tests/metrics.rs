@@ -131,6 +131,19 @@ fn a_real_prometheus_counts_the_reads_the_client_sent() {
     );
     let (ok, said) = promtool_check(&text.body);
     assert!(ok, "promtool check metrics: {said}\n{}", text.body);
+    // Which build answers: the version and commit `status --json` gives.
+    let build = &status_json(&tb)["build"];
+    let build_info = format!(
+        "selector_build_info{{version={},commit={}}} 1\n",
+        build["version"], build["commit"]
+    );
+    assert!(
+        text.body.contains(&build_info),
+        "{build_info}\n{}",
+        text.body
+    );
+    let scraped = prometheus.query(&tb.client, "selector_build_info").unwrap();
+    assert_eq!(scraped, Some(1.0), "scraped by Prometheus");
     let openmetrics = get(
         &tb,
         "/metrics",

@@ -157,6 +157,9 @@ fn redirects_go_straight_to_the_next_hop_and_follow_its_change() {
             &group,
             "--threshold",
             "1",
+            // Every redirect to replica 1, whose address changes below.
+            "--tie-break",
+            "first",
             "--quiet",
         ],
     );

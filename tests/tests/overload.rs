@@ -18,7 +18,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use selector_common::{Descriptor, OnOverload, Policy};
+use selector_common::{Descriptor, OnOverload, Policy, TieBreak};
 use selector_testbed::{
     Testbed,
     agent::{Settled, SweptSelector},
@@ -285,6 +285,8 @@ fn dns_testbed(prefix: &str) -> (Testbed, Vec<Nsd>) {
 fn dns_settings(ingress: IngressMode, timeout: Duration) -> Settings {
     Settings {
         descriptor: Descriptor::dns(),
+        // A query leaving the primary goes to the first replica.
+        tie_break: TieBreak::First,
         timeout,
         ingress,
         ..Settings::new(

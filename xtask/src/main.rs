@@ -4,6 +4,7 @@
 //! fresh machine and installs that toolchain before anything else builds.
 
 mod kernels;
+mod packages;
 mod setup;
 
 use std::process::Command;

@@ -1,13 +1,13 @@
 //! Idempotent setup: each step checks first and says what it does.
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
 };
 
 use anyhow::{Result, bail};
 
-use crate::run;
+use crate::{packages, run};
 
 /// bpf-linker must be built against the LLVM that nightly rustc uses.
 const BPF_LINKER_VERSION: &str = "0.13";
@@ -82,9 +82,7 @@ pub fn setup() -> Result<()> {
 }
 
 fn debian_packages() -> Result<()> {
-    install_missing(PACKAGES, "the tests, demo and benchmark")?;
-    // The packages' services are not wanted running on the host.
-    Ok(())
+    install_missing(PACKAGES, "the tests, demo and benchmark")
 }
 
 /// Installs those of `packages` that are missing, saying what and why.
@@ -102,19 +100,11 @@ pub fn install_missing(packages: &[&str], why: &str) -> Result<()> {
         return Ok(());
     }
     eprintln!(
-        "setup: installing Debian packages for {why}: {}",
+        "setup: will install {} Debian packages for {why}, their services kept from starting: {}",
+        missing.len(),
         missing.join(" ")
     );
-    run(Command::new("apt-get").args(["update", "-qq"]))?;
-    run(Command::new("apt-get")
-        .env("DEBIAN_FRONTEND", "noninteractive")
-        .args(["install", "-y", "-qq", "--no-install-recommends"])
-        .args(&missing))?;
-    let _ = Command::new("pkill").args(["-x", "memcached"]).status();
-    let _ = Command::new("pkill").args(["-x", "nginx"]).status();
-    let _ = Command::new("pkill").args(["-x", "nsd"]).status();
-    let _ = Command::new("pkill").args(["-x", "prometheus"]).status();
-    Ok(())
+    packages::install(Path::new("/"), &missing, run)
 }
 
 fn rust_src() -> Result<()> {

@@ -145,6 +145,7 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
         tc_attach: selector.tc_attach.map_or("", |t| t.name()).into(),
         config_reload_success: Some(reloader.record.success()),
         config_reload_timestamp_seconds: Some(reloader.record.timestamp_seconds()),
+        build: crate::build_info::BuildInfo::current(),
     })
 }
 

@@ -1,11 +1,13 @@
 //! The `selector` command line: its clap types, and the control commands
 //! (`status`, `set`, `drain`, `undrain`, `reload`) that talk to a running agent.
 //! `run` is in [`run`] (the loop) and [`run_args`] (its flags); `detach`
-//! in [`detach`].
+//! in [`detach`]; `check` in [`check`].
 
+mod check;
 mod control_server;
 mod detach;
 mod find_agent;
+mod generate;
 mod run;
 mod run_args;
 mod tunables;
@@ -16,7 +18,9 @@ use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use selector_common::{Policy, TieBreak};
 
+pub use check::CheckArgs;
 pub use detach::DetachArgs;
+pub use generate::{CompletionsArgs, ManArgs};
 pub use run::run;
 pub use run_args::RunArgs;
 pub use tunables::{TUNABLE_FLAGS, Tunables};
@@ -29,7 +33,7 @@ use crate::{
 #[derive(Debug, Parser)]
 #[command(
     name = "selector",
-    version,
+    version = crate::build_info::LONG_VERSION,
     about = "Kernel-space replica selector: steers reads away from a stalled replica",
     long_about = "Kernel-space replica selector.\n\n\
         eBPF programs on the client's interface count the requests pending at each \
@@ -61,6 +65,18 @@ pub enum Command {
     Detach(DetachArgs),
     /// Make the running agent re-read its --config file and apply it.
     Reload(ReloadArgs),
+    /// Check a config file and flags exactly as `run` would (syntax, keys,
+    /// values, groups, host names), print one line saying what it would run
+    /// with, and exit; nothing is loaded or attached, and no privileges are
+    /// needed. An error names the file, the line and the key.
+    Check(Box<CheckArgs>),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    #[command(hide = true)]
+    Completions(CompletionsArgs),
+    /// Print the man page of selector, or of a subcommand, in roff
+    /// (`selector man | man -l -`).
+    #[command(hide = true)]
+    Man(ManArgs),
 }
 
 #[derive(Debug, Args)]
@@ -130,7 +146,8 @@ impl From<PolicyArg> for Policy {
 pub enum TieBreakArg {
     /// The first in group order (BookKeeper's first strict minimum).
     First,
-    /// One of them at random, so many clients do not herd onto one replica.
+    /// One of them at random, so many clients do not herd onto one replica
+    /// (the default).
     Random,
 }
 
@@ -168,6 +185,9 @@ impl From<OnOverloadArg> for OnOverload {
 pub fn control(command: Command) -> Result<()> {
     let (iface, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
+        Command::Check(a) => return check::check(&a),
+        Command::Completions(a) => return generate::completions(&a, &mut std::io::stdout()),
+        Command::Man(a) => return generate::man(&a, &mut std::io::stdout()),
         Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.iface, Request::Status, a.json),
         Command::Reload(a) => (a.iface, Request::Reload, false),

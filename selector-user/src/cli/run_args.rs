@@ -391,7 +391,11 @@ mod tests {
         let d = parse(&[]).unwrap();
         assert_eq!(
             (d.budget, d.tie_break),
-            (Duration::from_millis(1), TieBreak::First)
+            (Duration::from_millis(1), TieBreak::Random)
+        );
+        assert_eq!(
+            parse(&["--tie-break", "first"]).unwrap().tie_break,
+            TieBreak::First
         );
         let s = parse(&[
             "--policy",

@@ -56,9 +56,12 @@ pub struct Tunables {
     /// [default: 1].
     #[arg(long, value_name = "MS", value_parser = parse_millis)]
     pub budget: Option<Duration>,
-    /// How the best of several equally loaded replicas is picked: the first
-    /// in group order, or one at random (no herding of many clients)
-    /// [default: first].
+    /// How the best of several equally loaded replicas is picked: `random`,
+    /// one of them at random, so that many client hosts seeing the same idle
+    /// replicas spread out instead of all moving to one; `first`, the first
+    /// in group order, as BookKeeper does (the faithful choice when one
+    /// client is alone, or to keep reads on a preferred replica)
+    /// [default: random].
     #[arg(long, value_enum)]
     pub tie_break: Option<TieBreakArg>,
 }

@@ -34,7 +34,7 @@ use aya::{
     },
 };
 use etherparse::PacketBuilder;
-use selector_common::{Endpoint, InflightKey, names, programs};
+use selector_common::{Endpoint, InflightKey, TieBreak, names, programs};
 use selector_user::{Selector, Settings, sys};
 
 use crate::{memcached::frame, netns::Namespace};
@@ -551,6 +551,9 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         // Sized for the large fill: the measured requests then find a table
         // about a quarter full, where a probe window is rarely full.
         inflight_max: o.inflight_large,
+        // The replies are built from the replica `first` picks (and the
+        // costs in BENCHMARKS.md were measured with it).
+        tie_break: TieBreak::First,
         ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
     };
     // Two copies of the programs and maps, one per table size.

@@ -1,0 +1,145 @@
+//! `selector check`: the config file and flags checked exactly as `run`
+//! checks them ([`RunArgs::run_config`]), and nothing loaded or attached.
+
+use anyhow::Result;
+use clap::Args;
+
+use super::RunArgs;
+use crate::{config::RunConfig, control::SettingsInForce};
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Also check this host as `run` would before it attaches: the kernel
+    /// version, the capabilities, and that the interface exists with an
+    /// address of each family the groups use.
+    #[arg(long)]
+    pub host: bool,
+}
+
+/// Checks, and prints one line saying what `run` would run with.
+pub fn check(args: &CheckArgs) -> Result<()> {
+    let config = args.run.run_config()?;
+    if args.host {
+        crate::preflight::check_host()?;
+        config.settings.check_interface()?;
+    }
+    let what = match &args.run.config {
+        Some(path) => path.display().to_string(),
+        None => "the flags".into(),
+    };
+    let host = if args.host { " (and this host)" } else { "" };
+    println!("{what}: valid{host}: {}", summary(&config));
+    Ok(())
+}
+
+/// `iface eth0, 2 groups, 5 backends, policy threshold threshold 4 ...`.
+fn summary(config: &RunConfig) -> String {
+    let s = &config.settings;
+    let backends: usize = s.groups.iter().map(Vec::len).sum();
+    let in_force = SettingsInForce::from(s);
+    format!(
+        "iface {}, {} groups, {backends} backends, {}, proto {}, timeout {} ms, {} ingress",
+        s.iface,
+        s.groups.len(),
+        in_force.tunables(),
+        in_force.proto,
+        in_force.timeout_ms,
+        in_force.ingress,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use clap::Parser as _;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    /// A file in a fresh temporary directory, removed on drop.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn new(name: &str, text: &str) -> Self {
+            let dir = std::env::temp_dir().join(format!("selector-check-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn check_args(args: &[&str]) -> CheckArgs {
+        let mut argv = vec!["selector", "check"];
+        argv.extend_from_slice(args);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Check(args) => *args,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    const GOOD: &str = "iface = \"eth9\"\npolicy = \"absolute\"\nthreshold = 3\n\n\
+        [[group]]\nmembers = [\"10.0.0.1:11211\", \"10.0.0.2:11211\"]\n\n\
+        [[group]]\nmembers = [\"[fd00::1]:53\", \"[fd00::2]:53\", \"[fd00::3]:53\"]\n";
+
+    #[test]
+    fn a_good_file_is_summed_up_and_bad_ones_name_their_line() {
+        let good = TempFile::new("good.toml", GOOD);
+        let args = check_args(&["--config", good.0.to_str().unwrap()]);
+        let config = args.run.run_config().unwrap();
+        let line = summary(&config);
+        assert!(
+            line.starts_with("iface eth9, 2 groups, 5 backends, policy absolute threshold 3 "),
+            "{line}"
+        );
+        assert!(
+            line.ends_with(", proto memcached, timeout 1000 ms, auto ingress"),
+            "{line}"
+        );
+        // The interface need not exist here: only --host looks at the host.
+        check(&args).unwrap();
+        // A flag over the file, as with run.
+        let args = check_args(&["--config", good.0.to_str().unwrap(), "--threshold", "0"]);
+        assert!(
+            check(&args)
+                .unwrap_err()
+                .to_string()
+                .contains("--threshold")
+        );
+
+        let bad_value = TempFile::new(
+            "bad-value.toml",
+            &GOOD.replace("threshold = 3", "threshold = 0"),
+        );
+        let err = check(&check_args(&["--config", bad_value.0.to_str().unwrap()]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(&format!("{}:3: threshold", bad_value.0.display())),
+            "{err}"
+        );
+        let unknown = TempFile::new(
+            "unknown.toml",
+            &GOOD.replace("threshold = 3", "threshold = 3\ncolour = \"blue\""),
+        );
+        let err = check(&check_args(&["--config", unknown.0.to_str().unwrap()]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(&format!(
+                "{}:4:1: colour: unknown field",
+                unknown.0.display()
+            )),
+            "{err}"
+        );
+    }
+}
