@@ -281,12 +281,16 @@ impl Descriptor {
 impl Descriptor {
     /// Whether the request expects no reply, so nothing would complete it.
     /// `word_at(i)`: the 8 payload bytes from `i`, when all 8 are in the
-    /// datagram; `byte_at` reads the last few.
+    /// datagram; `byte_at` reads the last few. `merge` returns its argument;
+    /// the kernel passes it through memory the verifier does not track, so
+    /// the scan's many ways out continue as one state (see
+    /// [`first_line_end`]).
     #[inline(always)]
     pub fn expects_no_reply(
         &self,
         byte_at: impl Fn(usize) -> Option<u8>,
         word_at: impl Fn(usize) -> Option<[u8; 8]>,
+        merge: impl Fn(usize) -> usize,
     ) -> bool {
         let len = self.no_reply_len as usize;
         if len == 0 || len > MAX_NO_REPLY_LEN as usize {
@@ -295,7 +299,7 @@ impl Descriptor {
         let base = (self.no_reply_offset % MAX_DESCRIPTOR_SPAN) as usize;
         match self.no_reply_kind {
             NO_REPLY_PREFIX => self.marker_at(&byte_at, base, len),
-            NO_REPLY_LINE_END => match first_line_end(&byte_at, word_at, base) {
+            NO_REPLY_LINE_END => match first_line_end(&byte_at, word_at, base, merge) {
                 // The first line ends with ` MARKER`.
                 Some(end) => {
                     end > base + len
@@ -339,33 +343,52 @@ impl Descriptor {
 }
 
 /// Offset of the first CR or LF at or after `from`, within the descriptor
-/// span and the datagram. Eight bytes a step: a byte-by-byte scan of the
-/// span is more branches than Linux 6.1's verifier walks ("the sequence of
-/// 8193 jumps is too complex").
+/// span and the datagram. Eight bytes a step, and whichever step the scan
+/// leaves at, it goes on through `merge` (identity) as one value: a
+/// byte-by-byte scan, or a verifier state per way out of it, is more than
+/// Linux 6.1's verifier walks ("the sequence of 8193 jumps is too
+/// complex", or a million instructions).
 #[inline(always)]
 pub fn first_line_end(
     byte_at: &impl Fn(usize) -> Option<u8>,
     word_at: impl Fn(usize) -> Option<[u8; 8]>,
     from: usize,
+    merge: impl Fn(usize) -> usize,
 ) -> Option<usize> {
+    const SPAN: usize = MAX_DESCRIPTOR_SPAN as usize;
+    /// Set on a found line end; clear: where the whole words ended.
+    const FOUND: usize = 2 * SPAN;
     let mut i = from;
-    while i < MAX_DESCRIPTOR_SPAN as usize {
+    let mut at = None;
+    while i + 8 <= SPAN {
         let Some(word) = word_at(i) else {
-            // Fewer than 8 bytes left in the datagram.
-            let mut j = 0;
-            while j < 8 {
-                match byte_at(i + j)? {
-                    b'\r' | b'\n' => return Some(i + j),
-                    _ => {}
-                }
-                j += 1;
-            }
-            return None;
+            break;
         };
-        if let Some(at) = first_crlf_in(word) {
-            return Some(i + at);
+        if let Some(k) = first_crlf_in(word) {
+            at = Some(i + k);
+            break;
         }
         i += 8;
+    }
+    let merged = merge(match at {
+        Some(end) => FOUND | end,
+        None => i,
+    });
+    if merged & FOUND != 0 {
+        return Some(merged % SPAN);
+    }
+    // Fewer than 8 bytes left in the datagram or the span.
+    let i = merged % FOUND;
+    let mut j = 0;
+    while j < 8 {
+        if i + j >= SPAN {
+            return None;
+        }
+        match byte_at(i + j)? {
+            b'\r' | b'\n' => return Some(i + j),
+            _ => {}
+        }
+        j += 1;
     }
     None
 }
@@ -404,7 +427,7 @@ mod tests {
     }
 
     fn no_reply(d: &Descriptor, payload: &[u8]) -> bool {
-        d.expects_no_reply(reader(payload), words(payload))
+        d.expects_no_reply(reader(payload), words(payload), |x| x)
     }
 
     #[test]
@@ -441,7 +464,7 @@ mod tests {
                 for from in 0..10 {
                     let naive = (from..p.len()).find(|&i| p[i] == b'\r' || p[i] == b'\n');
                     assert_eq!(
-                        first_line_end(&reader(&p), words(&p), from),
+                        first_line_end(&reader(&p), words(&p), from, |x| x),
                         naive,
                         "len {len} end {end} from {from}"
                     );
@@ -451,7 +474,7 @@ mod tests {
         // Not past the span.
         let mut long = vec![b'x'; MAX_DESCRIPTOR_SPAN as usize + 8];
         long[MAX_DESCRIPTOR_SPAN as usize + 2] = b'\n';
-        assert_eq!(first_line_end(&reader(&long), words(&long), 0), None);
+        assert_eq!(first_line_end(&reader(&long), words(&long), 0, |x| x), None);
     }
 
     const MC_GET: &[u8] = b"\x12\x34\x00\x00\x00\x01\x00\x00get foo\r\n";

@@ -326,7 +326,10 @@ pub fn admit(
     load: &GroupLoad,
 ) -> Admission {
     let cap = u64::from(max_pending);
-    if cap == 0 || chosen >= MAX_GROUP_MEMBERS || load.pending[chosen] < cap {
+    // Indexes masked after the check too: Linux 6.1's verifier refuses a
+    // variable stack offset it cannot bound below ("math between fp
+    // pointer and register with unbounded min value").
+    if cap == 0 || chosen >= MAX_GROUP_MEMBERS || load.pending[chosen % MAX_GROUP_MEMBERS] < cap {
         return Admission::Send(chosen);
     }
     if may_move

@@ -91,7 +91,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     }
     accounting::count(primary, |s| &mut s.requests);
     let word = |i| dgram.payload_word(ctx, i);
-    if !is_read && config.descriptor.expects_no_reply(byte, word) {
+    if !is_read && config.descriptor.expects_no_reply(byte, word, merge) {
         // Nothing will ever complete it: not pending, not steered.
         accounting::count(primary, |s| &mut s.no_reply);
         return Ok(TC_CONTINUE);
@@ -251,6 +251,21 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
         },
         best: best.map(|(pos, _)| pos),
     })
+}
+
+/// `value`, through memory the verifier does not track: every path that
+/// reaches here continues as one state (0 if the map is missing, which it
+/// never is).
+#[inline(always)]
+fn merge(value: usize) -> usize {
+    let Some(slot) = SCRATCH.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: a per-CPU slot of this map, not shared while the program runs.
+    unsafe {
+        core::ptr::write_volatile(slot, [value as u64, 0]);
+        core::ptr::read_volatile(slot)[0] as usize
+    }
 }
 
 /// Writes `proposal` to per-CPU map memory and reads it back. The kernel

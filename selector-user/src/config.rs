@@ -704,10 +704,11 @@ members = ["10.0.0.3:1"]
         assert_eq!(s.protocol(), Protocol::Custom);
         assert_eq!((s.descriptor.id_offset, s.descriptor.id_len), (4, 2));
         assert_eq!(&s.descriptor.prefix[..3], b"GET");
-        assert!(
-            s.descriptor
-                .expects_no_reply(|i| b"\0\0\0\0\0\0N!".get(i).copied(), |_| None)
-        );
+        assert!(s.descriptor.expects_no_reply(
+            |i| b"\0\0\0\0\0\0N!".get(i).copied(),
+            |_| None,
+            |x| x
+        ));
         assert_eq!(s.timeout, Duration::from_millis(250));
         assert_eq!(s.grace, Duration::from_millis(400));
         assert_eq!((s.mark, s.inflight_max), (0x10, 1024));

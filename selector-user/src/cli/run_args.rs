@@ -304,8 +304,8 @@ mod tests {
         let mut args = custom.to_vec();
         args.extend(["--no-reply-marker", "N!", "--no-reply-offset", "4"]);
         let d = parse(&args).unwrap().descriptor;
-        assert!(d.expects_no_reply(|i| b"\0\0\0\x01N!".get(i).copied(), |_| None));
-        assert!(!d.expects_no_reply(|i| b"\0\0\0\x01R?".get(i).copied(), |_| None));
+        assert!(d.expects_no_reply(|i| b"\0\0\0\x01N!".get(i).copied(), |_| None, |x| x));
+        assert!(!d.expects_no_reply(|i| b"\0\0\0\x01R?".get(i).copied(), |_| None, |x| x));
         let mut too_long = custom.to_vec();
         too_long.extend(["--no-reply-marker", "123456789"]);
         assert!(parse_err(&too_long).contains("no-reply marker"));
