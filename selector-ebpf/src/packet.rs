@@ -56,9 +56,14 @@ impl Packet for TcContext {
     fn data(&self) -> usize {
         TcContext::data(self)
     }
+    /// The verifier takes a ctx field only at a constant offset from the
+    /// ctx pointer itself; left alone, the compiler keeps `skb + 80` in a
+    /// register across reads ("dereference of modified ctx ptr"). An
+    /// opaque copy of the pointer for each read keeps the offset in the load.
     #[inline(always)]
     fn data_end(&self) -> usize {
-        TcContext::data_end(self)
+        let skb = core::hint::black_box(self.skb.skb);
+        unsafe { (*skb).data_end as usize }
     }
     #[inline(always)]
     fn frame_len(&self) -> usize {
@@ -109,7 +114,7 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
 /// the rest of the payload may stay in page fragments.
 #[inline(always)]
 pub fn pull_headers(ctx: &TcContext) {
-    let linear = ctx.data_end() - ctx.data();
+    let linear = Packet::data_end(ctx) - ctx.data();
     let len = ctx.frame_len();
     if linear < PARSE_SPAN && len > linear {
         let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
