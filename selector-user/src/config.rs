@@ -253,6 +253,7 @@ impl Options {
                 after: self.hedge_after.unwrap_or(defaults.hedging.after),
                 budget_percent: self.hedge_budget.unwrap_or(defaults.hedging.budget_percent),
             },
+            heartbeat_bound: defaults.heartbeat_bound,
         };
         settings.plan()?;
         Ok(RunConfig {

@@ -113,6 +113,9 @@ pub struct Settings {
     pub grace: Duration,
     /// `--hedge-after`, `--hedge-budget`.
     pub hedging: crate::hedging::HedgeSettings,
+    /// How old the agent's heartbeat may get before the programs take it
+    /// for gone and move no read (`Config::agent_alive`); zero: never.
+    pub heartbeat_bound: Duration,
 }
 
 /// What a validation error is about, so that a caller can point at where
@@ -198,6 +201,10 @@ impl Settings {
             mark: MARK_REDIRECTED,
             grace: timeout,
             hedging: Default::default(),
+            // Off here, unlike `selector run`'s default: only an agent that
+            // sweeps on a schedule keeps a heartbeat, and a `Selector`
+            // driven by hand (tests, benchmarks) may not sweep at all.
+            heartbeat_bound: Duration::ZERO,
         }
     }
 
@@ -237,6 +244,9 @@ impl Settings {
         }
         check_millis("timeout", self.timeout)?;
         check_millis("grace", self.grace)?;
+        if !self.heartbeat_bound.is_zero() {
+            check_millis("heartbeat-bound", self.heartbeat_bound)?;
+        }
         if self.inflight_max == 0 || self.inflight_max > selector_common::MAX_INFLIGHT_MAX {
             return invalid(
                 SettingKey::Flag("inflight-max"),
