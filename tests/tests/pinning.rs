@@ -165,13 +165,20 @@ fn sum(status: &Status, f: impl Fn(&selector_user::telemetry::BackendTotals) -> 
 }
 
 /// SIGKILL of a pinned agent under load with the primary stalling, then a
-/// new agent with the same DIR: the kernel steers on while no agent runs,
+/// new agent with the same DIR: the kernel steers on while no agent runs
+/// (within the heartbeat bound),
 /// the new agent adopts the maps and links, and nothing is lost.
 #[test]
 fn agent_killed_and_restarted_with_pins_loses_nothing() {
     let tb = testbed("pk");
     let bpffs = Bpffs::mount();
-    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    // The programs steer without an agent only within the heartbeat bound
+    // (see the heartbeat test below): one well past the restart.
+    let args = run_args(
+        &tb.group_arg(),
+        &bpffs.arg(),
+        &["--heartbeat-bound", "5000"],
+    );
     let (mut first, line) = spawn(&tb, &args);
     assert!(line.contains("pinned under"), "{line}");
 
