@@ -202,7 +202,12 @@ pub enum Reply {
 ///      "service_ns": 250000}       recent time per completed request (the
 ///                                  latency policy's); null until measured
 ///   ],
-///   "hedges": {...}                the hedge fields above, summed (delay null)
+///   "hedges": {...},               the hedge fields above, summed (delay null)
+///   "heartbeat": {                 the agent's heartbeat, as the programs see it
+///     "bound_ms": 1000,            --heartbeat-bound; 0 = never stale
+///     "age_ms": 120,               since the last sweep wrote it
+///     "fresh": true                false: the programs move no read
+///   }
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -218,6 +223,20 @@ pub struct Status {
     /// Hedging totals over all backends.
     #[serde(default)]
     pub hedges: crate::hedging::HedgeCounts,
+    /// The agent's heartbeat as the kernel programs see it.
+    #[serde(default)]
+    pub heartbeat: Heartbeat,
+}
+
+/// The heartbeat part of [`Status`] (see `selector_common::Config::agent_alive`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// `--heartbeat-bound`; 0: the programs never take the agent for gone.
+    pub bound_ms: u64,
+    /// Since the last sweep wrote it.
+    pub age_ms: u64,
+    /// Within the bound: the programs steer (false: they move no read).
+    pub fresh: bool,
 }
 
 /// The settings part of [`Status`].
@@ -305,6 +324,13 @@ impl Status {
             s.mark,
             s.ingress,
         );
+        let h = &self.heartbeat;
+        if h.bound_ms != 0 && !h.fresh {
+            out += &format!(
+                "heartbeat stale: {} ms old, bound {} ms: the programs move no read\n",
+                h.age_ms, h.bound_ms
+            );
+        }
         out += &telemetry::render_summary(&self.backends);
         out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
         if s.hedge_after != crate::hedging::HedgeAfter::Off || self.hedges.hedges_sent > 0 {
@@ -543,6 +569,11 @@ mod tests {
                 service_ns: Some(250_000),
             }],
             hedges: Default::default(),
+            heartbeat: Heartbeat {
+                bound_ms: 1000,
+                age_ms: 120,
+                fresh: true,
+            },
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -554,6 +585,8 @@ mod tests {
         let json: serde_json::Value = serde_json::to_value(&status).unwrap();
         assert_eq!(json["settings"]["on_overload"], "pass");
         assert_eq!(json["settings"]["mark"], 0x0100_0000);
+        assert_eq!(json["heartbeat"]["fresh"], true);
+        assert_eq!(json["heartbeat"]["bound_ms"], 1000);
         assert_eq!(json["backends"][0]["backend"], "10.0.0.2:11211");
         assert!(json["backends"][0]["p99_ns"].is_null());
         assert_eq!(json["backends"][0]["tail_blame"], 1.0);

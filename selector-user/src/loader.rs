@@ -535,6 +535,29 @@ impl Selector {
             .store(ns, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// The heartbeat as the programs see it now.
+    pub fn heartbeat_state(&self) -> crate::control::Heartbeat {
+        // SAFETY: fields of the live mapped element, 8-byte aligned.
+        let (beat, bound) = unsafe {
+            let c = self.config.ptr(0);
+            (
+                load(&raw mut (*c).heartbeat_ns),
+                load(&raw mut (*c).heartbeat_bound_ns),
+            )
+        };
+        let config = Config {
+            heartbeat_ns: beat,
+            heartbeat_bound_ns: bound,
+            ..Config::default()
+        };
+        let now = crate::sys::monotonic_ns();
+        crate::control::Heartbeat {
+            bound_ms: bound / 1_000_000,
+            age_ms: now.saturating_sub(beat) / 1_000_000,
+            fresh: config.agent_alive(now),
+        }
+    }
+
     /// Changes policy and threshold while running.
     pub fn set_policy(&mut self, policy: Policy, threshold: u32) -> Result<()> {
         self.settings.policy = policy;

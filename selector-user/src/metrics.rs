@@ -468,6 +468,20 @@ impl Collector for StatusCollector {
             MetricType::Gauge,
         )?;
         ConstGauge::new(status.in_flight as u64).encode(family)?;
+        let family = e.encode_descriptor(
+            "selector_heartbeat_fresh",
+            "1 while the agent's heartbeat is within --heartbeat-bound (the kernel programs steer), 0 once stale (they move no read).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(u64::from(status.heartbeat.fresh)).encode(family)?;
+        let family = e.encode_descriptor(
+            "selector_heartbeat_age",
+            "Time since the agent's last sweep wrote its heartbeat.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(status.heartbeat.age_ms as f64 / 1e3).encode(family)?;
         let mut family = e.encode_descriptor(
             "selector_passed",
             "Packets passed untouched, by direction and reason.",
@@ -604,6 +618,11 @@ mod tests {
             }),
             drained: vec![replica],
             hedges: Default::default(),
+            heartbeat: crate::control::Heartbeat {
+                bound_ms: 1000,
+                age_ms: 250,
+                fresh: true,
+            },
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),
@@ -716,6 +735,8 @@ mod tests {
         assert!(!text.contains(r#"selector_tail_blame_ratio{backend="10.0.0.2:11211""#));
         assert_eq!(sample(&text, "selector_interval_p99_seconds"), 0.025);
         assert_eq!(sample(&text, "selector_in_flight"), 3.0);
+        assert_eq!(sample(&text, "selector_heartbeat_fresh"), 1.0);
+        assert_eq!(sample(&text, "selector_heartbeat_age_seconds"), 0.25);
         assert_eq!(
             sample(
                 &text,

@@ -135,6 +135,7 @@ fn status(selector: &Selector, tails: &TailHistory) -> Result<Status> {
         passed: telemetry::passed_counts(&now.passed),
         backends: telemetry::totals(&selector.backends, &now, tails),
         hedges: crate::hedging::total(&now.hedges),
+        heartbeat: selector.heartbeat_state(),
     })
 }
 
