@@ -443,6 +443,29 @@ pub struct Config {
     /// at which a read leaves its primary.
     pub budget_us: u32,
     pub descriptor: crate::Descriptor,
+    /// CLOCK_MONOTONIC ns (`bpf_ktime_get_ns`) of the agent's last sweep:
+    /// its heartbeat. Written alone, through mmap, by every sweep.
+    pub heartbeat_ns: u64,
+    /// Heartbeat age beyond which the programs take the agent for gone
+    /// (0: never): see [`Config::agent_alive`].
+    pub heartbeat_bound_ns: u64,
+}
+
+impl Config {
+    /// Whether the agent's heartbeat is recent enough, at `now_ns`, for the
+    /// programs to act on the pending counts. Only the agent's sweep
+    /// expires lost requests: with no agent their counts stay forever, and
+    /// a member with a few lost reads would look loaded for good. So when
+    /// this is false the programs fail open: reads go where the
+    /// application sent them (no move, no overload bound, no hedge), still
+    /// tracked and counted, and replies to reads moved earlier are still
+    /// rewritten. A heartbeat ahead of `now_ns` (written between the
+    /// program's clock read and its load) is fresh.
+    #[inline(always)]
+    pub fn agent_alive(&self, now_ns: u64) -> bool {
+        self.heartbeat_bound_ns == 0
+            || now_ns.saturating_sub(self.heartbeat_ns) <= self.heartbeat_bound_ns
+    }
 }
 
 #[cfg(feature = "user")]
@@ -472,7 +495,33 @@ mod tests {
         assert_eq!(size_of::<GroupCounters>(), 192);
         assert_eq!(size_of::<InflightKey>(), 32);
         assert_eq!(size_of::<GroupService>(), 128);
-        assert_eq!(size_of::<Config>(), 40 + size_of::<crate::Descriptor>());
+        // The heartbeat words 8-byte aligned after the descriptor, and the
+        // whole a multiple of 8 (the agent maps the value).
+        assert_eq!(size_of::<crate::Descriptor>(), 40);
+        assert_eq!(size_of::<Config>(), 40 + 40 + 16);
+        assert_eq!(core::mem::offset_of!(Config, heartbeat_ns), 80);
+    }
+
+    #[test]
+    fn the_agent_is_alive_while_its_heartbeat_is_within_the_bound() {
+        let s = 1_000_000_000;
+        let config = |heartbeat_ns, heartbeat_bound_ns| Config {
+            heartbeat_ns,
+            heartbeat_bound_ns,
+            ..Config::default()
+        };
+        let c = config(100 * s, s);
+        assert!(c.agent_alive(100 * s));
+        assert!(c.agent_alive(101 * s), "at the bound");
+        assert!(!c.agent_alive(101 * s + 1), "past it");
+        assert!(!c.agent_alive(u64::MAX));
+        // Written after the program read its clock: not stale.
+        assert!(c.agent_alive(99 * s));
+        // Bound 0: never taken for gone, whatever the heartbeat.
+        assert!(config(0, 0).agent_alive(u64::MAX));
+        assert!(config(100 * s, 0).agent_alive(1000 * s));
+        // Never written, bound set: stale once the clock passes the bound.
+        assert!(!config(0, s).agent_alive(100 * s));
     }
 
     #[test]

@@ -97,8 +97,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         return Ok(TC_CONTINUE);
     }
     let mut chosen_pos = primary_pos;
-    // Only reads are steered or bounded: a write goes where it was sent.
-    if is_read {
+    // Only reads are steered or bounded, and only while the agent is there
+    // to expire lost ones (`Config::agent_alive`): a write, or any read
+    // once the agent is gone, goes where it was sent.
+    let steerable = is_read && config.agent_alive(unsafe { bpf_ktime_get_ns() });
+    if steerable {
         let load = accounting::group_load(group).ok_or(())?;
         let may_move = config.steering_off == 0;
         if may_move {
@@ -143,9 +146,13 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     accounting::add_issued(chosen);
     accounting::client_add(hashes.client_slot, true);
     let sent_ns = unsafe { bpf_ktime_get_ns() };
-    // Only a read may be hedged; the event goes out before the slot is
-    // live, and the agent acts on it only after the hedge delay.
-    let hedge = if is_read {
+    // Only a read may be hedged, and not with the agent gone (nothing
+    // would send the copy). Asked again with this clock rather than kept
+    // from above: a bool live across the insert cost the verifier 15,000
+    // more instructions, and either answer is right while the agent comes
+    // or goes. The event goes out before the slot is live, and the agent
+    // acts on it only after the hedge delay.
+    let hedge = if is_read && config.agent_alive(sent_ns) {
         hedge::offer(ctx, &dgram, &slot, primary, chosen, sent_ns)
     } else {
         0

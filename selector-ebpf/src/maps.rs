@@ -27,8 +27,10 @@ use crate::rewrite::Target;
 /// instructions on the same memory.
 const BPF_F_MMAPABLE: u32 = 1 << 10;
 
+/// Mapped by the agent, which writes its heartbeat word alone on every
+/// sweep (the rest of the value only through map updates).
 #[map]
-pub static CONFIG: Array<Config> = Array::with_max_entries(1, 0);
+pub static CONFIG: Array<Config> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 
 /// Backend endpoint -> backend id (`group * 8 + position`).
 #[map]

@@ -56,6 +56,10 @@ impl Packet for TcContext {
     fn data(&self) -> usize {
         unsafe { (*skb(self)).data as usize }
     }
+    /// The verifier takes a ctx field only at a constant offset from the
+    /// ctx pointer itself; left alone, the compiler keeps `skb + 80` in a
+    /// register across reads ("dereference of modified ctx ptr"). An
+    /// opaque copy of the pointer for each read keeps the offset in the load.
     #[inline(always)]
     fn data_end(&self) -> usize {
         unsafe { (*skb(self)).data_end as usize }
@@ -118,7 +122,7 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
 /// the rest of the payload may stay in page fragments.
 #[inline(always)]
 pub fn pull_headers(ctx: &TcContext) {
-    let linear = ctx.data_end() - ctx.data();
+    let linear = Packet::data_end(ctx) - ctx.data();
     let len = ctx.frame_len();
     if linear < PARSE_SPAN && len > linear {
         let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };

@@ -30,7 +30,7 @@ use crate::{
     hedging::{HedgeAfter, HedgeSettings},
     settings::{
         DEFAULT_BUDGET, DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol,
-        SettingKey, Settings, invalid, millis,
+        SettingKey, Settings, default_heartbeat_bound, invalid, millis,
     },
 };
 
@@ -76,6 +76,8 @@ pub struct Options {
     pub timeout: Option<u64>,
     /// Milliseconds.
     pub grace: Option<u64>,
+    /// Milliseconds; 0: off.
+    pub heartbeat_bound: Option<u64>,
     pub mark: Option<u32>,
     pub inflight_max: Option<u32>,
     /// Milliseconds.
@@ -159,6 +161,7 @@ impl Options {
             no_reply_offset: self.no_reply_offset.or(file.no_reply_offset),
             timeout: self.timeout.or(file.timeout),
             grace: self.grace.or(file.grace),
+            heartbeat_bound: self.heartbeat_bound.or(file.heartbeat_bound),
             mark: self.mark.or(file.mark),
             inflight_max: self.inflight_max.or(file.inflight_max),
             interval: self.interval.or(file.interval),
@@ -220,6 +223,7 @@ impl Options {
             groups.push(members);
         }
         let timeout = Duration::from_millis(self.timeout.unwrap_or(DEFAULT_TIMEOUT_MS));
+        let interval_in_force = Duration::from_millis(interval);
         let budget = match self.budget {
             None => DEFAULT_BUDGET,
             Some(ms) => match millis(ms) {
@@ -253,12 +257,16 @@ impl Options {
                 after: self.hedge_after.unwrap_or(defaults.hedging.after),
                 budget_percent: self.hedge_budget.unwrap_or(defaults.hedging.budget_percent),
             },
+            heartbeat_bound: self.heartbeat_bound.map_or_else(
+                || default_heartbeat_bound(interval_in_force, timeout),
+                Duration::from_millis,
+            ),
         };
         settings.plan()?;
         Ok(RunConfig {
             settings,
             group_names: specs.iter().map(|s| s.name.clone()).collect(),
-            interval: Duration::from_millis(interval),
+            interval: interval_in_force,
             duration: self.duration,
             quiet: self.quiet.unwrap_or(false),
             pin: self.pin.clone(),

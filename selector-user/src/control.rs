@@ -212,6 +212,11 @@ pub enum Reply {
 ///   "build": {"version": "0.1.0", "commit": "8ab3247"}
 ///                                  the agent's; commit `-dirty` if built
 ///                                  from changed sources, `unknown` without git
+///   "heartbeat": {                 the agent's heartbeat, as the programs see it
+///     "bound_ms": 1000,            --heartbeat-bound; 0 = never stale
+///     "age_ms": 120,               since the last sweep wrote it
+///     "fresh": true                false: the programs move no read
+///   }
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -242,6 +247,20 @@ pub struct Status {
     /// The agent's version and git commit (empty from an agent too old to say).
     #[serde(default)]
     pub build: crate::build_info::BuildInfo,
+    /// The agent's heartbeat as the kernel programs see it.
+    #[serde(default)]
+    pub heartbeat: Heartbeat,
+}
+
+/// The heartbeat part of [`Status`] (see `selector_common::Config::agent_alive`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    /// `--heartbeat-bound`; 0: the programs never take the agent for gone.
+    pub bound_ms: u64,
+    /// Since the last sweep wrote it.
+    pub age_ms: u64,
+    /// Within the bound: the programs steer (false: they move no read).
+    pub fresh: bool,
 }
 
 /// The settings part of [`Status`].
@@ -330,6 +349,13 @@ impl Status {
             s.ingress,
             self.tc_attach,
         );
+        let h = &self.heartbeat;
+        if h.bound_ms != 0 && !h.fresh {
+            out += &format!(
+                "heartbeat stale: {} ms old, bound {} ms: the programs move no read\n",
+                h.age_ms, h.bound_ms
+            );
+        }
         out += &telemetry::render_summary(&self.backends);
         out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
         if s.hedge_after != crate::hedging::HedgeAfter::Off || self.hedges.hedges_sent > 0 {
@@ -578,6 +604,11 @@ mod tests {
                 version: "0.1.0".into(),
                 commit: "8ab3247-dirty".into(),
             },
+            heartbeat: Heartbeat {
+                bound_ms: 1000,
+                age_ms: 120,
+                fresh: true,
+            },
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -589,6 +620,8 @@ mod tests {
         let json: serde_json::Value = serde_json::to_value(&status).unwrap();
         assert_eq!(json["settings"]["on_overload"], "pass");
         assert_eq!(json["settings"]["mark"], 0x0100_0000);
+        assert_eq!(json["heartbeat"]["fresh"], true);
+        assert_eq!(json["heartbeat"]["bound_ms"], 1000);
         assert_eq!(json["backends"][0]["backend"], "10.0.0.2:11211");
         assert!(json["backends"][0]["p99_ns"].is_null());
         assert_eq!(json["backends"][0]["tail_blame"], 1.0);

@@ -29,7 +29,7 @@ use crate::{
     EBPF_OBJECT,
     pinning::{self, LinkSlot, PinDir},
     settings::{BackendPlan, IngressMode, Settings},
-    shared::{SharedArray, load},
+    shared::{SharedArray, atomic, load},
     tc_attach::TcAttach,
 };
 
@@ -50,6 +50,8 @@ pub struct Selector {
     pub(crate) clients: SharedArray<u64>,
     /// Service times per group, kept by the kernel.
     pub(crate) service: SharedArray<GroupService>,
+    /// The kernel's config, mapped for the heartbeat word alone.
+    config: SharedArray<Config>,
     /// Shutting down: no new redirects.
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
@@ -349,6 +351,7 @@ impl Selector {
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
+        let config = share(&ebpf, names::CONFIG, 1)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -366,6 +369,7 @@ impl Selector {
             counters,
             clients,
             service,
+            config,
             steering_off: false,
             planted: 0,
             sweep_schedule: Default::default(),
@@ -528,10 +532,48 @@ impl Selector {
             tie_break: s.tie_break as u32,
             budget_us: s.budget_us(),
             descriptor: s.descriptor,
+            heartbeat_ns: crate::sys::monotonic_ns(),
+            heartbeat_bound_ns: s.heartbeat_bound.as_nanos().min(u128::from(u64::MAX)) as u64,
         };
         let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
         config.set(0, value, 0)?;
         Ok(())
+    }
+
+    /// Tells the programs the agent is here (`Config::agent_alive`): the
+    /// heartbeat word alone, an atomic store into the mapped config, so no
+    /// reader sees it torn and nothing else in the value is rewritten.
+    pub fn heartbeat(&self) {
+        self.set_heartbeat(crate::sys::monotonic_ns());
+    }
+
+    pub(crate) fn set_heartbeat(&self, ns: u64) {
+        // SAFETY: a field of the live mapped element, 8-byte aligned.
+        unsafe { atomic(&raw mut (*self.config.ptr(0)).heartbeat_ns) }
+            .store(ns, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The heartbeat as the programs see it now.
+    pub fn heartbeat_state(&self) -> crate::control::Heartbeat {
+        // SAFETY: fields of the live mapped element, 8-byte aligned.
+        let (beat, bound) = unsafe {
+            let c = self.config.ptr(0);
+            (
+                load(&raw mut (*c).heartbeat_ns),
+                load(&raw mut (*c).heartbeat_bound_ns),
+            )
+        };
+        let config = Config {
+            heartbeat_ns: beat,
+            heartbeat_bound_ns: bound,
+            ..Config::default()
+        };
+        let now = crate::sys::monotonic_ns();
+        crate::control::Heartbeat {
+            bound_ms: bound / 1_000_000,
+            age_ms: now.saturating_sub(beat) / 1_000_000,
+            fresh: config.agent_alive(now),
+        }
     }
 
     /// Changes policy and threshold while running.

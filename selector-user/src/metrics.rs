@@ -526,6 +526,20 @@ impl Collector for StatusCollector {
         if let Some(seconds) = status.config_reload_timestamp_seconds {
             ConstGauge::new(seconds).encode(family)?;
         }
+        let family = e.encode_descriptor(
+            "selector_heartbeat_fresh",
+            "1 while the agent's heartbeat is within --heartbeat-bound (the kernel programs steer), 0 once stale (they move no read).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(u64::from(status.heartbeat.fresh)).encode(family)?;
+        let family = e.encode_descriptor(
+            "selector_heartbeat_age",
+            "Time since the agent's last sweep wrote its heartbeat.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(status.heartbeat.age_ms as f64 / 1e3).encode(family)?;
         let mut family = e.encode_descriptor(
             "selector_passed",
             "Packets passed untouched, by direction and reason.",
@@ -669,6 +683,11 @@ mod tests {
                 version: "0.1.0".into(),
                 commit: "8ab3247".into(),
             },
+            heartbeat: crate::control::Heartbeat {
+                bound_ms: 1000,
+                age_ms: 250,
+                fresh: true,
+            },
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),
@@ -781,6 +800,8 @@ mod tests {
         assert!(!text.contains(r#"selector_tail_blame_ratio{backend="10.0.0.2:11211""#));
         assert_eq!(sample(&text, "selector_interval_p99_seconds"), 0.025);
         assert_eq!(sample(&text, "selector_in_flight"), 3.0);
+        assert_eq!(sample(&text, "selector_heartbeat_fresh"), 1.0);
+        assert_eq!(sample(&text, "selector_heartbeat_age_seconds"), 0.25);
         assert_eq!(
             sample(
                 &text,

@@ -80,6 +80,12 @@ impl Selector {
         unsafe { atomic(&raw mut (*c).issued[position]) }.fetch_add(delta as u64, Ordering::SeqCst);
     }
 
+    /// Sets the agent's heartbeat in the kernel's config to `ns`
+    /// (CLOCK_MONOTONIC), as a sweep at that time would have left it.
+    pub fn plant_heartbeat(&self, ns: u64) {
+        self.set_heartbeat(ns);
+    }
+
     /// Sets backend `id`'s service time, as the reply path would have
     /// measured it.
     pub fn plant_service_time(&self, id: u32, service_ns: u64) {

@@ -25,6 +25,32 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 /// budget of a stall wait it out, so the budget sets their share: 1 ms of
 /// a stall every 500 ms is 0.2% of reads, under the p99 (BENCHMARKS.md).
 pub const DEFAULT_BUDGET: Duration = Duration::from_millis(1);
+/// `selector run`'s default heartbeat bound is this many sweep periods...
+pub const HEARTBEAT_SWEEPS: u32 = 4;
+/// ... but at least this: the sweep shares the agent's loop with status
+/// requests, scrapes and reloads, and a busy host can hold it back for a
+/// few hundred ms; steering must not stop while the agent lives.
+pub const MIN_DEFAULT_HEARTBEAT_BOUND: Duration = Duration::from_secs(1);
+/// ... and at most this (issue 20: a gone agent is noticed within 5 s).
+pub const MAX_DEFAULT_HEARTBEAT_BOUND: Duration = Duration::from_secs(5);
+
+/// How often `selector run` sweeps (and so writes its heartbeat): often
+/// enough that an expiry is at most a quarter timeout late and the
+/// heartbeat never older than a quarter of its bound while the agent runs.
+pub fn sweep_period(interval: Duration, timeout: Duration, heartbeat_bound: Duration) -> Duration {
+    let mut period = interval.min(timeout / 4);
+    if !heartbeat_bound.is_zero() {
+        period = period.min(heartbeat_bound / 4);
+    }
+    period.max(Duration::from_millis(1))
+}
+
+/// `--heartbeat-bound` when not given: a few sweep periods, within
+/// [`MIN_DEFAULT_HEARTBEAT_BOUND`] and [`MAX_DEFAULT_HEARTBEAT_BOUND`].
+pub fn default_heartbeat_bound(interval: Duration, timeout: Duration) -> Duration {
+    (sweep_period(interval, timeout, Duration::ZERO) * HEARTBEAT_SWEEPS)
+        .clamp(MIN_DEFAULT_HEARTBEAT_BOUND, MAX_DEFAULT_HEARTBEAT_BOUND)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IngressMode {
@@ -113,6 +139,9 @@ pub struct Settings {
     pub grace: Duration,
     /// `--hedge-after`, `--hedge-budget`.
     pub hedging: crate::hedging::HedgeSettings,
+    /// How old the agent's heartbeat may get before the programs take it
+    /// for gone and move no read (`Config::agent_alive`); zero: never.
+    pub heartbeat_bound: Duration,
 }
 
 /// What a validation error is about, so that a caller can point at where
@@ -200,6 +229,10 @@ impl Settings {
             mark: MARK_REDIRECTED,
             grace: timeout,
             hedging: Default::default(),
+            // Off here, unlike `selector run`'s default: only an agent that
+            // sweeps on a schedule keeps a heartbeat, and a `Selector`
+            // driven by hand (tests, benchmarks) may not sweep at all.
+            heartbeat_bound: Duration::ZERO,
         }
     }
 
@@ -239,6 +272,9 @@ impl Settings {
         }
         check_millis("timeout", self.timeout)?;
         check_millis("grace", self.grace)?;
+        if !self.heartbeat_bound.is_zero() {
+            check_millis("heartbeat-bound", self.heartbeat_bound)?;
+        }
         if self.inflight_max == 0 || self.inflight_max > selector_common::MAX_INFLIGHT_MAX {
             return invalid(
                 SettingKey::Flag("inflight-max"),
@@ -459,6 +495,21 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sweep_keeps_the_heartbeat_within_a_quarter_of_its_bound() {
+        let ms = Duration::from_millis;
+        assert_eq!(sweep_period(ms(1000), ms(1000), Duration::ZERO), ms(250));
+        assert_eq!(sweep_period(ms(100), ms(1000), Duration::ZERO), ms(100));
+        assert_eq!(sweep_period(ms(1000), ms(1000), ms(300)), ms(75));
+        assert_eq!(sweep_period(ms(10_000), ms(60_000), ms(5000)), ms(1250));
+        assert_eq!(sweep_period(ms(1), ms(1), ms(1)), ms(1), "at least 1 ms");
+        // A few sweep periods, within 1 s and 5 s.
+        assert_eq!(default_heartbeat_bound(ms(1000), ms(1000)), ms(1000));
+        assert_eq!(default_heartbeat_bound(ms(1000), ms(4000)), ms(4000));
+        assert_eq!(default_heartbeat_bound(ms(100), ms(200)), ms(1000));
+        assert_eq!(default_heartbeat_bound(ms(10_000), ms(60_000)), ms(5000));
+    }
 
     fn settings(groups: &[&str]) -> Settings {
         Settings {

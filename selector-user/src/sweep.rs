@@ -121,7 +121,8 @@ impl Selector {
     /// older than timeout + grace, as of `now_ns` (CLOCK_MONOTONIC). Visits
     /// only marked slots (`crate::marks`): the cost follows the requests
     /// sent since the last sweep and those still in flight, not the size
-    /// of the table.
+    /// of the table. Then writes the agent's heartbeat (with the real
+    /// clock, whatever `now_ns` says).
     pub fn sweep(&mut self, now_ns: u64) -> Result<SweepReport> {
         let ms = |d: std::time::Duration| d.as_millis().min(u128::from(MAX_TIMEOUT_MS)) as u64;
         let timeout_ns = ms(self.settings.timeout) * 1_000_000;
@@ -153,6 +154,8 @@ impl Selector {
             }
         }
         self.sweep_schedule = schedule;
+        // Done: the programs may trust the counts a while longer.
+        self.heartbeat();
         Ok(report)
     }
 

@@ -64,6 +64,9 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
         mark: selector_common::MARK_REDIRECTED,
         grace: Duration::from_secs(1),
         hedging: Default::default(),
+        // Off: fixtures are not swept on a schedule; the heartbeat
+        // fixtures set it.
+        heartbeat_bound: Duration::ZERO,
     }
 }
 

@@ -13,10 +13,10 @@ use selector_common::{
 };
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, DNS_NOT_QUERIES, DNS_QUERY, ETH_ADDRS, GET, IP_CHECK, IP_DST,
-    IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST, UDP_SRC, VALUE,
-    XDP_PASS, assert_only_changed, counters, dns_server, egress, egress_gso, egress_marked,
-    fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued, settings_for, stats,
-    udp, verified_endpoints, verified_ipv4,
+    IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, TC_ACT_SHOT, UDP_CHECK, UDP_DST,
+    UDP_SRC, VALUE, XDP_PASS, assert_only_changed, counters, dns_server, egress, egress_gso,
+    egress_marked, fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued,
+    settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
 use selector_user::{Selector, Settings, sys};
 
@@ -749,4 +749,95 @@ fn sweep_walks_a_large_table_to_the_end() {
     assert!(sel.inflight().unwrap().is_empty());
     assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
     assert_eq!(sel.expired(), vec![0, 0, 5000]);
+}
+
+/// A selector whose programs take the agent for gone once its heartbeat is
+/// older than 1 s.
+fn selector_with_heartbeat() -> Selector {
+    let settings = Settings {
+        heartbeat_bound: Duration::from_secs(1),
+        ..settings_for(Descriptor::memcached(), replica)
+    };
+    Selector::load(&settings).expect("load")
+}
+
+/// A memcached get with request id `id`.
+fn get_with_id(id: u16) -> Vec<u8> {
+    let mut payload = GET.to_vec();
+    payload[..2].copy_from_slice(&id.to_be_bytes());
+    request(&payload)
+}
+
+/// Issue 20, item 3: with the agent gone (its heartbeat older than the
+/// bound) no read moves, however loaded its primary looks: it goes where
+/// it was sent, tracked and counted; a retransmit of a read moved before
+/// still follows it, and its reply is still rewritten back. A sweep (an
+/// agent back) resumes steering at once.
+#[test]
+fn a_stale_heartbeat_moves_no_read_but_tracks_it_and_rewrites_earlier_moves() {
+    let mut sel = selector_with_heartbeat();
+    set_issued(&mut sel, 0, 5); // over threshold 1
+    sel.plant_heartbeat(sys::monotonic_ns());
+    let moved_input = get_with_id(0x1234);
+    let (verdict, moved) = egress(&mut sel, &moved_input);
+    assert_eq!(verdict, TC_ACT_REDIRECT, "fresh heartbeat: the read moves");
+    assert_eq!(verified_endpoints(&moved).1, replica(1));
+
+    let stale_ns = sys::monotonic_ns() - 2_000_000_000;
+    sel.plant_heartbeat(stale_ns);
+    let input = get_with_id(0x1235);
+    assert_eq!(
+        egress(&mut sel, &input),
+        (TC_ACT_PIPE, input.clone()),
+        "stale heartbeat: the read goes where it was sent"
+    );
+    assert_eq!(counters(&sel).issued[..3], [6, 1, 0], "and is counted");
+    let s = stats(&sel);
+    assert_eq!((s[0].requests, s[0].redirected_away), (2, 1));
+    let tracked = sel.inflight().unwrap();
+    let entry = tracked.iter().find(|e| e.key() == key(0x1235)).unwrap();
+    assert_eq!((entry.primary, entry.chosen), (0, 0));
+    // A retransmit of the read moved before follows its first copy.
+    assert_eq!(egress(&mut sel, &moved_input), (TC_ACT_REDIRECT, moved));
+    // Its reply comes back from the primary's address.
+    let mut reply = response_from(1);
+    reply[42..44].copy_from_slice(&0x1234u16.to_be_bytes());
+    let (verdict, out) = run_tc(&mut sel, programs::INGRESS_TC, &reply);
+    assert_eq!(verdict, TC_ACT_PIPE);
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(sel.pending().unwrap(), vec![6, 0, 0]);
+    assert_eq!(stats(&sel)[0].redirected_away, 1, "no new move");
+
+    // A sweep writes the heartbeat: the next read over the threshold moves.
+    sel.sweep(sys::monotonic_ns()).unwrap();
+    let (verdict, out) = egress(&mut sel, &get_with_id(0x1236));
+    assert_eq!(verdict, TC_ACT_REDIRECT, "steering resumes at once");
+    assert_eq!(verified_endpoints(&out).1, replica(1));
+    // Bound 0: never stale, whatever the heartbeat says.
+    sel.settings.heartbeat_bound = Duration::ZERO;
+    sel.write_config().unwrap();
+    sel.plant_heartbeat(stale_ns);
+    assert_eq!(egress(&mut sel, &get_with_id(0x1237)).0, TC_ACT_REDIRECT);
+}
+
+/// Nor does a stale heartbeat let the overload bounds act on counts no
+/// sweep keeps: a read to a member at --max-pending is sent, not dropped.
+#[test]
+fn a_stale_heartbeat_applies_no_overload_bound() {
+    let mut sel = selector_with_heartbeat();
+    sel.settings.max_pending = 1;
+    sel.settings.on_overload = selector_common::OnOverload::Drop;
+    sel.write_config().unwrap();
+    for member in 0..3 {
+        set_issued(&mut sel, member, 5);
+    }
+    assert_eq!(
+        egress(&mut sel, &get_with_id(1)).0,
+        TC_ACT_SHOT,
+        "fresh: dropped"
+    );
+    sel.plant_heartbeat(sys::monotonic_ns() - 2_000_000_000);
+    let input = get_with_id(2);
+    assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
+    assert_eq!(counters(&sel).issued[..3], [6, 5, 5]);
 }

@@ -49,8 +49,12 @@ fn hedged() -> Selector {
 /// A loaded selector whose egress program offers reads for hedging (the
 /// kernel side only: no agent thread takes the offers).
 fn offering() -> Selector {
+    offering_with(settings_for(Descriptor::memcached(), replica))
+}
+
+fn offering_with(settings: Settings) -> Selector {
     use selector_common::hedge::{self, HedgeConfig};
-    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
+    let mut sel = Selector::load(&settings).expect("load");
     let mut config: aya::maps::Array<_, HedgeConfig> =
         aya::maps::Array::try_from(sel.ebpf_mut().map_mut(hedge::names::CONFIG).unwrap()).unwrap();
     let on = HedgeConfig {
@@ -246,4 +250,35 @@ fn a_write_is_never_offered_for_hedging() {
     let mut ring =
         RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
     assert!(ring.next().is_none(), "no hedge event for a write");
+}
+
+/// With the agent gone (its heartbeat past the bound) no read is offered:
+/// nothing would send the copy, and the ring would only fill up.
+#[test]
+fn no_read_is_offered_with_a_stale_heartbeat() {
+    use aya::maps::RingBuf;
+    use selector_common::hedge;
+
+    let mut sel = offering_with(Settings {
+        heartbeat_bound: std::time::Duration::from_secs(1),
+        ..settings_for(Descriptor::memcached(), replica)
+    });
+    sel.plant_heartbeat(sys::monotonic_ns() - 2_000_000_000);
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    let slots = sel.inflight().unwrap();
+    assert_eq!(slots.len(), 1, "the read is tracked");
+    assert_eq!(slots[0].hedge, 0, "not offered");
+    {
+        let mut ring =
+            RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
+        assert!(ring.next().is_none(), "no hedge event");
+    }
+    // The agent back: the next read is offered.
+    sel.plant_heartbeat(sys::monotonic_ns());
+    let mut next = GET.to_vec();
+    next[1] = 0x35;
+    egress(&mut sel, &request(&next));
+    let mut ring =
+        RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
+    assert!(ring.next().is_some(), "offered once the heartbeat is fresh");
 }

@@ -21,8 +21,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use aya::maps::{Array, Map, MapData, PerCpuArray};
+use selector_common::{BackendStats, GroupCounters, names, pending};
 use selector_testbed::{
-    ClientSocket, LoadReport, LoadSpec, Testbed, agent, bpffs::Bpffs, run_load_on,
+    ClientSocket, LoadReport, LoadSpec, MemcachedClient, Testbed, agent, bpffs::Bpffs, run_load_on,
     topology::CLIENT_IFACE,
 };
 use selector_user::control::Status;
@@ -165,13 +167,20 @@ fn sum(status: &Status, f: impl Fn(&selector_user::telemetry::BackendTotals) -> 
 }
 
 /// SIGKILL of a pinned agent under load with the primary stalling, then a
-/// new agent with the same DIR: the kernel steers on while no agent runs,
+/// new agent with the same DIR: the kernel steers on while no agent runs
+/// (within the heartbeat bound),
 /// the new agent adopts the maps and links, and nothing is lost.
 #[test]
 fn agent_killed_and_restarted_with_pins_loses_nothing() {
     let tb = testbed("pk");
     let bpffs = Bpffs::mount();
-    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    // The programs steer without an agent only within the heartbeat bound
+    // (see the heartbeat test below): one well past the restart.
+    let args = run_args(
+        &tb.group_arg(),
+        &bpffs.arg(),
+        &["--heartbeat-bound", "5000"],
+    );
     let (mut first, line) = spawn(&tb, &args);
     assert!(line.contains("pinned under"), "{line}");
 
@@ -383,4 +392,182 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
     );
     assert_eq!(code, 0, "{out}");
     assert!(!Path::new(&pin).join(CLIENT_IFACE).exists());
+}
+
+/// The default heartbeat bound of an agent started with `run_args`: a few
+/// sweep periods (50 ms at --timeout 200), but at least 1 s.
+const HEARTBEAT_BOUND: Duration = Duration::from_secs(1);
+
+/// What the pinned maps say of the group's members (no agent needed):
+/// per member, (requests addressed to it, reads moved away from it, pending).
+fn pinned_counts(bpffs: &Bpffs, members: usize) -> Vec<(u64, u64, u64)> {
+    let maps = bpffs.dir().join(CLIENT_IFACE).join("maps");
+    let stats = MapData::from_pin(maps.join(names::STATS)).unwrap();
+    let stats: PerCpuArray<_, BackendStats> =
+        PerCpuArray::try_from(Map::PerCpuArray(stats)).unwrap();
+    let counters = MapData::from_pin(maps.join(names::COUNTERS)).unwrap();
+    let counters: Array<_, GroupCounters> = Array::try_from(Map::Array(counters)).unwrap();
+    let group = counters.get(&0, 0).unwrap();
+    (0..members)
+        .map(|m| {
+            let mut total = BackendStats::default();
+            for cpu in stats.get(&(m as u32), 0).unwrap().iter() {
+                total.add(cpu);
+            }
+            (total.requests, total.redirected_away, pending(&group, m))
+        })
+        .collect()
+}
+
+/// Drops the requests that reach replica `i` (in its own namespace, so the
+/// selector on the client sees them leave and counts them pending), until
+/// `lose_requests(.., false)`.
+fn lose_requests(tb: &Testbed, i: usize, lose: bool) {
+    let ns = &tb.replica_ns[i];
+    let port = tb.replica_endpoints()[i].port().to_string();
+    if lose {
+        ns.exec("nft", &["add", "table", "inet", "heartbeat"])
+            .unwrap();
+        ns.exec(
+            "nft",
+            &[
+                "add",
+                "chain",
+                "inet",
+                "heartbeat",
+                "input",
+                "{ type filter hook input priority 0; }",
+            ],
+        )
+        .unwrap();
+        ns.exec(
+            "nft",
+            &[
+                "add",
+                "rule",
+                "inet",
+                "heartbeat",
+                "input",
+                "udp",
+                "dport",
+                &port,
+                "drop",
+            ],
+        )
+        .unwrap();
+    } else {
+        ns.exec("nft", &["delete", "table", "inet", "heartbeat"])
+            .unwrap();
+    }
+}
+
+/// Issue 20, item 3: a pinned agent SIGKILLed leaves lost reads pending on
+/// the primary, and nothing expires them. Once the agent's heartbeat is
+/// older than its bound, the programs move no read: every read goes to
+/// the primary it was sent to, still counted; a new agent on the pins
+/// resumes steering at once, and expires the lost reads.
+#[test]
+fn a_killed_agents_programs_stop_moving_reads_after_the_heartbeat_bound() {
+    let tb = testbed("ph");
+    let bpffs = Bpffs::mount();
+    let members = tb.replicas.len();
+    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    let (mut first, _) = spawn(&tb, &args);
+    let heartbeat = status(&tb).heartbeat;
+    assert!(heartbeat.fresh, "{heartbeat:?}");
+    assert_eq!(
+        Duration::from_millis(heartbeat.bound_ms),
+        HEARTBEAT_BOUND,
+        "the default"
+    );
+    first.signal(libc::SIGKILL);
+    let killed = Instant::now();
+
+    // Reads to the primary that are never answered: pending for good, as
+    // no agent sweeps. (While the heartbeat is fresh the next reads move.)
+    lose_requests(&tb, 0, true);
+    let primary = tb.replica_endpoints()[0];
+    let lost_reads = 3;
+    tb.client
+        .run(move || {
+            let c = MemcachedClient::connect(primary).unwrap();
+            for i in 0..lost_reads {
+                let _ = c.request(
+                    format!("get key{i}\r\n").as_bytes(),
+                    Duration::from_millis(50),
+                );
+            }
+        })
+        .unwrap();
+    lose_requests(&tb, 0, false);
+    thread::sleep(
+        (killed + HEARTBEAT_BOUND + Duration::from_millis(500))
+            .saturating_duration_since(Instant::now()),
+    );
+    let stale = pinned_counts(&bpffs, members);
+    assert!(
+        stale[0].2 >= 1,
+        "a lost read holds the primary's count: {stale:?}"
+    );
+
+    // The primary is healthy; its leftover count must not move its reads.
+    let healthy = start_load(&tb, Duration::from_millis(500))
+        .join()
+        .expect("load thread")
+        .expect("load");
+    let after = pinned_counts(&bpffs, members);
+    let moved: u64 = (0..members).map(|m| after[m].1 - stale[m].1).sum();
+    let counted: u64 = (0..members).map(|m| after[m].0 - stale[m].0).sum();
+    println!(
+        "heartbeat: {} reads with the agent gone {:?}, {} answered, {} moved; counts before {stale:?}, after {after:?}",
+        healthy.sent,
+        killed.elapsed(),
+        healthy.received,
+        moved
+    );
+    assert_eq!(moved, 0, "no read moved once the heartbeat is stale");
+    assert_eq!(counted, healthy.sent, "every read still counted");
+    assert_eq!(healthy.lost(), 0);
+    assert_eq!(healthy.wrong_source, 0);
+    assert_eq!(
+        after[0].2, stale[0].2,
+        "the primary's leftover count stays exact: its reads completed"
+    );
+
+    // A new agent on the pins: steering resumes at once, and the lost
+    // reads expire.
+    let (_second, line) = spawn(&tb, &args);
+    assert!(line.contains("adopted the pins"), "{line}");
+    let adopted = status(&tb);
+    assert!(adopted.heartbeat.fresh, "{:?}", adopted.heartbeat);
+    let stop_stalls = Arc::new(AtomicBool::new(false));
+    let stalls = stall_primary_periodically(&tb, stop_stalls.clone());
+    let steered = start_load(&tb, Duration::from_secs(1))
+        .join()
+        .expect("load thread")
+        .expect("load");
+    stop_stalls.store(true, Ordering::Relaxed);
+    stalls.join().unwrap();
+    let deadline = Instant::now() + TIMEOUT * 3 + Duration::from_secs(1);
+    let end = loop {
+        let s = status(&tb);
+        if s.backends.iter().all(|b| b.pending == 0) || Instant::now() > deadline {
+            break s;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let away = |s: &Status| sum(s, |b| b.stats.redirected_away);
+    assert!(away(&end) > away(&adopted), "the adopting agent steers");
+    assert_eq!(steered.lost(), 0);
+    assert_eq!(steered.wrong_source, 0);
+    assert_eq!(
+        sum(&end, |b| b.stats.requests),
+        lost_reads + healthy.sent + steered.sent,
+        "requests counted == reads sent"
+    );
+    for b in &end.backends {
+        assert_eq!(b.issued, b.completed + b.expired, "{}", b.backend);
+        assert_eq!(b.pending, 0, "{}", b.backend);
+    }
+    assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
 }

@@ -16,7 +16,8 @@ use super::{
 };
 use crate::{
     Selector, config::RunConfig, control::SettingsInForce, health::Health, metrics::MetricsServer,
-    neighbours, next_hops::NextHops, reload::Reloader, sd_notify::Notifier, sys, telemetry,
+    neighbours, next_hops::NextHops, reload::Reloader, sd_notify::Notifier, settings::sweep_period,
+    sys, telemetry,
 };
 
 /// How often the next hops' Ethernet addresses are re-read: a neighbour
@@ -176,7 +177,7 @@ impl Agent {
             );
         }
         let interval = config.interval;
-        let sweep_every = sweep_period(interval, settings.timeout);
+        let sweep_every = sweep_period(interval, settings.timeout, settings.heartbeat_bound);
         let last = selector.snapshot()?;
         let health = Health::new(sweep_every);
         health.update(|h| h.not_attached = None);
@@ -480,7 +481,8 @@ impl Agent {
     fn after_reload(&mut self) {
         self.after_groups_changed();
         self.quiet = self.reloader.quiet;
-        self.sweep_every = sweep_period(self.interval, self.selector.settings.timeout);
+        let s = &self.selector.settings;
+        self.sweep_every = sweep_period(self.interval, s.timeout, s.heartbeat_bound);
         let sweep_every = self.sweep_every;
         self.health.update(|h| h.sweep_period = sweep_every);
         let addrs: Vec<SocketAddr> = self.selector.backends.iter().map(|b| b.addr).collect();
@@ -539,11 +541,6 @@ impl Agent {
         }
         self.last = now;
     }
-}
-
-/// Sweep often enough that an expiry is at most a quarter timeout late.
-fn sweep_period(interval: Duration, timeout: Duration) -> Duration {
-    interval.min(timeout / 4).max(Duration::from_millis(1))
 }
 
 fn print_stopping(waiting: usize) {

@@ -108,6 +108,13 @@ pub struct RunArgs {
     /// default: --timeout).
     #[arg(long, value_name = "MS")]
     pub grace: Option<u64>,
+    /// Milliseconds the agent's heartbeat (written by every sweep) may age
+    /// before the kernel programs take the agent for gone: then they move
+    /// no read (lost reads' counts would make a member look loaded for
+    /// good), until an agent adopts them again. 0: never; otherwise 1 to
+    /// 3600000 [default: 4 sweep periods, within 1000 to 5000].
+    #[arg(long, value_name = "MS")]
+    pub heartbeat_bound: Option<u64>,
     /// The skb mark bit set on the selector's own re-sent requests between
     /// their redirect and their second egress pass, where it is cleared.
     /// Exactly one bit, decimal or 0x hex; pick one no fwmark rule matches
@@ -185,6 +192,7 @@ impl RunArgs {
             no_reply_offset: self.no_reply_offset,
             timeout: self.timeout,
             grace: self.grace,
+            heartbeat_bound: self.heartbeat_bound,
             mark: self.mark.map(|m| m.0),
             inflight_max: self.inflight_max,
             interval: self.interval,
@@ -369,6 +377,48 @@ mod tests {
         // --grace follows --timeout unless given.
         let s = parse(&["--timeout", "250"]).unwrap();
         assert_eq!(s.grace, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn heartbeat_bound_defaults_to_a_few_sweep_periods_and_is_bounded() {
+        let ms = Duration::from_millis;
+        // --interval and --timeout 1000: a sweep every 250 ms, four of them.
+        assert_eq!(parse(&[]).unwrap().heartbeat_bound, ms(1000));
+        assert_eq!(
+            parse(&["--timeout", "4000"]).unwrap().heartbeat_bound,
+            ms(4000)
+        );
+        assert_eq!(
+            parse(&["--timeout", "200", "--interval", "100"])
+                .unwrap()
+                .heartbeat_bound,
+            ms(1000),
+            "at least 1 s"
+        );
+        assert_eq!(
+            parse(&["--interval", "10000", "--timeout", "60000"])
+                .unwrap()
+                .heartbeat_bound,
+            ms(5000),
+            "at most 5 s"
+        );
+        assert_eq!(
+            parse(&["--heartbeat-bound", "300"])
+                .unwrap()
+                .heartbeat_bound,
+            ms(300)
+        );
+        assert_eq!(
+            parse(&["--heartbeat-bound", "0"]).unwrap().heartbeat_bound,
+            Duration::ZERO,
+            "off"
+        );
+        let over = (MAX_TIMEOUT_MS + 1).to_string();
+        assert!(
+            parse_err(&["--heartbeat-bound", &over])
+                .contains("--heartbeat-bound must be at most 3600000 ms")
+        );
+        assert!(parse(&["--heartbeat-bound=-1"]).is_err());
     }
 
     #[test]
