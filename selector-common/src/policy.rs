@@ -326,15 +326,17 @@ pub fn admit(
     load: &GroupLoad,
 ) -> Admission {
     let cap = u64::from(max_pending);
-    // Indexes masked after the check too: Linux 6.1's verifier refuses a
+    // The index masked after the check, opaquely (the compiler drops a
+    // mask it can prove changes nothing): Linux 6.1's verifier refuses a
     // variable stack offset it cannot bound below ("math between fp
     // pointer and register with unbounded min value").
-    if cap == 0 || chosen >= MAX_GROUP_MEMBERS || load.pending[chosen % MAX_GROUP_MEMBERS] < cap {
+    let at = |pos: usize| load.pending[core::hint::black_box(pos) % MAX_GROUP_MEMBERS];
+    if cap == 0 || chosen >= MAX_GROUP_MEMBERS || at(chosen) < cap {
         return Admission::Send(chosen);
     }
     if may_move
         && let Some(best) = best
-        && load.pending[best % MAX_GROUP_MEMBERS] < cap
+        && at(best) < cap
     {
         return Admission::Send(best);
     }

@@ -8,7 +8,7 @@ use selector_common::{
     BackendStats, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, service, split_backend_id,
 };
 
-use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS};
+use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS, member_index};
 
 /// The load of group `group`: one lookup per map, no branch per member.
 #[inline(always)]
@@ -28,7 +28,7 @@ fn atomic_add(field: *mut u64, value: u64) {
 fn add(backend: u32, completed: bool) {
     let (group, position) = split_backend_id(backend);
     if let Some(c) = COUNTERS.get_ptr_mut(group) {
-        let position = position % MAX_GROUP_MEMBERS;
+        let position = member_index(position);
         let field = if completed {
             unsafe { &raw mut (*c).completed[position] }
         } else {
@@ -93,7 +93,7 @@ pub fn record_latency(backend: u32, latency_ns: u64) {
 pub fn record_service(backend: u32, now_ns: u64) {
     let (group, position) = split_backend_id(backend);
     if let Some(s) = SERVICE.get_ptr_mut(group) {
-        let position = position % MAX_GROUP_MEMBERS;
+        let position = member_index(position);
         unsafe {
             let last = (*s).last_completion_ns[position];
             (*s).service_ns[position] =

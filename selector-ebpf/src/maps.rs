@@ -108,11 +108,21 @@ pub static FRAGMENTS: LruHashMap<FragmentKey, [u8; 4]> = LruHashMap::with_max_en
 #[map]
 pub static NEXT_HOPS: Array<NextHopMac> = Array::with_max_entries(MAX_BACKENDS, 0);
 
+/// A member position as an index into a per-group array in a map value,
+/// masked where it is used: the compiler drops a mask it can prove changes
+/// nothing, and Linux 6.1's verifier, which tracks bounds through fewer
+/// paths and spills than newer ones, then sees an unbounded offset ("R0
+/// unbounded memory access").
+#[inline(always)]
+pub fn member_index(position: usize) -> usize {
+    core::hint::black_box(position) % MAX_GROUP_MEMBERS
+}
+
 /// Where backend `id` listens, as a rewrite target.
 #[inline(always)]
 pub fn backend_target(id: u32) -> Option<Target> {
     let (group, position) = split_backend_id(id);
-    let e = GROUPS.get(group)?.endpoints[position % MAX_GROUP_MEMBERS];
+    let e = GROUPS.get(group)?.endpoints[member_index(position)];
     Some(Target {
         addr: e.addr,
         port: e.port,

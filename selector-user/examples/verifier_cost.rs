@@ -19,10 +19,15 @@ fn main() -> Result<()> {
     let mut loader = EbpfLoader::new();
     // Without it, a rejected load reports the verifier's error and
     // statistics only: the whole trace takes minutes in an emulated VM.
-    loader.verifier_log_level(if verbose {
-        VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
-    } else {
+    // VERIFIER_LOG=debug: the instructions of the path that failed and the
+    // states at branches only (much shorter: old kernels keep only the
+    // head of a log that overflows).
+    loader.verifier_log_level(if !verbose {
         VerifierLogLevel::STATS
+    } else if std::env::var("VERIFIER_LOG").is_ok_and(|v| v == "debug") {
+        VerifierLogLevel::DEBUG | VerifierLogLevel::STATS
+    } else {
+        VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
     });
     let mut ebpf = loader.load(EBPF_OBJECT).context("loading the object")?;
     println!("object and maps: {:?}", start.elapsed());
