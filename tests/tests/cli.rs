@@ -131,6 +131,63 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
     assert!(!has_xdp(&tb));
 }
 
+/// A `--duration` beyond what a timer can hold (it panicked once attached),
+/// not a number, infinite, zero or negative is refused naming the flag, as
+/// flag and as config file key, before anything is attached.
+#[test]
+fn an_impossible_duration_is_refused_before_anything_is_attached() {
+    let tb = Testbed::new("seld", 0).unwrap();
+    let dir = std::env::temp_dir().join(format!("selector-duration-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cases: Vec<(Vec<String>, String)> = Vec::new();
+    for secs in ["1e20", "1e300", "NaN", "inf", "0", "-1"] {
+        let args = ["run", "--iface", CLIENT_IFACE, "--group", GROUP, "--quiet"];
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        args.push(format!("--duration={secs}"));
+        cases.push((args, "--duration".into()));
+    }
+    for (n, value) in ["1e20", "nan", "-inf"].iter().enumerate() {
+        let path = dir.join(format!("{n}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "iface = \"{CLIENT_IFACE}\"\nquiet = true\nduration = {value}\n[[group]]\nmembers = [\"10.77.0.10:11211\"]\n"
+            ),
+        )
+        .unwrap();
+        let path = path.to_str().unwrap().to_owned();
+        cases.push((
+            vec!["run".into(), "--config".into(), path.clone()],
+            format!("{path}:3: duration:"),
+        ));
+    }
+    for (args, expect) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let (code, out) = run_ctl(&tb, &args);
+        assert_eq!(code, 1, "{args:?} must fail with an error: {out}");
+        assert!(
+            !out.contains("attached to"),
+            "{args:?}: refused only after attaching: {out}"
+        );
+        assert_eq!(
+            out.trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {out}"
+        );
+        assert!(out.starts_with("error"), "{args:?}: {out}");
+        assert!(
+            out.contains(&expect),
+            "{args:?}: expected '{expect}' in: {out}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?}");
+        assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0, "{args:?}");
+        assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0, "{args:?}");
+        assert!(!has_xdp(&tb), "{args:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
     let tb = Testbed::new("selv", 0).unwrap();

@@ -61,7 +61,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }));
     }
     agent
-        .steer(&mut signals, &mut hangups, &mut control, config.duration)
+        .steer(
+            &mut signals,
+            &mut hangups,
+            &mut control,
+            config.duration.and_then(crate::config::run_duration),
+        )
         .await;
     if agent.selector.pinned().is_some() {
         // Pinned: the programs steer on, and the next agent sweeps.
@@ -165,20 +170,20 @@ impl Agent {
         })
     }
 
-    /// Steers until a signal or the end of `duration` (seconds).
+    /// Steers until a signal or the end of `duration`.
     async fn steer(
         &mut self,
         signals: &mut StopSignals,
         hangups: &mut Signal,
         control: &mut ControlServer,
-        duration: Option<f64>,
+        duration: Option<Duration>,
     ) {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
         let until_deadline = async {
             match duration {
-                Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
+                Some(duration) => sleep(duration).await,
                 None => std::future::pending().await,
             }
         };
