@@ -8,6 +8,8 @@
 //! administrator made permanent (or that need no resolution) are left alone.
 //! [`ManagedNeighbours::release`] deletes the entries the agent marked when
 //! it detaches; the kernel re-resolves them on demand as it always does.
+//! A pinned agent leaves them for the programs that steer on, and
+//! `selector detach` deletes them ([`release_managed`]).
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -383,6 +385,32 @@ impl ManagedNeighbours {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// Deletes the managed entries of the next hops of `addrs`: what an agent
+/// that is gone marked for its members (`selector detach`). An entry the
+/// kernel resolves on its own, or a static one, is not managed and stays.
+/// Returns the next hops whose entries were deleted.
+pub fn release_managed(addrs: &[IpAddr]) -> Result<Vec<IpAddr>> {
+    let mut netlink = Netlink::open()?;
+    let mut released = Vec::new();
+    for addr in addrs {
+        // No route any more: no entry of ours to find either.
+        let Ok(hop) = netlink.next_hop(*addr) else {
+            continue;
+        };
+        if released.contains(&hop.via) {
+            continue;
+        }
+        if netlink
+            .neighbour(hop)?
+            .is_some_and(|n| n.managed && !n.is_static())
+        {
+            netlink.forget(hop)?;
+            released.push(hop.via);
+        }
+    }
+    Ok(released)
 }
 
 /// [`ManagedNeighbours::keep_resolved`] from nothing marked yet.

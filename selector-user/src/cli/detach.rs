@@ -1,12 +1,16 @@
 //! `selector detach`: removes what `selector run --pin` left attached and
-//! pinned, or, without `--pin`, any selector links on the interface.
+//! pinned, or, without `--pin`, any selector links on the interface; then
+//! the managed neighbour entries its agent left for the members.
 
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 use clap::Args;
 
-use crate::pinning::{self, DEFAULT_PIN_DIR, PinDir};
+use crate::{
+    neighbours,
+    pinning::{self, DEFAULT_PIN_DIR, PinDir},
+};
 
 #[derive(Debug, Args)]
 pub struct DetachArgs {
@@ -33,10 +37,18 @@ pub fn detach(args: DetachArgs) -> Result<()> {
             "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"
         );
     }
-    match &args.pin {
-        Some(dir) => {
-            let pins = PinDir::at(dir, iface)?;
-            let removed = pinning::detach_pinned(&pins, Duration::from_millis(args.wait))?;
+    // Read while the maps are there: the members whose neighbour entries
+    // the agent marked managed and left (pinned: for the programs that
+    // steered on; killed: it never got to delete them).
+    let pins = args
+        .pin
+        .as_ref()
+        .map(|dir| PinDir::at(dir, iface))
+        .transpose()?;
+    let members = pinning::member_addresses(iface, pins.as_ref());
+    match &pins {
+        Some(pins) => {
+            let removed = pinning::detach_pinned(pins, Duration::from_millis(args.wait))?;
             if removed.waited_out > 0 {
                 println!(
                     "selector: {} redirected reads were still unanswered after {} ms",
@@ -61,6 +73,14 @@ pub fn detach(args: DetachArgs) -> Result<()> {
                 detached.join(", ")
             );
         }
+    }
+    // After the detach: nothing steers to them any more.
+    match neighbours::release_managed(&members) {
+        Ok(released) if !released.is_empty() => {
+            println!("selector: deleted the managed neighbour entries of {released:?}")
+        }
+        Ok(_) => {}
+        Err(e) => log::warn!("deleting the managed neighbour entries: {e:#}"),
     }
     Ok(())
 }
