@@ -24,7 +24,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Array, MapData, RingBuf};
+use aya::maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf};
 use selector_common::{
     Endpoint, Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     hedge::{
@@ -437,6 +437,30 @@ impl Selector {
                 })
             })
             .collect()
+    }
+
+    /// Zeroes backend `id`'s hedge counts, the kernel's and the agent's,
+    /// for a new member given the id (see `zero_backend`).
+    pub(crate) fn zero_hedge_counts(&mut self, id: u32) -> Result<()> {
+        let a = &self.hedging.control.counts[id as usize % MAX_BACKENDS as usize];
+        for c in [
+            &a.sent,
+            &a.over_budget,
+            &a.no_target,
+            &a.queue_full,
+            &a.send_failed,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
+        let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+        let mut stats: PerCpuArray<_, HedgeStats> =
+            PerCpuArray::try_from(self.map_mut(hedge::names::STATS)?)?;
+        stats.set(
+            id,
+            PerCpuValues::try_from(vec![HedgeStats::default(); cpus])?,
+            0,
+        )?;
+        Ok(())
     }
 
     /// Hedged reads whose hedge target has not answered or expired yet:
