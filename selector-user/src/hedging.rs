@@ -372,6 +372,36 @@ impl Selector {
         Ok(())
     }
 
+    /// What the hedge thread died of, once, if it ended while it was to
+    /// run (a panic: a bug); hedging is then switched off in the kernel
+    /// and in what the agent reports, since nothing hedges any more.
+    pub fn hedge_thread_failure(&mut self) -> Option<String> {
+        let thread = self.hedging.thread.as_ref()?;
+        if !thread.is_finished() || self.hedging.control.stop.load(Ordering::SeqCst) {
+            return None;
+        }
+        let why = match self.hedging.thread.take()?.join() {
+            Ok(()) => "it ended".to_string(),
+            Err(panic) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into()),
+        };
+        self.hedging.control.enabled.store(false, Ordering::SeqCst);
+        let off = HedgeConfig {
+            enabled: 0,
+            _pad: 0,
+        };
+        let written = self
+            .map_mut(hedge::names::CONFIG)
+            .and_then(|m| Ok(Array::<_, HedgeConfig>::try_from(m)?.set(0, off, 0)?));
+        if let Err(e) = written {
+            log::warn!("switching the kernel's hedge hand-over off: {e:#}");
+        }
+        Some(why)
+    }
+
     /// For `auto`: the p95 of each backend's recent replies becomes the
     /// delay of reads to it (`crate::hedge_auto`). Does nothing before
     /// `hedge_refresh_due`.
@@ -573,6 +603,15 @@ impl Selector {
     }
 }
 
+/// Set by [`plant_hedge_thread_panic`].
+static PANIC_PLANTED: AtomicBool = AtomicBool::new(false);
+
+/// For tests: the next hedge thread of this process to look panics, as a
+/// bug in it would (nothing else sets this).
+pub fn plant_hedge_thread_panic() {
+    PANIC_PLANTED.store(true, Ordering::SeqCst);
+}
+
 /// One read waiting for its hedge delay.
 struct Due {
     at_ns: u64,
@@ -616,6 +655,10 @@ struct HedgeLoop {
 impl HedgeLoop {
     fn run(&mut self) {
         while !self.control.stop.load(Ordering::SeqCst) {
+            if PANIC_PLANTED.load(Ordering::Relaxed) && PANIC_PLANTED.swap(false, Ordering::SeqCst)
+            {
+                panic!("planted panic (plant_hedge_thread_panic)");
+            }
             let now = sys::monotonic_ns();
             // The kernel does not wake this thread per event: it drains the
             // ring at least twice per the shortest delay, so every read is

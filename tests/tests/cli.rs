@@ -503,6 +503,74 @@ fn set_changes_show_in_the_json_status() {
     assert!(agent.wait().unwrap().success());
 }
 
+/// A hedge thread that dies (a panic, planted here) must not leave the
+/// agent saying hedging is on while nothing hedges: the agent stops as on
+/// SIGTERM (steering off, redirected reads waited for, detach) and exits
+/// with an error naming the failure, for its supervisor to restart it
+/// (the unit's Restart=on-failure). The agent runs in this process, where
+/// the panic can be planted.
+#[test]
+fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
+    use clap::Parser as _;
+    use selector_user::cli::{Cli, Command};
+
+    let tb = Testbed::new("selh", 3).unwrap();
+    let cli = Cli::try_parse_from([
+        "selector",
+        "run",
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        GROUP,
+        "--hedge-after",
+        "2",
+        "--quiet",
+        "--duration",
+        "8",
+    ])
+    .unwrap();
+    let Command::Run(args) = cli.command else {
+        unreachable!("a run command")
+    };
+    let agent = tb
+        .client
+        .spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(selector_user::cli::run(*args))
+        })
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
+        if code == 0 {
+            break serde_json::from_str::<serde_json::Value>(&out).unwrap();
+        }
+        assert!(Instant::now() < deadline, "the agent never answered: {out}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        status["backends"][0]["hedge_delay_ns"], 2_000_000,
+        "{status}"
+    );
+    let planted = Instant::now();
+    selector_user::hedging::plant_hedge_thread_panic();
+    let result = agent.join().unwrap();
+    let err = result.expect_err("the agent must fail, not run its --duration out");
+    assert!(
+        planted.elapsed() < Duration::from_secs(4),
+        "noticed late: {:?}",
+        planted.elapsed()
+    );
+    let err = format!("{err:#}");
+    assert!(err.contains("hedge thread"), "{err}");
+    assert!(err.contains("planted"), "the panic's message: {err}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
+}
+
 /// Starts `selector run` with the standard group and `extra` flags, and
 /// waits for its "attached" line.
 fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {
