@@ -16,7 +16,7 @@ use std::{
     os::fd::{AsFd as _, AsRawFd as _},
     str::FromStr,
     sync::{
-        Arc,
+        Arc, RwLock,
         atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     thread::JoinHandle,
@@ -226,6 +226,9 @@ struct Control {
     /// The delay for reads to each primary, by backend id.
     delay_ns: Vec<AtomicU64>,
     counts: Vec<AgentCounts>,
+    /// Backend id -> address, as of the last reload: a position a reload
+    /// gives to another member sends its copies to the new one.
+    targets: RwLock<Vec<Option<SocketAddr>>>,
     stop: AtomicBool,
 }
 
@@ -245,6 +248,7 @@ impl Default for Hedging {
                 budget_percent: AtomicU32::new(DEFAULT_BUDGET_PERCENT),
                 delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
                 counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
+                targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),
                 stop: AtomicBool::new(false),
             }),
             thread: None,
@@ -274,13 +278,22 @@ fn map_copy(selector: &Selector, name: &str) -> Result<MapData> {
 }
 
 impl Selector {
-    /// Puts the hedging settings in force: starts the hedge thread the first
-    /// time hedging is on (a raw socket needs CAP_NET_RAW), sets its delay
+    /// Puts the hedging settings in force: the members' addresses (as of
+    /// this reload), starts the hedge thread the first time hedging is on
+    /// (a raw socket needs CAP_NET_RAW), sets its delay
     /// and budget, and switches the kernel's hand-over on or off. Hedging
     /// is off while steering is (shutdown).
     pub(crate) fn write_hedge_config(&mut self, steering_off: bool) -> Result<()> {
         let hedging = self.settings.hedging;
         let on = hedging.enabled() && !steering_off;
+        {
+            let control = &self.hedging.control;
+            let mut targets = control.targets.write().unwrap_or_else(|e| e.into_inner());
+            targets.fill(None);
+            for b in &self.backends {
+                targets[b.index as usize % MAX_BACKENDS as usize] = Some(b.addr);
+            }
+        }
         if on && self.hedging.thread.is_none() {
             self.start_hedge_thread()?;
         }
@@ -348,16 +361,11 @@ impl Selector {
             self,
             names::GROUPS,
         )?)?)?;
-        let mut targets = vec![None; MAX_BACKENDS as usize];
-        for b in &self.backends {
-            targets[b.index as usize] = Some(b.addr);
-        }
         let mut hedger = HedgeLoop {
             ring,
             slots,
             counters,
             groups,
-            targets,
             sockets,
             control: self.hedging.control.clone(),
             queue: BinaryHeap::new(),
@@ -642,8 +650,6 @@ struct HedgeLoop {
     slots: SharedArray<InflightSlot>,
     counters: SharedArray<GroupCounters>,
     groups: Array<MapData, Group>,
-    /// Backend id -> address.
-    targets: Vec<Option<SocketAddr>>,
     sockets: HedgeSockets,
     control: Arc<Control>,
     queue: BinaryHeap<Reverse<Due>>,
@@ -676,8 +682,12 @@ impl HedgeLoop {
 
     /// Half the shortest hedge delay in force (at most `IDLE_WAIT_NS`).
     fn drain_every_ns(&self) -> u64 {
-        let shortest = self
+        let targets = self
+            .control
             .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let shortest = targets
             .iter()
             .enumerate()
             .filter(|(_, t)| t.is_some())
@@ -824,7 +834,12 @@ impl HedgeLoop {
             .map_or(IpAddr::V6(Ipv6Addr::from(slot.client_addr)), |o| {
                 IpAddr::V4(o.into())
             });
-        let sent = self.targets[target].is_some_and(|to| {
+        let to = self
+            .control
+            .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())[target];
+        let sent = to.is_some_and(|to| {
             let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
             let from = SocketAddr::new(client, slot.client_port);
             self.sockets.send(from, to, payload).is_ok()
