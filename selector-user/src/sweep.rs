@@ -52,10 +52,9 @@ pub const STUCK_HOLD_NS: u64 = 1_000_000_000;
 /// not mistake a hold of this moment for a stuck one.
 const STUCK_HOLD_SWEEPS: u32 = 3;
 
-/// A slot seen in a writing state.
+/// A slot seen in the agent's hold.
 #[derive(Debug, Clone, Copy)]
-struct Writing {
-    state: u64,
+struct Held {
     since_ns: u64,
     sightings: u32,
     /// The sweep that last saw it.
@@ -86,7 +85,7 @@ pub(crate) struct SweepSchedule {
     /// either (`selector set`) starts over.
     ages: (u64, u64),
     /// Slots seen held, by index, for [`STUCK_HOLD_NS`].
-    writing: HashMap<usize, Writing>,
+    held: HashMap<usize, Held>,
     /// Sweeps so far.
     sweeps: u64,
 }
@@ -107,31 +106,21 @@ impl SweepSchedule {
             *self = SweepSchedule {
                 due: vec![0; words],
                 ages: wanted,
-                writing: std::mem::take(&mut self.writing),
+                held: std::mem::take(&mut self.held),
                 sweeps: self.sweeps,
             };
         }
     }
 
-    /// Notes slot `i` seen in writing state `state`; true once it has been
-    /// in that very state long enough, over enough sweeps, to be freed.
-    fn stuck_writing(&mut self, i: usize, state: u64, now_ns: u64) -> bool {
+    /// Notes slot `i` seen held; true once it has been held, seen by every
+    /// sweep in between, long enough to be freed.
+    fn stuck_hold(&mut self, i: usize, now_ns: u64) -> bool {
         let sweep = self.sweeps;
-        let seen = self.writing.entry(i).or_insert(Writing {
-            state,
+        let seen = self.held.entry(i).or_insert(Held {
             since_ns: now_ns,
             sightings: 0,
             sweep,
         });
-        if seen.state != state {
-            // Another writer: its own time starts now.
-            *seen = Writing {
-                state,
-                since_ns: now_ns,
-                sightings: 0,
-                sweep,
-            };
-        }
         seen.sightings += 1;
         seen.sweep = sweep;
         seen.sightings >= STUCK_HOLD_SWEEPS && now_ns.saturating_sub(seen.since_ns) >= STUCK_HOLD_NS
@@ -206,7 +195,7 @@ impl Selector {
                     // kernel writer has counted its request already, and
                     // always finishes within its program run.
                     if state == AGENT_HOLD
-                        && schedule.stuck_writing(i, state, now_ns)
+                        && schedule.stuck_hold(i, now_ns)
                         && cas(&self.slots, i, state, FREE)
                     {
                         // Its mark is cleared by the next sweep.
@@ -219,10 +208,10 @@ impl Selector {
                 schedule.due[w] = next;
             }
         }
-        // Slots no longer being written are forgotten (a writing slot's
-        // word is due every sweep, so one still writing was seen).
+        // A slot not seen held by this sweep was released: forgotten (a
+        // held slot's word is due every sweep, so one still held was seen).
         let sweep = schedule.sweeps;
-        schedule.writing.retain(|_, seen| seen.sweep == sweep);
+        schedule.held.retain(|_, seen| seen.sweep == sweep);
         self.sweep_schedule = schedule;
         Ok(report)
     }
