@@ -114,10 +114,11 @@ fn next_hops_are_kept_resolved_without_traffic_of_our_own() {
     );
 }
 
-/// `selector detach` deletes the managed entries a pinned agent left for
-/// its members' next hops (its exit keeps them for the programs that steer
-/// on): `detach --pin` after a SIGTERM, and `detach` without --pin, which
-/// cuts the links, after a SIGKILL. Other entries stay.
+/// `selector detach` deletes the managed entries an agent left for its
+/// members' next hops: a pinned agent's (its exit keeps them for the
+/// programs that steer on), by `detach --pin` after a SIGTERM and by
+/// `detach` without --pin, which cuts the links, after a SIGKILL; and an
+/// unpinned agent's killed outright. Other entries stay.
 #[test]
 fn detach_deletes_the_managed_entries_an_agent_left() {
     let tb = Testbed::new("selnd", 3).unwrap();
@@ -186,6 +187,28 @@ fn detach_deletes_the_managed_entries_an_agent_left() {
             assert_eq!(code, 0, "{out}");
         }
     }
+    // An unpinned agent killed outright: its links went with it, its
+    // entries stayed; they carry the agent's protocol tag, which `detach`
+    // finds without any map.
+    let args = ["--iface", CLIENT_IFACE, "--group", &group, "--quiet"];
+    let (mut child, lines) = spawn_agent(&tb.client, &args);
+    assert_eq!(managed(&tb).len(), 2, "{:?}", neighbours(&tb));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(lines);
+    assert_eq!(managed(&tb).len(), 2, "left behind: {:?}", neighbours(&tb));
+    let (code, out) = run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert!(managed(&tb).is_empty(), "{:?}", neighbours(&tb));
+    assert!(
+        entry(&neighbours(&tb), other).is_some_and(|l| !l.contains("managed")),
+        "{:?}",
+        neighbours(&tb)
+    );
+    // Nothing left at all: said so, as before.
+    let (code, out) = run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nothing of the selector"), "{out}");
 }
 
 /// Reads at 2000/s from the primary for `secs`, which stalls for 60 ms in

@@ -2,13 +2,13 @@
 //! pinned, or, without `--pin`, any selector links on the interface; then
 //! the managed neighbour entries its agent left for the members.
 
-use std::{path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 use clap::Args;
 
 use crate::{
-    neighbours,
+    interface, neighbours,
     pinning::{self, DEFAULT_PIN_DIR, PinDir},
 };
 
@@ -65,22 +65,43 @@ pub fn detach(args: DetachArgs) -> Result<()> {
         }
         None => {
             let detached = pinning::detach_attached(iface)?;
-            if detached.is_empty() {
+            if !detached.is_empty() {
+                println!(
+                    "selector: detached from {iface}: {} (pins, if any, remain until removed)",
+                    detached.join(", ")
+                );
+            }
+            // An unpinned agent killed outright leaves only its entries.
+            if release_neighbours(iface, &members).is_empty() && detached.is_empty() {
                 bail!("nothing of the selector is attached to {iface}");
             }
-            println!(
-                "selector: detached from {iface}: {} (pins, if any, remain until removed)",
-                detached.join(", ")
-            );
+            return Ok(());
         }
     }
-    // After the detach: nothing steers to them any more.
-    match neighbours::release_managed(&members) {
-        Ok(released) if !released.is_empty() => {
-            println!("selector: deleted the managed neighbour entries of {released:?}")
-        }
-        Ok(_) => {}
-        Err(e) => log::warn!("deleting the managed neighbour entries: {e:#}"),
-    }
+    release_neighbours(iface, &members);
     Ok(())
+}
+
+/// After the detach (nothing steers any more): deletes the managed
+/// neighbour entries the agent left, and says which. A failure is only
+/// logged: the links are gone, which is what detach is for.
+fn release_neighbours(iface: &str, members: &[IpAddr]) -> Vec<IpAddr> {
+    // No interface: no entries on it either.
+    let Ok(ifindex) = interface::index(iface) else {
+        return Vec::new();
+    };
+    match neighbours::release_managed(ifindex, members) {
+        Ok(released) => {
+            if !released.is_empty() {
+                println!(
+                    "selector: deleted the managed neighbour entries of {released:?} on {iface}"
+                );
+            }
+            released
+        }
+        Err(e) => {
+            log::warn!("deleting the managed neighbour entries on {iface}: {e:#}");
+            Vec::new()
+        }
+    }
 }
