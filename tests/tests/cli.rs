@@ -569,6 +569,13 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
     assert!(err.contains("planted"), "the panic's message: {err}");
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
     assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
+    // Gone as after SIGTERM: its managed neighbour entries too.
+    let neighbours = tb
+        .client
+        .ip(&["neigh", "show", "dev", CLIENT_IFACE])
+        .unwrap();
+    let neighbours = String::from_utf8_lossy(&neighbours.stdout);
+    assert!(!neighbours.contains("managed"), "{neighbours}");
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and
