@@ -37,6 +37,19 @@ use crate::{
 /// Default `interval`: milliseconds between table prints.
 pub const DEFAULT_INTERVAL_MS: u64 = 1000;
 
+/// The longest `duration`, in seconds: ten years, beyond any run and well
+/// within what a timer holds (`Duration::from_secs_f64` panics past 2^64 s).
+pub const MAX_DURATION_SECS: f64 = 315_360_000.0;
+
+/// `duration` (seconds) as a [`Duration`], if `selector run` takes it:
+/// positive, at most [`MAX_DURATION_SECS`], a number.
+pub fn run_duration(secs: f64) -> Option<Duration> {
+    if !(secs > 0.0 && secs <= MAX_DURATION_SECS) {
+        return None;
+    }
+    Duration::try_from_secs_f64(secs).ok()
+}
+
 /// Keys of the protocol descriptor; `proto` given as a flag replaces all
 /// of them (see [`Options::over`]).
 const DESCRIPTOR_KEYS: [&str; 7] = [
@@ -190,10 +203,14 @@ impl Options {
         if interval == 0 {
             return invalid(SettingKey::Flag("interval"), "must be greater than 0");
         }
-        if self.duration.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+        // Checked here, before anything is attached: the run loop's timer
+        // takes only what `run_duration` accepts.
+        if self.duration.is_some_and(|d| run_duration(d).is_none()) {
             return invalid(
                 SettingKey::Flag("duration"),
-                "must be a positive number of seconds",
+                format!(
+                    "must be a positive number of seconds, at most {MAX_DURATION_SECS} (ten years)"
+                ),
             );
         }
         let mut specs = self.groups.clone().unwrap_or_default();

@@ -16,7 +16,7 @@ use std::{
     os::fd::{AsFd as _, AsRawFd as _},
     str::FromStr,
     sync::{
-        Arc,
+        Arc, RwLock,
         atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     thread::JoinHandle,
@@ -24,7 +24,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use aya::maps::{Array, MapData, RingBuf};
+use aya::maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf};
 use selector_common::{
     Endpoint, Group, GroupCounters, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     hedge::{
@@ -226,6 +226,9 @@ struct Control {
     /// The delay for reads to each primary, by backend id.
     delay_ns: Vec<AtomicU64>,
     counts: Vec<AgentCounts>,
+    /// Backend id -> address, as of the last reload: a position a reload
+    /// gives to another member sends its copies to the new one.
+    targets: RwLock<Vec<Option<SocketAddr>>>,
     stop: AtomicBool,
 }
 
@@ -245,6 +248,7 @@ impl Default for Hedging {
                 budget_percent: AtomicU32::new(DEFAULT_BUDGET_PERCENT),
                 delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
                 counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
+                targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),
                 stop: AtomicBool::new(false),
             }),
             thread: None,
@@ -274,13 +278,22 @@ fn map_copy(selector: &Selector, name: &str) -> Result<MapData> {
 }
 
 impl Selector {
-    /// Puts the hedging settings in force: starts the hedge thread the first
-    /// time hedging is on (a raw socket needs CAP_NET_RAW), sets its delay
+    /// Puts the hedging settings in force: the members' addresses (as of
+    /// this reload), starts the hedge thread the first time hedging is on
+    /// (a raw socket needs CAP_NET_RAW), sets its delay
     /// and budget, and switches the kernel's hand-over on or off. Hedging
     /// is off while steering is (shutdown).
     pub(crate) fn write_hedge_config(&mut self, steering_off: bool) -> Result<()> {
         let hedging = self.settings.hedging;
         let on = hedging.enabled() && !steering_off;
+        {
+            let control = &self.hedging.control;
+            let mut targets = control.targets.write().unwrap_or_else(|e| e.into_inner());
+            targets.fill(None);
+            for b in &self.backends {
+                targets[b.index as usize % MAX_BACKENDS as usize] = Some(b.addr);
+            }
+        }
         if on && self.hedging.thread.is_none() {
             self.start_hedge_thread()?;
         }
@@ -348,16 +361,11 @@ impl Selector {
             self,
             names::GROUPS,
         )?)?)?;
-        let mut targets = vec![None; MAX_BACKENDS as usize];
-        for b in &self.backends {
-            targets[b.index as usize] = Some(b.addr);
-        }
         let mut hedger = HedgeLoop {
             ring,
             slots,
             counters,
             groups,
-            targets,
             sockets,
             control: self.hedging.control.clone(),
             queue: BinaryHeap::new(),
@@ -370,6 +378,36 @@ impl Selector {
             .spawn(move || hedger.run())?;
         self.hedging.thread = Some(thread);
         Ok(())
+    }
+
+    /// What the hedge thread died of, once, if it ended while it was to
+    /// run (a panic: a bug); hedging is then switched off in the kernel
+    /// and in what the agent reports, since nothing hedges any more.
+    pub fn hedge_thread_failure(&mut self) -> Option<String> {
+        let thread = self.hedging.thread.as_ref()?;
+        if !thread.is_finished() || self.hedging.control.stop.load(Ordering::SeqCst) {
+            return None;
+        }
+        let why = match self.hedging.thread.take()?.join() {
+            Ok(()) => "it ended".to_string(),
+            Err(panic) => panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".into()),
+        };
+        self.hedging.control.enabled.store(false, Ordering::SeqCst);
+        let off = HedgeConfig {
+            enabled: 0,
+            _pad: 0,
+        };
+        let written = self
+            .map_mut(hedge::names::CONFIG)
+            .and_then(|m| Ok(Array::<_, HedgeConfig>::try_from(m)?.set(0, off, 0)?));
+        if let Err(e) = written {
+            log::warn!("switching the kernel's hedge hand-over off: {e:#}");
+        }
+        Some(why)
     }
 
     /// For `auto`: the p95 of each backend's recent replies becomes the
@@ -437,6 +475,30 @@ impl Selector {
                 })
             })
             .collect()
+    }
+
+    /// Zeroes backend `id`'s hedge counts, the kernel's and the agent's,
+    /// for a new member given the id (see `zero_backend`).
+    pub(crate) fn zero_hedge_counts(&mut self, id: u32) -> Result<()> {
+        let a = &self.hedging.control.counts[id as usize % MAX_BACKENDS as usize];
+        for c in [
+            &a.sent,
+            &a.over_budget,
+            &a.no_target,
+            &a.queue_full,
+            &a.send_failed,
+        ] {
+            c.store(0, Ordering::Relaxed);
+        }
+        let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow::anyhow!("{what}: {e}"))?;
+        let mut stats: PerCpuArray<_, HedgeStats> =
+            PerCpuArray::try_from(self.map_mut(hedge::names::STATS)?)?;
+        stats.set(
+            id,
+            PerCpuValues::try_from(vec![HedgeStats::default(); cpus])?,
+            0,
+        )?;
+        Ok(())
     }
 
     /// Hedged reads whose hedge target has not answered or expired yet:
@@ -549,6 +611,15 @@ impl Selector {
     }
 }
 
+/// Set by [`plant_hedge_thread_panic`].
+static PANIC_PLANTED: AtomicBool = AtomicBool::new(false);
+
+/// For tests: the next hedge thread of this process to look panics, as a
+/// bug in it would (nothing else sets this).
+pub fn plant_hedge_thread_panic() {
+    PANIC_PLANTED.store(true, Ordering::SeqCst);
+}
+
 /// One read waiting for its hedge delay.
 struct Due {
     at_ns: u64,
@@ -579,8 +650,6 @@ struct HedgeLoop {
     slots: SharedArray<InflightSlot>,
     counters: SharedArray<GroupCounters>,
     groups: Array<MapData, Group>,
-    /// Backend id -> address.
-    targets: Vec<Option<SocketAddr>>,
     sockets: HedgeSockets,
     control: Arc<Control>,
     queue: BinaryHeap<Reverse<Due>>,
@@ -592,6 +661,10 @@ struct HedgeLoop {
 impl HedgeLoop {
     fn run(&mut self) {
         while !self.control.stop.load(Ordering::SeqCst) {
+            if PANIC_PLANTED.load(Ordering::Relaxed) && PANIC_PLANTED.swap(false, Ordering::SeqCst)
+            {
+                panic!("planted panic (plant_hedge_thread_panic)");
+            }
             let now = sys::monotonic_ns();
             // The kernel does not wake this thread per event: it drains the
             // ring at least twice per the shortest delay, so every read is
@@ -609,8 +682,12 @@ impl HedgeLoop {
 
     /// Half the shortest hedge delay in force (at most `IDLE_WAIT_NS`).
     fn drain_every_ns(&self) -> u64 {
-        let shortest = self
+        let targets = self
+            .control
             .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let shortest = targets
             .iter()
             .enumerate()
             .filter(|(_, t)| t.is_some())
@@ -757,7 +834,12 @@ impl HedgeLoop {
             .map_or(IpAddr::V6(Ipv6Addr::from(slot.client_addr)), |o| {
                 IpAddr::V4(o.into())
             });
-        let sent = self.targets[target].is_some_and(|to| {
+        let to = self
+            .control
+            .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())[target];
+        let sent = to.is_some_and(|to| {
             let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
             let from = SocketAddr::new(client, slot.client_port);
             self.sockets.send(from, to, payload).is_ok()

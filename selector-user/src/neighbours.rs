@@ -8,6 +8,9 @@
 //! administrator made permanent (or that need no resolution) are left alone.
 //! [`ManagedNeighbours::release`] deletes the entries the agent marked when
 //! it detaches; the kernel re-resolves them on demand as it always does.
+//! A pinned agent leaves them for the programs that steer on, and an
+//! agent killed outright cannot delete them: `selector detach` does
+//! ([`release_managed`]), finding them by the agent's protocol tag.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -25,7 +28,7 @@ use netlink_packet_route::{
     neighbour::{
         NeighbourAddress, NeighbourAttribute, NeighbourExtFlags, NeighbourMessage, NeighbourState,
     },
-    route::{RouteAddress, RouteAttribute, RouteMessage},
+    route::{RouteAddress, RouteAttribute, RouteMessage, RouteProtocol},
 };
 use netlink_sys::{Socket, SocketAddr as NetlinkAddr, protocols::NETLINK_ROUTE};
 
@@ -38,12 +41,18 @@ pub struct NextHop {
     pub via: IpAddr,
 }
 
+/// The protocol tag (NDA_PROTOCOL, Linux 5.2) of the entries the agent
+/// marks managed: a value no routing daemon in iproute2's rt_protocols uses.
+pub const NEIGHBOUR_PROTOCOL: u8 = 0xf5;
+
 /// A neighbour entry as the kernel reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Neighbour {
     pub state: NeighbourState,
     pub lladdr: Option<Vec<u8>>,
     pub managed: bool,
+    /// Tagged by an agent ([`NEIGHBOUR_PROTOCOL`]).
+    pub ours: bool,
 }
 
 impl Neighbour {
@@ -204,6 +213,13 @@ impl Netlink {
         entry
             .attributes
             .push(NeighbourAttribute::ExtFlags(NeighbourExtFlags::Managed));
+        // Our tag: `selector detach` finds the entry by it when nothing
+        // else says which entries the agent made (killed, unpinned).
+        entry
+            .attributes
+            .push(NeighbourAttribute::Protocol(RouteProtocol::Other(
+                NEIGHBOUR_PROTOCOL,
+            )));
         self.request(
             RouteNetlinkMessage::NewNeighbour(entry),
             NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE,
@@ -324,11 +340,15 @@ fn parse_neighbour(m: NeighbourMessage) -> Neighbour {
         state: m.header.state,
         lladdr: None,
         managed: false,
+        ours: false,
     };
     for attribute in m.attributes {
         match attribute {
             NeighbourAttribute::LinkLayerAddress(a) => n.lladdr = Some(a),
             NeighbourAttribute::ExtFlags(f) => n.managed = f.contains(NeighbourExtFlags::Managed),
+            NeighbourAttribute::Protocol(p) => {
+                n.ours = u8::from(p) == NEIGHBOUR_PROTOCOL;
+            }
             _ => {}
         }
     }
@@ -398,6 +418,40 @@ impl ManagedNeighbours {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// Deletes the managed entries an agent that is gone left (`selector
+/// detach`): those on `ifindex` with the agent's tag, and those of the
+/// next hops of `addrs` (its members, if known: entries of agents from
+/// before the tag). An entry the kernel resolves on its own, or a static
+/// one, is not managed and stays. Returns the addresses whose entries were
+/// deleted.
+pub fn release_managed(ifindex: u32, addrs: &[IpAddr]) -> Result<Vec<IpAddr>> {
+    let mut netlink = Netlink::open()?;
+    let mut released = Vec::new();
+    for (via, n) in netlink.neighbours_on(ifindex)? {
+        if n.ours && n.managed && !n.is_static() {
+            netlink.forget(NextHop { ifindex, via })?;
+            released.push(via);
+        }
+    }
+    for addr in addrs {
+        // No route any more: no entry of ours to find either.
+        let Ok(hop) = netlink.next_hop(*addr) else {
+            continue;
+        };
+        if released.contains(&hop.via) {
+            continue;
+        }
+        if netlink
+            .neighbour(hop)?
+            .is_some_and(|n| n.managed && !n.is_static())
+        {
+            netlink.forget(hop)?;
+            released.push(hop.via);
+        }
+    }
+    Ok(released)
 }
 
 /// [`ManagedNeighbours::keep_resolved`] from nothing marked yet.

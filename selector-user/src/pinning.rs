@@ -21,7 +21,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     ffi::CString,
-    net::SocketAddr,
+    net::{IpAddr, Ipv6Addr, SocketAddr},
     os::{fd::AsFd as _, unix::ffi::OsStrExt as _},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -739,6 +739,41 @@ pub fn detach_attached(iface: &str) -> Result<Vec<String>> {
         ));
     }
     Ok(done)
+}
+
+/// The members' addresses (retiring ones too) in the `BACKENDS` map of
+/// the selector pinned under `pins`, or else of the one attached to
+/// `iface`: those whose next hops its agent marked managed. Read before
+/// a detach drops the map; empty if there is none.
+pub fn member_addresses(iface: &str, pins: Option<&PinDir>) -> Vec<IpAddr> {
+    let map = match pins {
+        Some(pins) => MapData::from_pin(pins.map_path(names::BACKENDS)).ok(),
+        None => tcx_programs_at(iface, TcAttachType::Egress)
+            .iter()
+            .filter_map(|p| p.map_ids().ok().flatten())
+            .flatten()
+            .filter_map(|id| MapData::from_id(id).ok())
+            .find(|m| {
+                m.info()
+                    .is_ok_and(|i| i.name_as_str() == Some(names::BACKENDS))
+            }),
+    };
+    let Some(backends) =
+        map.and_then(|m| aya::maps::HashMap::<_, Endpoint, u32>::try_from(Map::HashMap(m)).ok())
+    else {
+        return Vec::new();
+    };
+    let mut addrs: Vec<IpAddr> = backends
+        .keys()
+        .filter_map(Result::ok)
+        .map(|e| {
+            e.ipv4_octets()
+                .map_or(IpAddr::V6(Ipv6Addr::from(e.addr)), |o| IpAddr::V4(o.into()))
+        })
+        .collect();
+    addrs.sort();
+    addrs.dedup();
+    addrs
 }
 
 const BPF_OBJ_GET: libc::c_long = 7;

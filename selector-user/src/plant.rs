@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes, mark_of, probe,
-        sequence, state,
+        AGENT_HOLD, FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes,
+        mark_of, probe, sequence, state,
     },
     split_backend_id,
 };
@@ -70,6 +70,26 @@ impl Selector {
             return true;
         }
         false
+    }
+
+    /// Leaves slot `index` held (`AGENT_HOLD`) with its mark set, as an
+    /// agent killed between taking the hold and releasing it leaves it in
+    /// pinned maps the next agent adopts. False if the slot is not free.
+    pub fn plant_hold(&mut self, index: usize) -> bool {
+        let p = self.slots.ptr(index % self.slots.len());
+        // SAFETY: the state word of a live shared element.
+        let word = unsafe { atomic(&raw mut (*p).state) };
+        if word
+            .compare_exchange(FREE, AGENT_HOLD, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        let (mark, bit) = mark_of((index % self.slots.len()) as u32);
+        // SAFETY: a word of a live shared element.
+        unsafe { atomic(self.marks.ptr(mark as usize)) }.fetch_or(bit, Ordering::SeqCst);
+        self.sweep_schedule.visit_soon(mark as usize);
+        true
     }
 
     /// Adds `delta` to backend `id`'s issued counter.

@@ -379,22 +379,27 @@ impl Selector {
         Ok(())
     }
 
-    /// Zeroes the counters, statistics and latency of a backend id about to
-    /// be given to a new member (a retired member may have left them).
+    /// Zeroes the counters, statistics, latency, service time and hedge
+    /// counts of a backend id about to be given to a new member (a retired
+    /// member may have left them: its service time would steer the latency
+    /// policy, its hedges would read as the new member's).
     fn zero_backend(&mut self, id: u32) -> Result<()> {
         let (group, position) = selector_common::split_backend_id(id);
         let c = self.counters.ptr(group as usize);
-        // SAFETY: fields of a live shared element, 8-byte aligned. Nothing
+        let s = self.service.ptr(group as usize);
+        // SAFETY: fields of live shared elements, 8-byte aligned. Nothing
         // else writes them: no slot and no BACKENDS entry names this id.
         unsafe {
             for field in [
                 &raw mut (*c).issued[position],
                 &raw mut (*c).completed[position],
                 &raw mut (*c).expired[position],
+                &raw mut (*s).service_ns[position],
             ] {
                 atomic(field).store(0, Ordering::SeqCst);
             }
         }
+        self.zero_hedge_counts(id)?;
         let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
         let mut stats: PerCpuArray<_, BackendStats> =
             PerCpuArray::try_from(self.map_mut(names::STATS)?)?;

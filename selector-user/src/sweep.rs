@@ -5,13 +5,14 @@
 //! twice or leaked, and the count is added in the same step as the claim
 //! (no system call in between that could fail and leave it stale).
 
-use std::sync::atomic::Ordering;
+use std::{collections::HashMap, sync::atomic::Ordering};
 
 use anyhow::Result;
 use selector_common::{
     MAX_GROUP_MEMBERS, MAX_TIMEOUT_MS,
     inflight::{
-        FREE, InflightSlot, MARK_BITS, PHASE_LINGER, PHASE_LIVE, client_slot, phase, with_phase,
+        AGENT_HOLD, FREE, InflightSlot, MARK_BITS, PHASE_LINGER, PHASE_LIVE, client_slot, phase,
+        with_phase,
     },
     split_backend_id,
 };
@@ -35,6 +36,29 @@ pub struct SweepReport {
     pub hedges_expired: u64,
     /// Occupied slots this sweep read (those of mark words due).
     pub visited: u64,
+    /// Slots freed after being seen in the agent's hold (`AGENT_HOLD`),
+    /// unchanged, for [`STUCK_HOLD_NS`]: their holder is gone.
+    pub reclaimed: u64,
+}
+
+/// How long a slot may stay in the agent's hold before the sweep frees it.
+/// A hold lasts a few instructions (`Selector::occupied_in`); one
+/// unchanged for a second has no holder left (an agent killed holding it,
+/// its pinned maps adopted), and would hold back every member's retirement
+/// (`Selector::referenced`: a slot being written may name any member) and
+/// take a slot of the table for good.
+pub const STUCK_HOLD_NS: u64 = 1_000_000_000;
+/// ... and over at least this many sweeps, so a late or paused sweep does
+/// not mistake a hold of this moment for a stuck one.
+const STUCK_HOLD_SWEEPS: u32 = 3;
+
+/// A slot seen in the agent's hold.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    since_ns: u64,
+    sightings: u32,
+    /// The sweep that last saw it.
+    sweep: u64,
 }
 
 /// When each mark word next has something for the sweep to do: the
@@ -60,6 +84,10 @@ pub(crate) struct SweepSchedule {
     /// The (timeout, linger) the times were computed for: a change of
     /// either (`selector set`) starts over.
     ages: (u64, u64),
+    /// Slots seen held, by index, for [`STUCK_HOLD_NS`].
+    held: HashMap<usize, Held>,
+    /// Sweeps so far.
+    sweeps: u64,
 }
 
 impl SweepSchedule {
@@ -78,8 +106,24 @@ impl SweepSchedule {
             *self = SweepSchedule {
                 due: vec![0; words],
                 ages: wanted,
+                held: std::mem::take(&mut self.held),
+                sweeps: self.sweeps,
             };
         }
+    }
+
+    /// Notes slot `i` seen held; true once it has been held, seen by every
+    /// sweep in between, long enough to be freed.
+    fn stuck_hold(&mut self, i: usize, now_ns: u64) -> bool {
+        let sweep = self.sweeps;
+        let seen = self.held.entry(i).or_insert(Held {
+            since_ns: now_ns,
+            sightings: 0,
+            sweep,
+        });
+        seen.sightings += 1;
+        seen.sweep = sweep;
+        seen.sightings >= STUCK_HOLD_SWEEPS && now_ns.saturating_sub(seen.since_ns) >= STUCK_HOLD_NS
     }
 
     fn is_due(&self, w: usize, now_ns: u64) -> bool {
@@ -134,6 +178,7 @@ impl Selector {
         let mut report = SweepReport::default();
         let mut schedule = std::mem::take(&mut self.sweep_schedule);
         schedule.fit(self.mark_words(), &ages);
+        schedule.sweeps += 1;
         let mut occupied = Vec::with_capacity(MARK_BITS as usize);
         let mut due = Vec::new();
         for words in self.mark_runs() {
@@ -147,12 +192,27 @@ impl Selector {
                 report.visited += occupied.len() as u64;
                 let mut next = now_ns.saturating_add(ages.timeout_ns);
                 for &(i, state) in &occupied {
+                    // Only the agent's hold: nothing is counted for it. A
+                    // kernel writer has counted its request already, and
+                    // always finishes within its program run.
+                    if state == AGENT_HOLD
+                        && schedule.stuck_hold(i, now_ns)
+                        && cas(&self.slots, i, state, FREE)
+                    {
+                        // Its mark is cleared by the next sweep.
+                        log::warn!("in-flight slot {i} stuck in the agent's hold: freed");
+                        report.reclaimed += 1;
+                    }
                     self.sweep_slot(i, state, &ages, &mut report);
                     next = next.min(self.slot_due(i, &ages));
                 }
                 schedule.due[w] = next;
             }
         }
+        // A slot not seen held by this sweep was released: forgotten (a
+        // held slot's word is due every sweep, so one still held was seen).
+        let sweep = schedule.sweeps;
+        schedule.held.retain(|_, seen| seen.sweep == sweep);
         self.sweep_schedule = schedule;
         // Done: the programs may trust the counts a while longer.
         self.heartbeat();

@@ -131,6 +131,63 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
     assert!(!has_xdp(&tb));
 }
 
+/// A `--duration` beyond what a timer can hold (it panicked once attached),
+/// not a number, infinite, zero or negative is refused naming the flag, as
+/// flag and as config file key, before anything is attached.
+#[test]
+fn an_impossible_duration_is_refused_before_anything_is_attached() {
+    let tb = Testbed::new("seld", 0).unwrap();
+    let dir = std::env::temp_dir().join(format!("selector-duration-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut cases: Vec<(Vec<String>, String)> = Vec::new();
+    for secs in ["1e20", "1e300", "NaN", "inf", "0", "-1"] {
+        let args = ["run", "--iface", CLIENT_IFACE, "--group", GROUP, "--quiet"];
+        let mut args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        args.push(format!("--duration={secs}"));
+        cases.push((args, "--duration".into()));
+    }
+    for (n, value) in ["1e20", "nan", "-inf"].iter().enumerate() {
+        let path = dir.join(format!("{n}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "iface = \"{CLIENT_IFACE}\"\nquiet = true\nduration = {value}\n[[group]]\nmembers = [\"10.77.0.10:11211\"]\n"
+            ),
+        )
+        .unwrap();
+        let path = path.to_str().unwrap().to_owned();
+        cases.push((
+            vec!["run".into(), "--config".into(), path.clone()],
+            format!("{path}:3: duration:"),
+        ));
+    }
+    for (args, expect) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let started = Instant::now();
+        let (code, out) = run_ctl(&tb, &args);
+        assert_eq!(code, 1, "{args:?} must fail with an error: {out}");
+        assert!(
+            !out.contains("attached to"),
+            "{args:?}: refused only after attaching: {out}"
+        );
+        assert_eq!(
+            out.trim_end().lines().count(),
+            1,
+            "{args:?}: one line: {out}"
+        );
+        assert!(out.starts_with("error"), "{args:?}: {out}");
+        assert!(
+            out.contains(&expect),
+            "{args:?}: expected '{expect}' in: {out}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10), "{args:?}");
+        assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0, "{args:?}");
+        assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0, "{args:?}");
+        assert!(!has_xdp(&tb), "{args:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
     let tb = Testbed::new("selv", 0).unwrap();
@@ -540,6 +597,81 @@ fn completions_and_man_pages_come_from_the_binary() {
     let (code, _, err) = selector_output(&["man", "nosuch"]);
     assert_eq!(code, 1);
     assert!(err.starts_with("error: no subcommand 'nosuch'"), "{err}");
+}
+
+/// A hedge thread that dies (a panic, planted here) must not leave the
+/// agent saying hedging is on while nothing hedges: the agent stops as on
+/// SIGTERM (steering off, redirected reads waited for, detach) and exits
+/// with an error naming the failure, for its supervisor to restart it
+/// (the unit's Restart=on-failure). The agent runs in this process, where
+/// the panic can be planted.
+#[test]
+fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
+    use clap::Parser as _;
+    use selector_user::cli::{Cli, Command};
+
+    let tb = Testbed::new("selh", 3).unwrap();
+    let cli = Cli::try_parse_from([
+        "selector",
+        "run",
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        GROUP,
+        "--hedge-after",
+        "2",
+        "--quiet",
+        "--duration",
+        "8",
+    ])
+    .unwrap();
+    let Command::Run(args) = cli.command else {
+        unreachable!("a run command")
+    };
+    let agent = tb
+        .client
+        .spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(selector_user::cli::run(*args))
+        })
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
+        if code == 0 {
+            break serde_json::from_str::<serde_json::Value>(&out).unwrap();
+        }
+        assert!(Instant::now() < deadline, "the agent never answered: {out}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(
+        status["backends"][0]["hedge_delay_ns"], 2_000_000,
+        "{status}"
+    );
+    let planted = Instant::now();
+    selector_user::hedging::plant_hedge_thread_panic();
+    let result = agent.join().unwrap();
+    let err = result.expect_err("the agent must fail, not run its --duration out");
+    assert!(
+        planted.elapsed() < Duration::from_secs(4),
+        "noticed late: {:?}",
+        planted.elapsed()
+    );
+    let err = format!("{err:#}");
+    assert!(err.contains("hedge thread"), "{err}");
+    assert!(err.contains("planted"), "the panic's message: {err}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
+    // Gone as after SIGTERM: its managed neighbour entries too.
+    let neighbours = tb
+        .client
+        .ip(&["neigh", "show", "dev", CLIENT_IFACE])
+        .unwrap();
+    let neighbours = String::from_utf8_lossy(&neighbours.stdout);
+    assert!(!neighbours.contains("managed"), "{neighbours}");
 }
 
 /// Starts `selector run` with the standard group and `extra` flags, and

@@ -412,6 +412,50 @@ fn a_reload_gives_an_added_member_the_hedge_delay() {
     tb.replicas.clear();
 }
 
+/// A member given a retired member's position by a reload gets the hedge
+/// copies sent to that position: to its own address, not the old one's
+/// (the hedge thread knew only the addresses of the start).
+#[test]
+fn hedges_to_a_reused_position_go_to_the_new_member() {
+    let mut tb = Testbed::new("selcr", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    let _etc = NetnsEtc::new(&tb.client, "");
+    let file = ConfigFile::new("reuse");
+    let (r0, r1, r2) = (r[0].to_string(), r[1].to_string(), r[2].to_string());
+    let top = "hedge-after = \"2\"\ngrace = 100\n";
+    file.write(&config(top, &[&r0, &r1]));
+    let (mut child, out) = Output::of(agent::spawn_agent(&tb.client, &["--config", file.arg()]));
+    file.write(&config(top, &[&r0]));
+    let (code, msg) = reload(&tb);
+    assert_eq!(code, 0, "{msg}");
+    let line = out.expect("selector: removed");
+    assert!(line.contains(&r1), "{line}");
+    file.write(&config(top, &[&r0, &r2]));
+    let (code, msg) = reload(&tb);
+    assert_eq!(code, 0, "{msg}");
+    assert_eq!(backend(&status(&tb), r[2]).unwrap()["position"], 1);
+
+    // The primary stalls: the read's hedge goes to position 1, and only
+    // r2's reply can answer it (r1's is no member's).
+    tb.replicas[0].stop();
+    let answered = read(&tb, r[0], 1).join().unwrap();
+    tb.replicas[0].resume();
+    let s = status(&tb);
+    assert!(answered, "the hedge was answered: {s}");
+    let new = backend(&s, r[2]).unwrap();
+    assert_eq!(
+        (new["hedges_sent"].as_u64(), new["hedges_won"].as_u64()),
+        (Some(1), Some(1)),
+        "{s}"
+    );
+
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    tb.replicas.clear();
+}
+
 #[test]
 fn a_bad_file_at_start_names_its_line_and_key_and_nothing_runs() {
     let tb = Testbed::new("selcb", 0).unwrap();

@@ -841,3 +841,49 @@ fn a_stale_heartbeat_applies_no_overload_bound() {
     assert_eq!(egress(&mut sel, &input), (TC_ACT_PIPE, input));
     assert_eq!(counters(&sel).issued[..3], [6, 5, 5]);
 }
+
+/// A slot left in the agent's hold state (an agent killed between taking
+/// the hold and releasing it, its pinned maps adopted by the next) held
+/// back every retirement for good: the reply path and the sweep cannot
+/// tell which member a slot being written names. Unchanged for a second
+/// and three sweeps, it is freed, and the removed member retires.
+#[test]
+fn a_slot_stuck_in_the_hold_state_is_freed_and_retirement_goes_on() {
+    use std::{net::SocketAddr, time::Instant};
+
+    use selector_user::reload::{GroupTable, plan_groups};
+
+    let mut sel = selector();
+    assert!(sel.plant_hold(5));
+    let addr = |(a, p): ([u8; 4], u16)| SocketAddr::from((a, p));
+    let mut table = GroupTable::from_start(&sel.settings.groups, &[None]);
+    let changes = plan_groups(
+        &table,
+        &[vec![addr(replica(0)), addr(replica(2))]],
+        &[None],
+        Instant::now(),
+    )
+    .unwrap();
+    sel.apply_groups(&changes).unwrap();
+    table = changes.table;
+    sel.backends = table.backends();
+    let mut retire = |sel: &mut Selector| {
+        sel.retire_finished(&mut table, Duration::ZERO, Instant::now())
+            .unwrap()
+    };
+    let start = sys::monotonic_ns();
+    let mut reclaimed = 0;
+    // A writer may hold a slot for a moment: not freed within the second.
+    for ms in [0, 400, 800] {
+        reclaimed += sel.sweep(start + ms * 1_000_000).unwrap().reclaimed;
+        assert!(retire(&mut sel).is_empty(), "held at {ms} ms");
+    }
+    assert_eq!(reclaimed, 0);
+    for ms in [1200, 1600, 2000, 5000, 10_000] {
+        reclaimed += sel.sweep(start + ms * 1_000_000).unwrap().reclaimed;
+    }
+    assert_eq!(reclaimed, 1, "freed once");
+    assert_eq!(retire(&mut sel), vec![addr(replica(1))]);
+    // Free again: a request may take it.
+    assert!(sel.plant_hold(5));
+}

@@ -282,3 +282,67 @@ fn no_read_is_offered_with_a_stale_heartbeat() {
         RingBuf::try_from(sel.ebpf_mut().map_mut(hedge::names::EVENTS).unwrap()).unwrap();
     assert!(ring.next().is_some(), "offered once the heartbeat is fresh");
 }
+
+/// A member removed by a reload and retired frees its position; the member
+/// a later reload puts there starts with no service time and no hedge
+/// counts of the old one's (they would skew the latency policy and read
+/// as the new member's hedges).
+#[test]
+fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
+    use std::{
+        net::SocketAddr,
+        time::{Duration, Instant},
+    };
+
+    use selector_user::reload::{GroupTable, plan_groups};
+
+    let mut sel = hedged();
+    // The hedge to member 1 wins; the primary's late reply is dropped and
+    // frees the slot.
+    assert_eq!(run_xdp(&mut sel, &reply(replica(1))).0, XDP_PASS);
+    assert_eq!(run_xdp(&mut sel, &reply(replica(0))).0, XDP_DROP);
+    sel.plant_service_time(1, 5_000_000);
+    let old = sel.hedge_counts().unwrap()[1];
+    assert_eq!(old.hedges_won, 1);
+    assert_eq!(sel.service_times()[1], 5_000_000);
+
+    let addr = |(a, p): ([u8; 4], u16)| SocketAddr::from((a, p));
+    let mut table = GroupTable::from_start(&sel.settings.groups, &[None]);
+    let reload = |sel: &mut Selector, table: &mut GroupTable, members: Vec<SocketAddr>| {
+        let changes = plan_groups(table, &[members], &[None], Instant::now()).unwrap();
+        sel.apply_groups(&changes).unwrap();
+        *table = changes.table.clone();
+        sel.backends = table.backends();
+        changes
+    };
+    // Member 1 removed, and retired once nothing names it.
+    reload(
+        &mut sel,
+        &mut table,
+        vec![addr(replica(0)), addr(replica(2))],
+    );
+    let retired = sel
+        .retire_finished(&mut table, Duration::ZERO, Instant::now())
+        .unwrap();
+    assert_eq!(retired, vec![addr(replica(1))]);
+    // A new member takes position 1.
+    let new = addr(([10, 77, 0, 99], 11299));
+    let changes = reload(
+        &mut sel,
+        &mut table,
+        vec![addr(replica(0)), addr(replica(2)), new],
+    );
+    assert_eq!(changes.added.len(), 1);
+    assert_eq!((changes.added[0].addr, changes.added[0].index), (new, 1));
+    let at = sel.backends.iter().position(|b| b.addr == new).unwrap();
+    assert_eq!(sel.service_times()[at], 0, "service time of the old member");
+    let counts = sel.hedge_counts().unwrap()[at];
+    assert_eq!(
+        counts,
+        selector_user::hedging::HedgeCounts {
+            hedge_delay_ns: counts.hedge_delay_ns,
+            ..Default::default()
+        },
+        "hedge counts of the old member"
+    );
+}

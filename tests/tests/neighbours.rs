@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use selector_testbed::{
     LoadSpec, Testbed,
-    agent::{spawn_agent, status_json},
+    agent::{run_selector, spawn_agent, status_json},
+    bpffs::Bpffs,
     preload, run_load,
     topology::{CLIENT_IFACE, replica_addr},
 };
@@ -111,6 +112,103 @@ fn next_hops_are_kept_resolved_without_traffic_of_our_own() {
         entry(&entries, replica_addr(1)).is_some_and(|l| l.contains("PERMANENT")),
         "the static entry stays: {entries:?}"
     );
+}
+
+/// `selector detach` deletes the managed entries an agent left for its
+/// members' next hops: a pinned agent's (its exit keeps them for the
+/// programs that steer on), by `detach --pin` after a SIGTERM and by
+/// `detach` without --pin, which cuts the links, after a SIGKILL; and an
+/// unpinned agent's killed outright. Other entries stay.
+#[test]
+fn detach_deletes_the_managed_entries_an_agent_left() {
+    let tb = Testbed::new("selnd", 3).unwrap();
+    let group = format!("{}:11211,{}:11211", replica_addr(0), replica_addr(1));
+    // Not a member: an entry the kernel learnt as usual, to stay as it is.
+    let other = replica_addr(2);
+    tb.client
+        .run(move || {
+            let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            socket.send_to(b"x", (other, 9)).unwrap();
+        })
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !entry(&neighbours(&tb), other).is_some_and(|l| l.contains("lladdr")) {
+        assert!(Instant::now() < deadline, "{:?}", neighbours(&tb));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let managed = |tb: &Testbed| -> Vec<String> {
+        let entries = neighbours(tb);
+        [replica_addr(0), replica_addr(1)]
+            .into_iter()
+            .filter_map(|a| entry(&entries, a))
+            .filter(|l| l.contains("managed"))
+            .collect()
+    };
+    let bpffs = Bpffs::mount();
+    let pin = bpffs.arg();
+    for signal in [libc::SIGTERM, libc::SIGKILL] {
+        let args = [
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--quiet",
+            "--pin",
+            &pin,
+        ];
+        let (mut child, lines) = spawn_agent(&tb.client, &args);
+        assert_eq!(managed(&tb).len(), 2, "{:?}", neighbours(&tb));
+        unsafe { libc::kill(child.id() as i32, signal) };
+        child.wait().unwrap();
+        drop(lines);
+        assert_eq!(managed(&tb).len(), 2, "left behind: {:?}", neighbours(&tb));
+        let mut detach = vec!["detach", "--iface", CLIENT_IFACE];
+        if signal == libc::SIGTERM {
+            detach.extend(["--pin", &pin]);
+        }
+        let (code, out) = run_selector(&tb.client, &detach);
+        assert_eq!(code, 0, "{out}");
+        assert!(
+            managed(&tb).is_empty(),
+            "signal {signal}: detach deletes them: {:?}",
+            neighbours(&tb)
+        );
+        assert!(
+            entry(&neighbours(&tb), other).is_some_and(|l| !l.contains("managed")),
+            "signal {signal}: {:?}",
+            neighbours(&tb)
+        );
+        if signal == libc::SIGKILL {
+            // The pins of the killed agent.
+            let (code, out) = run_selector(
+                &tb.client,
+                &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+            );
+            assert_eq!(code, 0, "{out}");
+        }
+    }
+    // An unpinned agent killed outright: its links went with it, its
+    // entries stayed; they carry the agent's protocol tag, which `detach`
+    // finds without any map.
+    let args = ["--iface", CLIENT_IFACE, "--group", &group, "--quiet"];
+    let (mut child, lines) = spawn_agent(&tb.client, &args);
+    assert_eq!(managed(&tb).len(), 2, "{:?}", neighbours(&tb));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    drop(lines);
+    assert_eq!(managed(&tb).len(), 2, "left behind: {:?}", neighbours(&tb));
+    let (code, out) = run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert!(managed(&tb).is_empty(), "{:?}", neighbours(&tb));
+    assert!(
+        entry(&neighbours(&tb), other).is_some_and(|l| !l.contains("managed")),
+        "{:?}",
+        neighbours(&tb)
+    );
+    // Nothing left at all: said so, as before.
+    let (code, out) = run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("nothing of the selector"), "{out}");
 }
 
 /// Reads at 2000/s from the primary for `secs`, which stalls for 60 ms in

@@ -1,12 +1,16 @@
 //! `selector detach`: removes what `selector run --pin` left attached and
-//! pinned, or, without `--pin`, any selector links on the interface.
+//! pinned, or, without `--pin`, any selector links on the interface; then
+//! the managed neighbour entries its agent left for the members.
 
-use std::{path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use anyhow::{Result, bail};
 use clap::Args;
 
-use crate::pinning::{self, DEFAULT_PIN_DIR, PinDir};
+use crate::{
+    interface, neighbours,
+    pinning::{self, DEFAULT_PIN_DIR, PinDir},
+};
 
 #[derive(Debug, Args)]
 pub struct DetachArgs {
@@ -33,10 +37,18 @@ pub fn detach(args: DetachArgs) -> Result<()> {
             "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"
         );
     }
-    match &args.pin {
-        Some(dir) => {
-            let pins = PinDir::at(dir, iface)?;
-            let removed = pinning::detach_pinned(&pins, Duration::from_millis(args.wait))?;
+    // Read while the maps are there: the members whose neighbour entries
+    // the agent marked managed and left (pinned: for the programs that
+    // steered on; killed: it never got to delete them).
+    let pins = args
+        .pin
+        .as_ref()
+        .map(|dir| PinDir::at(dir, iface))
+        .transpose()?;
+    let members = pinning::member_addresses(iface, pins.as_ref());
+    match &pins {
+        Some(pins) => {
+            let removed = pinning::detach_pinned(pins, Duration::from_millis(args.wait))?;
             if removed.waited_out > 0 {
                 println!(
                     "selector: {} redirected reads were still unanswered after {} ms",
@@ -53,14 +65,43 @@ pub fn detach(args: DetachArgs) -> Result<()> {
         }
         None => {
             let detached = pinning::detach_attached(iface)?;
-            if detached.is_empty() {
+            if !detached.is_empty() {
+                println!(
+                    "selector: detached from {iface}: {} (pins, if any, remain until removed)",
+                    detached.join(", ")
+                );
+            }
+            // An unpinned agent killed outright leaves only its entries.
+            if release_neighbours(iface, &members).is_empty() && detached.is_empty() {
                 bail!("nothing of the selector is attached to {iface}");
             }
-            println!(
-                "selector: detached from {iface}: {} (pins, if any, remain until removed)",
-                detached.join(", ")
-            );
+            return Ok(());
         }
     }
+    release_neighbours(iface, &members);
     Ok(())
+}
+
+/// After the detach (nothing steers any more): deletes the managed
+/// neighbour entries the agent left, and says which. A failure is only
+/// logged: the links are gone, which is what detach is for.
+fn release_neighbours(iface: &str, members: &[IpAddr]) -> Vec<IpAddr> {
+    // No interface: no entries on it either.
+    let Ok(ifindex) = interface::index(iface) else {
+        return Vec::new();
+    };
+    match neighbours::release_managed(ifindex, members) {
+        Ok(released) => {
+            if !released.is_empty() {
+                println!(
+                    "selector: deleted the managed neighbour entries of {released:?} on {iface}"
+                );
+            }
+            released
+        }
+        Err(e) => {
+            log::warn!("deleting the managed neighbour entries on {iface}: {e:#}");
+            Vec::new()
+        }
+    }
 }

@@ -68,8 +68,13 @@ pub async fn run(args: RunArgs) -> Result<()> {
         ));
     }
     agent.notifier.ready(&agent.summary());
-    agent
-        .steer(&mut signals, &mut hangups, &mut control, config.duration)
+    let failure = agent
+        .steer(
+            &mut signals,
+            &mut hangups,
+            &mut control,
+            config.duration.and_then(crate::config::run_duration),
+        )
         .await;
     agent.health.update(|h| h.stopping = true);
     if agent.selector.pinned().is_some() {
@@ -77,13 +82,16 @@ pub async fn run(args: RunArgs) -> Result<()> {
         agent
             .notifier
             .stopping("exiting: the pinned programs steer on");
-        return agent.leave_pinned();
+        agent.leave_pinned()?;
+    } else {
+        agent
+            .notifier
+            .stopping("stopping: waiting for the redirected reads in flight");
+        agent.stop(&mut signals, &mut control).await?;
+        agent.detach()?;
     }
-    agent
-        .notifier
-        .stopping("stopping: waiting for the redirected reads in flight");
-    agent.stop(&mut signals, &mut control).await?;
-    agent.detach()
+    // A failure ends the run like a signal, then exits non-zero.
+    failure.map_or(Ok(()), Err)
 }
 
 /// SIGINT and SIGTERM, either of which asks the agent to stop.
@@ -209,14 +217,15 @@ impl Agent {
         )
     }
 
-    /// Steers until a signal or the end of `duration` (seconds).
+    /// Steers until a signal or the end of `duration`, or until the
+    /// agent fails (returned).
     async fn steer(
         &mut self,
         signals: &mut StopSignals,
         hangups: &mut Signal,
         control: &mut ControlServer,
-        duration: Option<f64>,
-    ) {
+        duration: Option<Duration>,
+    ) -> Option<anyhow::Error> {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
@@ -224,7 +233,7 @@ impl Agent {
         let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
         let until_deadline = async {
             match duration {
-                Some(secs) => sleep(Duration::from_secs_f64(secs)).await,
+                Some(duration) => sleep(duration).await,
                 None => std::future::pending().await,
             }
         };
@@ -241,16 +250,25 @@ impl Agent {
                 }
             };
             tokio::select! {
-                _ = signals.recv() => return,
-                _ = &mut until_deadline => return,
+                _ = signals.recv() => return None,
+                _ = &mut until_deadline => return None,
                 _ = until_hedge_refresh => self.refresh_hedge_delays(),
                 _ = sweep_tick.tick() => {
+                    if let Some(failure) = self.hedge_failure() {
+                        return Some(failure);
+                    }
                     self.sweep();
                     self.retire_finished();
                 }
                 call = control.next_call() => {
-                    if self.answer(call, false) {
+                    // Checked first, so no status says hedging is on once
+                    // it has failed: answered as a stopping agent does.
+                    let failure = self.hedge_failure();
+                    if self.answer(call, failure.is_some()) {
                         sweep_tick = interval(self.sweep_every);
+                    }
+                    if failure.is_some() {
+                        return failure;
                     }
                 }
                 _ = hangups.recv() => {
@@ -404,6 +422,20 @@ impl Agent {
             self.notifier.status(&status);
         }
         self.health.update(|h| h.not_attached = now);
+    }
+
+    /// A dead hedge thread, as the error the agent exits with. Why exit:
+    /// a panic there is a bug whose state is unknown, and an agent that
+    /// runs on without hedging needs someone to notice; exiting non-zero
+    /// (after the usual stop) has the supervisor restart it with hedging
+    /// as configured (the unit's Restart=on-failure), pinned programs
+    /// steering on meanwhile.
+    fn hedge_failure(&mut self) -> Option<anyhow::Error> {
+        let why = self.selector.hedge_thread_failure()?;
+        log::error!("the hedge thread failed ({why}): hedging is off; stopping");
+        Some(anyhow::anyhow!(
+            "the hedge thread failed ({why}); stopped, to be restarted"
+        ))
     }
 
     fn refresh_next_hops(&mut self) {

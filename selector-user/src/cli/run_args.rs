@@ -132,7 +132,8 @@ pub struct RunArgs {
     /// Where replies are processed [default: auto].
     #[arg(long, value_enum)]
     pub ingress: Option<IngressArg>,
-    /// Stop after this many seconds (default: run until SIGINT/SIGTERM).
+    /// Stop after this many seconds, fractions allowed, at most 315360000
+    /// (ten years) (default: run until SIGINT/SIGTERM).
     #[arg(long, value_name = "SECS")]
     pub duration: Option<f64>,
     /// Print only the final summary, not the live table.
@@ -278,6 +279,20 @@ mod tests {
         assert_eq!(s.on_overload, d.on_overload);
         assert_eq!(s.mark, d.mark);
         assert_eq!(s.groups.len(), 2);
+    }
+
+    #[test]
+    fn duration_is_refused_beyond_what_a_timer_holds() {
+        for bad in ["1e20", "315360000.5", "NaN", "inf", "0", "-1"] {
+            let err = parse_err(&[&format!("--duration={bad}")]);
+            assert!(
+                err.starts_with("--duration must be a positive"),
+                "{bad}: {err}"
+            );
+        }
+        for good in ["0.001", "2.5", "315360000"] {
+            assert!(parse(&[&format!("--duration={good}")]).is_ok(), "{good}");
+        }
     }
 
     #[test]
