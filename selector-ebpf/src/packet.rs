@@ -51,14 +51,23 @@ pub trait Packet {
     fn frame_len(&self) -> usize;
 }
 
+/// The `__sk_buff` behind `ctx`, opaque to the compiler: each field read
+/// then takes its own `ctx + offset` load. Left alone, LLVM may keep
+/// `ctx + 80` (`data_end`) in a register across calls, and the verifier
+/// refuses any access through a modified context pointer.
+#[inline(always)]
+fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
+    core::hint::black_box(ctx.skb.skb as *const aya_ebpf::bindings::__sk_buff)
+}
+
 impl Packet for TcContext {
     #[inline(always)]
     fn data(&self) -> usize {
-        TcContext::data(self)
+        unsafe { (*skb(self)).data as usize }
     }
     #[inline(always)]
     fn data_end(&self) -> usize {
-        TcContext::data_end(self)
+        unsafe { (*skb(self)).data_end as usize }
     }
     #[inline(always)]
     fn frame_len(&self) -> usize {
