@@ -5,7 +5,8 @@
 //! address. Covered: first, middle and last in order (the series ends with
 //! the last); the last overtaking the first; an id reused by another
 //! datagram from the same host; an entry past its age; another protocol
-//! with the same id; requests that are fragments. Reassembled by hand and
+//! with the same id; a series evicted from the full map; requests that
+//! are fragments. Reassembled by hand and
 //! checked with etherparse. Programs are loaded, not attached.
 
 use std::{
@@ -13,8 +14,13 @@ use std::{
     time::Duration,
 };
 
+use aya::maps::HashMap;
 use etherparse::{NetHeaders, PacketHeaders, TransportHeader};
-use selector_common::{Descriptor, Direction, InflightKey, PassReason, programs};
+use selector_common::{
+    Descriptor, Direction, InflightKey, PassReason,
+    fragments::{FRAGMENT_TTL_NS, FRAGMENTS_MAX, FragmentEntry, FragmentKey},
+    names, programs,
+};
 use selector_testbed::frames::{
     CLIENT_MAC, GET, PRIMARY_MAC, TC_ACT_PIPE, XDP_PASS, assert_only_changed, egress, passed,
     replica, run_tc, run_xdp, set_issued, settings_for, stats, udp, udp6, verified_endpoints,
@@ -25,7 +31,7 @@ const CLIENT_PORT: u16 = 40_000;
 /// The read the fragmented reply answers (memcached request id).
 const READ_ID: u64 = 0x1234;
 /// The age past which a fragment series is forgotten.
-const FRAGMENT_TTL: Duration = Duration::from_secs(1);
+const FRAGMENT_TTL: Duration = Duration::from_nanos(FRAGMENT_TTL_NS);
 const IPPROTO_TCP: u8 = 6;
 const IPPROTO_UDP: u8 = 17;
 
@@ -494,4 +500,81 @@ fn a_fragmented_request_passes_egress_untouched() {
         assert_eq!(passed(&sel, Direction::Egress, PassReason::Fragment), 1);
         assert!(sel.inflight().unwrap().is_empty());
     }
+}
+
+/// Fills `FRAGMENTS` from user space with series of its own until the
+/// entry under `key` has been evicted (an LRU map forgets the least
+/// recently used); returns how many it inserted.
+fn evict(sel: &mut Selector, key: &FragmentKey) -> u32 {
+    let map = sel.ebpf_mut().map_mut(names::FRAGMENTS).unwrap();
+    let mut map: HashMap<_, FragmentKey, FragmentEntry> = HashMap::try_from(map).unwrap();
+    assert!(map.get(key, 0).is_ok(), "the series must be known first");
+    let mut n = 0u32;
+    while map.get(key, 0).is_ok() {
+        assert!(n < 16 * FRAGMENTS_MAX, "never evicted");
+        let mut other = FragmentKey {
+            id: n,
+            protocol: IPPROTO_UDP,
+            ..Default::default()
+        };
+        other.src[..4].copy_from_slice(&n.to_be_bytes());
+        map.insert(other, FragmentEntry::default(), 0).unwrap();
+        n += 1;
+    }
+    n
+}
+
+/// A series evicted from the full map: its later fragments pass untouched,
+/// counted, as if they had been lost. A full map still takes a new series
+/// (evicting another).
+#[test]
+fn an_evicted_series_passes_untouched_and_a_full_map_takes_new_ones() {
+    each(|f, tc, case| {
+        let mut sel = moved_read(f);
+        let [first, middle, last] = reply_fragments(f);
+        let out1 = reply(&mut sel, tc, &first);
+        assert_eq!(source(f, &out1), f.member(0).0, "{case}: first");
+        let key = FragmentKey {
+            src: mapped(f.member(1).0),
+            dst: mapped(f.client()),
+            id: f.id(),
+            protocol: IPPROTO_UDP,
+            _pad: [0; 3],
+        };
+        let inserted = evict(&mut sel, &key);
+        assert!(
+            inserted >= FRAGMENTS_MAX / 2,
+            "{case}: evicted after {inserted}"
+        );
+        assert_eq!(reply(&mut sel, tc, &middle), middle, "{case}: middle");
+        assert_eq!(reply(&mut sel, tc, &last), last, "{case}: last");
+        assert_eq!(
+            passed(&sel, Direction::Ingress, PassReason::Fragment),
+            2,
+            "{case}"
+        );
+
+        // Another moved read, its reply fragmented under another IP id,
+        // with the map full.
+        let next_read = READ_ID + 1;
+        let k = InflightKey::new(mapped(f.client()), CLIENT_PORT, 0, next_read);
+        let sent = sys::monotonic_ns() - Duration::from_millis(1).as_nanos() as u64;
+        assert!(sel.plant_inflight(&k, 0, 1, sent));
+        let mut value = reply_value();
+        value[..2].copy_from_slice(&(next_read as u16).to_be_bytes());
+        let d = datagram(f, f.member(1), &value);
+        let src = f.member(1).0;
+        let id = f.id() + 1;
+        let second = [
+            fragment(f, src, id, IPPROTO_UDP, 0, true, &d[..96]),
+            fragment(f, src, id, IPPROTO_UDP, 96, false, &d[96..]),
+        ];
+        let outs = second.map(|x| reply(&mut sel, tc, &x));
+        assert_eq!(
+            reassembled(f, &[&outs[0], &outs[1]]),
+            (f.member(0), (f.client(), CLIENT_PORT)),
+            "{case}"
+        );
+        assert!(sel.inflight().unwrap().is_empty(), "{case}");
+    });
 }
