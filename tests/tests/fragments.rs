@@ -3,11 +3,11 @@
 //! fragment carries the UDP header and decides; the later ones are known
 //! only by (source, destination, IP id, protocol) and get the same source
 //! address. Covered: first, middle and last in order (the series ends with
-//! the last); the last overtaking the first; an id reused by another
-//! datagram from the same host; an entry past its age; another protocol
-//! with the same id; a series evicted from the full map; requests that
-//! are fragments. Reassembled by hand and
-//! checked with etherparse. Programs are loaded, not attached.
+//! the last); the last overtaking the first, or a middle one; an id reused
+//! by another datagram from the same host; an entry past its age; another
+//! protocol with the same id; a series evicted from the full map; requests
+//! that are fragments. Reassembled by hand and checked with etherparse.
+//! Programs are loaded, not attached.
 
 use std::{
     net::{IpAddr, Ipv6Addr, SocketAddr},
@@ -369,6 +369,27 @@ fn a_later_fragment_that_overtakes_the_first_passes_untouched() {
         assert!(sel.inflight().unwrap().is_empty(), "{case}");
         let out2 = reply(&mut sel, tc, &middle);
         assert_eq!(source(f, &out2), f.member(0).0, "{case}: middle");
+        assert_eq!(
+            passed(&sel, Direction::Ingress, PassReason::Fragment),
+            1,
+            "{case}"
+        );
+    });
+}
+
+/// The last fragment ends its series: a middle one that it overtook comes
+/// too late and passes untouched, counted (the datagram is lost, as if
+/// that fragment were).
+#[test]
+fn a_middle_fragment_overtaken_by_the_last_passes_untouched() {
+    each(|f, tc, case| {
+        let mut sel = moved_read(f);
+        let [first, middle, last] = reply_fragments(f);
+        for frame in [&first, &last] {
+            let out = reply(&mut sel, tc, frame);
+            assert_eq!(source(f, &out), f.member(0).0, "{case}");
+        }
+        assert_eq!(reply(&mut sel, tc, &middle), middle, "{case}: middle");
         assert_eq!(
             passed(&sel, Direction::Ingress, PassReason::Fragment),
             1,
