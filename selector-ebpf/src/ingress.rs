@@ -4,6 +4,7 @@
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use selector_common::{
     BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason, backend_id,
+    fragments::{FragmentEntry, FragmentKey},
     hedge::{WON_CHOSEN, WON_HEDGE, is_sent, target},
     inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
     split_backend_id,
@@ -13,8 +14,8 @@ use crate::{
     accounting,
     hedge::{self, Answer},
     inflight::{self, Seen},
-    maps::{BACKENDS, FRAGMENTS, FragmentKey, backend_target, config, count_pass},
-    packet::{self, Datagram, Ip, Packet, read_bytes},
+    maps::{BACKENDS, FRAGMENTS, backend_target, config, count_pass},
+    packet::{self, Datagram, Ip, Packet},
     rewrite::{Rewrite, Side},
 };
 
@@ -41,6 +42,13 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     };
     let l = dgram.ip.layout;
     let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);
+    // The reply is addressed to the client that asked.
+    let client = packet::dst_address(ctx, l)?;
+    if dgram.ip.fragment {
+        // A first fragment starts a datagram: a series its key still names
+        // is another datagram's, whose later fragments were lost.
+        let _ = FRAGMENTS.remove(series_key(&dgram.ip, src.addr, client));
+    }
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
     };
@@ -52,8 +60,6 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         return pass(PassReason::NoRequestId);
     };
     let (group, _) = split_backend_id(backend);
-    // The reply is addressed to the client that asked.
-    let client = packet::dst_address(ctx, l)?;
     let key = InflightKey::new(client, dgram.dst_port, group, request_id);
     // Only the backend the request went to, or its hedge was sent to, can
     // complete it.
@@ -106,8 +112,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     let primary = seen.primary;
     if primary != backend {
         let target = backend_target(primary).ok_or(())?;
-        if dgram.ip.fragment {
-            remember_fragments(ctx, &dgram, target.v4());
+        if dgram.ip.fragment && dgram.ip.more_fragments {
+            remember_series(series_key(&dgram.ip, src.addr, client), target.addr);
         }
         ctx.rewrite(dgram.ip.layout, Side::Source, target)?;
     }
@@ -223,32 +229,52 @@ fn complete<C: Packet>(
     }
 }
 
-/// The later fragments of a rewritten IPv4 reply carry no UDP header: they
-/// are known by (source, destination, IP id). (IPv6 fragments pass
-/// untouched: the parser never walks a fragment header.)
+/// The later fragments of a rewritten reply carry no UDP header: they are
+/// known by (source, destination, IP id, protocol) and get the address its
+/// first fragment got (see `selector_common::fragments`).
 #[inline(always)]
-fn remember_fragments(ctx: &impl Packet, dgram: &Datagram, primary_addr: [u8; 4]) {
-    // Read before the rewrite: the reply's own source.
-    if let Ok(key) = fragment_key(ctx, &dgram.ip) {
-        let _ = FRAGMENTS.insert(key, primary_addr, 0);
+fn remember_series(key: FragmentKey, primary_addr: [u8; 16]) {
+    let entry = FragmentEntry {
+        addr: primary_addr,
+        first_ns: unsafe { bpf_ktime_get_ns() },
+    };
+    // Full: the LRU map forgets its least recently used series.
+    let _ = FRAGMENTS.insert(key, entry, 0);
+}
+
+/// The series a fragment from `src` to `dst` belongs to (addresses as
+/// read before any rewrite).
+#[inline(always)]
+fn series_key(ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> FragmentKey {
+    FragmentKey {
+        src,
+        dst,
+        id: ip.id,
+        protocol: ip.protocol,
+        _pad: [0; 3],
     }
 }
 
-#[inline(always)]
-fn fragment_key(ctx: &impl Packet, ip: &Ip) -> Result<FragmentKey, ()> {
-    Ok(FragmentKey {
-        src: read_bytes(ctx, ip.layout.ip_src())?,
-        dst: read_bytes(ctx, ip.layout.ip_dst())?,
-        id: ip.id,
-        _pad: 0,
-    })
-}
-
+/// A fragment after the first: rewritten if its series is known and
+/// current, and the last one ends the series. An unknown series (its first
+/// fragment not rewritten, not seen yet, or forgotten) passes untouched.
 #[inline(always)]
 fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ip) -> Result<Verdict, ()> {
-    let Some(primary_addr) = (unsafe { FRAGMENTS.get(fragment_key(ctx, ip)?) }).copied() else {
+    let key = series_key(
+        ip,
+        packet::src_address(ctx, ip.layout)?,
+        packet::dst_address(ctx, ip.layout)?,
+    );
+    let Some(entry) = (unsafe { FRAGMENTS.get(key) }).copied() else {
         return pass(PassReason::Fragment);
     };
-    ctx.rewrite_fragment_source(ip.layout, primary_addr)?;
+    let current = entry.is_current(unsafe { bpf_ktime_get_ns() });
+    if !current || !ip.more_fragments {
+        let _ = FRAGMENTS.remove(key);
+    }
+    if !current {
+        return pass(PassReason::Fragment);
+    }
+    ctx.rewrite_fragment_source(ip.layout, entry.addr)?;
     Ok(Verdict::Pass)
 }

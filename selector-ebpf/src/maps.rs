@@ -1,8 +1,10 @@
 //! The maps. Each has a fixed bound and a defined behaviour when full:
 //! - `INFLIGHT` (slots): no free slot in a key's probe window, the request
 //!   passes untracked and is counted (`INFLIGHT_MARKS` has a bit per slot);
-//! - `FRAGMENTS` (LRU): the oldest fragment series is forgotten; its later
-//!   fragments then pass unrewritten, as any lost fragment would;
+//! - `FRAGMENTS` (LRU): the least recently used fragment series is
+//!   forgotten; its later fragments then pass unrewritten, counted, as any
+//!   lost fragment would (series also end with their last fragment and
+//!   after `FRAGMENT_TTL_NS`);
 //! - `HEDGE_EVENTS` (ring buffer): no room, the read is not hedged, counted
 //!   (`ring_full`);
 //! - the arrays are indexed by ids the agent bounds at configuration.
@@ -15,6 +17,7 @@ use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
     GroupCounters, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac,
     PASS_REASONS, PassReason,
+    fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, mark_words, slots_for},
     latency::LATENCY_BUCKETS,
@@ -87,20 +90,10 @@ pub static PASSED: PerCpuArray<u64> = PerCpuArray::with_max_entries(2 * PASS_REA
 pub static LATENCY: PerCpuArray<u64> =
     PerCpuArray::with_max_entries(MAX_BACKENDS * LATENCY_BUCKETS, 0);
 
-/// One IP-fragmented reply being rewritten: the later fragments carry no
-/// UDP header, so they are matched by (source, destination, IP id).
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct FragmentKey {
-    pub src: [u8; 4],
-    pub dst: [u8; 4],
-    pub id: u16,
-    pub _pad: u16,
-}
-
-/// Source address to write into the later fragments of a rewritten reply.
+/// IP-fragmented replies being rewritten (`selector_common::fragments`).
 #[map]
-pub static FRAGMENTS: LruHashMap<FragmentKey, [u8; 4]> = LruHashMap::with_max_entries(4096, 0);
+pub static FRAGMENTS: LruHashMap<FragmentKey, FragmentEntry> =
+    LruHashMap::with_max_entries(FRAGMENTS_MAX, 0);
 
 /// Backend id -> its next hop's Ethernet addresses, kept by the agent (a
 /// missing or zeroed entry: unknown, so the request takes the

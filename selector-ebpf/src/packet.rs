@@ -40,6 +40,9 @@ const ETH_P_8021AD: u16 = 0x88a8;
 const IPPROTO_UDP: u8 = 17;
 const IP_MF: u16 = 0x2000;
 const IP_OFFSET: u16 = 0x1fff;
+/// IPv6 fragment header: offset (8-byte units, in the high 13 bits) and M.
+const IP6_OFFSET: u16 = 0xfff8;
+const IP6_MF: u16 = 0x0001;
 
 /// A frame whose directly readable bytes live between `data` and
 /// `data_end`; on TC that is only the skb's linear part, and the rest of
@@ -51,15 +54,20 @@ pub trait Packet {
     fn frame_len(&self) -> usize;
 }
 
+/// The `__sk_buff` behind `ctx`, opaque to the compiler: each field read
+/// then takes its own `ctx + offset` load. Left alone, LLVM may keep
+/// `ctx + 80` (`data_end`) in a register across calls, and the verifier
+/// refuses any access through a modified context pointer.
+#[inline(always)]
+fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
+    core::hint::black_box(ctx.skb.skb as *const aya_ebpf::bindings::__sk_buff)
+}
+
 impl Packet for TcContext {
     #[inline(always)]
     fn data(&self) -> usize {
         unsafe { (*skb(self)).data as usize }
     }
-    /// The verifier takes a ctx field only at a constant offset from the
-    /// ctx pointer itself; left alone, the compiler keeps `skb + 80` in a
-    /// register across reads ("dereference of modified ctx ptr"). An
-    /// opaque copy of the pointer for each read keeps the offset in the load.
     #[inline(always)]
     fn data_end(&self) -> usize {
         unsafe { (*skb(self)).data_end as usize }
@@ -85,15 +93,6 @@ impl Packet for XdpContext {
     fn frame_len(&self) -> usize {
         XdpContext::data_end(self) - XdpContext::data(self)
     }
-}
-
-/// The context pointer, opaque to the compiler at each read: left alone,
-/// LLVM may keep `&skb->data_end` in a register across the program and
-/// load through it, and the verifier refuses a load through a context
-/// pointer with an offset added ("dereference of modified ctx ptr").
-#[inline(always)]
-fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
-    core::hint::black_box(ctx.skb.skb)
 }
 
 /// The one bounds-checked packet accessor.
@@ -175,22 +174,31 @@ impl Layout {
     }
 }
 
-/// A valid IPv4 or IPv6 header carrying UDP, and for IPv4 the id and
-/// fragment state. The addresses stay in the packet (`src_address`,
-/// `dst_address`): copies of two 16-byte addresses would not fit the egress
-/// program's stack.
+/// A valid IPv4 or IPv6 header carrying UDP (or a later fragment of a
+/// datagram), and its fragment state. The addresses stay in the packet
+/// (`src_address`, `dst_address`): copies of two 16-byte addresses would
+/// not fit the egress program's stack.
 #[derive(Clone, Copy)]
 pub struct Ip {
     pub layout: Layout,
-    /// IPv4 only.
-    pub id: u16,
     /// Offset of the end of the IP packet (never Ethernet padding). On TC
     /// it may lie past the linear part: a bound, not a readable range.
     pub end: usize,
-    /// More fragments follow, or this is not the first: a fragment.
+    /// A fragment: over IPv4 more fragments follow or the offset is not 0;
+    /// over IPv6 a fragment header was walked. The fields below matter
+    /// only for a fragment.
     pub fragment: bool,
-    /// Fragment offset 0: the fragment that carries the UDP header.
+    /// Fragment offset 0: the fragment that carries the UDP header (and
+    /// whose layout is a UDP datagram's). A later fragment's `l4` is where
+    /// its data starts.
     pub first_fragment: bool,
+    /// More fragments follow (IPv4's MF, IPv6's M).
+    pub more_fragments: bool,
+    /// Identification: IPv4's 16 bits or IPv6's 32.
+    pub id: u32,
+    /// IPv4's protocol (always UDP here), or the next header of IPv6's
+    /// fragment header.
+    pub protocol: u8,
 }
 
 /// The source address as 16 bytes: IPv6, or IPv4-mapped.
@@ -364,16 +372,21 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
             l4: l3 + IPV4_LEN,
             v6: false,
         },
-        id: u16::from_be_bytes([h[4], h[5]]),
         end: l3 + total_len,
         fragment: frag & (IP_MF | IP_OFFSET) != 0,
         first_fragment: frag & IP_OFFSET == 0,
+        more_fragments: frag & IP_MF != 0,
+        id: u32::from(u16::from_be_bytes([h[4], h[5]])),
+        protocol: IPPROTO_UDP,
     })
 }
 
-/// IPv6, walking at most `MAX_EXTENSION_HEADERS` hop-by-hop, routing and
-/// destination options headers to UDP. A fragment header passes as a
-/// fragment, any other next header as not understood.
+/// IPv6, walking at most `MAX_EXTENSION_HEADERS` hop-by-hop, routing,
+/// destination options and fragment headers to UDP. One fragment header
+/// is walked: with offset 0 the walk goes on to UDP (a first fragment, or
+/// an atomic one); with another offset the rest is data and the packet is
+/// a later fragment. A second fragment header, or one past the walk,
+/// passes as a fragment; any other next header as not understood.
 #[inline(always)]
 fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     let h: [u8; 8] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
@@ -391,34 +404,57 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     let mut next = h[6];
     let mut extensions = 0usize;
     let mut walked = 0;
+    // (fragment header walked, offset 0, M, identification, next header)
+    let mut frag = (false, true, false, 0u32, 0u8);
     while walked < MAX_EXTENSION_HEADERS && next != IPPROTO_UDP {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {}
+            IPPROTO_FRAGMENT if !frag.0 => {}
             IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
             n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
             _ => return Err(PassReason::NotIpUdp),
         }
         // Every extension header is at least 8 bytes long.
-        let e: [u8; 4] =
-            read_bytes(pkt, l3 + IPV6_LEN + extensions).map_err(|_| PassReason::ExtensionHeader)?;
+        let at = l3 + IPV6_LEN + extensions;
+        let e: [u8; 4] = read_bytes(pkt, at).map_err(|_| PassReason::ExtensionHeader)?;
         // A routing header with segments left: the header's destination is
         // a waypoint, not the final one the UDP checksum and the member
         // match are about.
         if next == IPPROTO_ROUTING && e[3] != 0 {
             return Err(PassReason::ExtensionHeader);
         }
+        let mut len = (usize::from(e[1]) + 1) * 8;
+        if next == IPPROTO_FRAGMENT {
+            // 8 bytes, the second reserved: offset and M, then the id.
+            let id: [u8; 4] = read_bytes(pkt, at + 4).map_err(|_| PassReason::ExtensionHeader)?;
+            let field = u16::from_be_bytes([e[2], e[3]]);
+            frag = (
+                true,
+                field & IP6_OFFSET == 0,
+                field & IP6_MF != 0,
+                u32::from_be_bytes(id),
+                e[0],
+            );
+            len = 8;
+        }
         next = e[0];
-        extensions += (usize::from(e[1]) + 1) * 8;
+        extensions += len;
         if extensions > MAX_EXTENSION_SPAN {
             return Err(PassReason::ExtensionHeader);
         }
         walked += 1;
+        // A later fragment: what follows is data, not headers.
+        if !frag.1 {
+            break;
+        }
     }
-    match next {
-        IPPROTO_UDP => {}
-        IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
-        n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
-        _ => return Err(PassReason::NotIpUdp),
+    if frag.1 {
+        match next {
+            IPPROTO_UDP => {}
+            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
+            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
+            _ => return Err(PassReason::NotIpUdp),
+        }
     }
     // Only UDP is checked for unicast: neighbour discovery and MLD to
     // multicast groups are not ours, not bad.
@@ -434,10 +470,12 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
             l4: l3 + IPV6_LEN + extensions,
             v6: true,
         },
-        id: 0,
         end: l3 + IPV6_LEN + payload_len,
-        fragment: false,
-        first_fragment: true,
+        fragment: frag.0,
+        first_fragment: frag.1,
+        more_fragments: frag.2,
+        id: frag.3,
+        protocol: frag.4,
     })
 }
 
@@ -450,12 +488,14 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
 pub fn forget_layout(ip: Ip) -> Option<Ip> {
     let slot = SCRATCH.get_ptr_mut(0)?;
     let l = ip.layout;
-    // The IPv4-only fields too: IPv6 sets them to constants, which would
-    // keep its state apart.
+    // The fragment fields too: constants on one path would keep its state
+    // apart.
     let flags = u64::from(l.v6)
         | u64::from(ip.fragment) << 1
         | u64::from(ip.first_fragment) << 2
-        | u64::from(ip.id) << 16;
+        | u64::from(ip.more_fragments) << 3
+        | u64::from(ip.protocol) << 8
+        | u64::from(ip.id) << 32;
     let offsets = l.l3 as u64 | (l.l4 as u64) << 32;
     // SAFETY: a per-CPU slot of this map, not shared while the program runs.
     let [offsets, flags] = unsafe {
@@ -472,13 +512,16 @@ pub fn forget_layout(ip: Ip) -> Option<Ip> {
         },
         fragment: flags & 2 != 0,
         first_fragment: flags & 4 != 0,
-        id: (flags >> 16) as u16,
+        more_fragments: flags & 8 != 0,
+        protocol: (flags >> 8) as u8,
+        id: (flags >> 32) as u32,
         end: ip.end,
     })
 }
 
 /// The UDP header of a whole datagram, or of a first fragment when
-/// `allow_first_fragment` (its UDP length covers the whole datagram).
+/// `allow_first_fragment` (when more fragments follow, its UDP length
+/// covers the whole datagram).
 /// Over IPv6 a zero checksum is invalid: such a datagram passes.
 #[inline(always)]
 pub fn parse_udp(

@@ -6,7 +6,7 @@
 //! never comes out zero.
 
 use aya_ebpf::{
-    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
     programs::{TcContext, XdpContext},
 };
 use selector_common::checksum;
@@ -53,9 +53,10 @@ impl Target {
 pub trait Rewrite {
     /// Replaces one side's address and port, keeping IP and UDP checksums right.
     fn rewrite(&self, l: Layout, side: Side, new: Target) -> Result<(), ()>;
-    /// Replaces the source address of a later IPv4 fragment (no UDP header;
-    /// the UDP checksum, in the first fragment, already covers the change).
-    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 4]) -> Result<(), ()>;
+    /// Replaces the source address (IPv6, or IPv4-mapped) of a later
+    /// fragment: no UDP header, and the UDP checksum, in the first
+    /// fragment, already covers the change. IPv4 fixes its header checksum.
+    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 16]) -> Result<(), ()>;
 }
 
 impl Rewrite for TcContext {
@@ -94,8 +95,17 @@ impl Rewrite for TcContext {
             .map_err(|_| ())
     }
 
+    /// IPv6: the store also updates a CHECKSUM_COMPLETE skb's sum, which
+    /// no checksum field in this fragment compensates (the receiver sums
+    /// the fragments' data into the reassembled datagram's).
     #[inline(always)]
-    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 4]) -> Result<(), ()> {
+    fn rewrite_fragment_source(&self, l: Layout, addr: [u8; 16]) -> Result<(), ()> {
+        if l.v6 {
+            return self
+                .store(l.ip_src(), &addr, u64::from(BPF_F_RECOMPUTE_CSUM))
+                .map_err(|_| ());
+        }
+        let addr = [addr[12], addr[13], addr[14], addr[15]];
         let old: [u8; 4] = read_bytes(self, l.ip_src())?;
         self.store(l.ip_src(), &addr, 0).map_err(|_| ())?;
         self.l3_csum_replace(
@@ -185,7 +195,13 @@ impl Rewrite for XdpContext {
     }
 
     #[inline(always)]
-    fn rewrite_fragment_source(&self, l: Layout, new: [u8; 4]) -> Result<(), ()> {
+    fn rewrite_fragment_source(&self, l: Layout, new: [u8; 16]) -> Result<(), ()> {
+        if l.v6 {
+            let addr: *mut [u8; 16] = ptr_at(self, l.ip_src())?;
+            unsafe { *addr = new };
+            return Ok(());
+        }
+        let new = [new[12], new[13], new[14], new[15]];
         let addr: *mut [u8; 4] = ptr_at(self, l.ip_src())?;
         let ip_check: *mut [u8; 2] = ptr_at(self, l.ip_check())?;
         unsafe {

@@ -38,7 +38,9 @@ use aya::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupService, MAX_BACKENDS,
-    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS, hedge,
+    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
+    fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
+    hedge,
     inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     latency::LATENCY_BUCKETS,
     names,
@@ -191,9 +193,13 @@ fn shapes(inflight_max: u32) -> [Shape; 18] {
             u64s,
             MAX_BACKENDS * LATENCY_BUCKETS,
         ),
-        // Key: selector-ebpf's FragmentKey (two IPv4 addresses, an IP id,
-        // padding); value: an IPv4 address.
-        shape(names::FRAGMENTS, MapType::LruHash, 12, 4, 4096),
+        shape(
+            names::FRAGMENTS,
+            MapType::LruHash,
+            size_of::<FragmentKey>(),
+            size_of::<FragmentEntry>(),
+            FRAGMENTS_MAX,
+        ),
         shape(
             names::NEXT_HOPS,
             MapType::Array,

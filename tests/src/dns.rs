@@ -84,6 +84,7 @@ impl Nsd {
              \x20 server-count: 1\n\
              \x20 rrl-ratelimit: 0\n\
              \x20 ipv4-edns-size: 4096\n\
+             \x20 ipv6-edns-size: 4096\n\
              \x20 verbosity: 1\n\
              remote-control:\n\
              \x20 control-enable: no\n\

@@ -345,7 +345,10 @@ impl fmt::Display for NotOwned {
             NotOwned::Ipv4MappedAddress => {
                 "IPv6 with an IPv4-mapped address (never on the wire, RFC 4291 2.5.5.2)"
             }
-            NotOwned::Ipv6Fragment => "an IPv6 fragment header before UDP",
+            NotOwned::Ipv6Fragment => {
+                "an IPv6 fragment (egress), a later one not from a member, or a \
+                 fragment header not walked (a second, a 4th header)"
+            }
             NotOwned::UnwalkedExtensionHeader => {
                 "IPv6 extension headers not walked (other type, a 4th, over 128 bytes, truncated)"
             }
@@ -512,14 +515,18 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
         return Err(NotOwned::Ipv6PayloadBeyondFrame);
     }
     let (src, dst) = (ipv6(ip, IP6_SRC), ipv6(ip, IP6_DST));
-    // The extension headers before UDP: up to three hop-by-hop, routing
-    // or destination options headers, 128 bytes together, each read from
-    // the frame.
+    // The extension headers before UDP: up to three hop-by-hop, routing,
+    // destination options or fragment headers (one), 128 bytes together,
+    // each read from the frame. After a fragment header with an offset
+    // comes data: a later fragment.
     let mut next = ip[IP6_NEXT_HEADER];
     let mut l4 = IPV6_HEADER_LEN;
     let mut walked = 0;
-    while next != IPPROTO_UDP {
+    // (fragment header seen, its offset)
+    let mut fragment = (false, 0);
+    while next != IPPROTO_UDP && fragment.1 == 0 {
         match next {
+            IPPROTO_FRAGMENT if walked < WALKED_HEADERS && !fragment.0 => {}
             IPPROTO_FRAGMENT => return Err(NotOwned::Ipv6Fragment),
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS if walked < WALKED_HEADERS => {}
             // IANA's IPv6 extension header numbers; any other next header
@@ -529,21 +536,29 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
             }
             _ => return Err(NotOwned::NotUdp),
         }
-        // Next header, length, and a routing header's type and segments left.
-        if l4 + 4 > ip.len() {
+        // Next header, length, and a routing header's type and segments
+        // left; a fragment header's offset and flags, and its id.
+        let read = if next == IPPROTO_FRAGMENT { 8 } else { 4 };
+        if l4 + read > ip.len() {
             return Err(NotOwned::UnwalkedExtensionHeader);
         }
         if next == IPPROTO_ROUTING && ip[l4 + 3] != 0 {
             return Err(NotOwned::RoutingSegmentsLeft);
         }
+        let len = if next == IPPROTO_FRAGMENT {
+            fragment = (true, be16(ip, l4 + 2) >> 3);
+            8
+        } else {
+            (usize::from(ip[l4 + 1]) + 1) * 8
+        };
         next = ip[l4];
-        l4 += (usize::from(ip[l4 + 1]) + 1) * 8;
+        l4 += len;
         walked += 1;
         if l4 - IPV6_HEADER_LEN > WALKED_SPAN {
             return Err(NotOwned::UnwalkedExtensionHeader);
         }
     }
-    // Unicast only matters once it is UDP.
+    // Unicast only matters once it is UDP (or a fragment).
     unicast_rules(is_unicast6(src), is_unicast6(dst))?;
     if is_ipv4_mapped(src) || is_ipv4_mapped(dst) {
         return Err(NotOwned::Ipv4MappedAddress);
@@ -552,11 +567,25 @@ fn ipv6_ownership(ip: &[u8], direction: Direction) -> Result<(), NotOwned> {
     if l4 > end {
         return Err(NotOwned::ExtensionHeadersBeyondPayload);
     }
+    // Requests are not fragmented in practice: every fragment passes
+    // egress. A reply's first fragment is a reply like any other; a later
+    // one from a member's address is rewritten when its first was.
+    if fragment.0 && direction == Direction::Egress {
+        return Err(NotOwned::Ipv6Fragment);
+    }
+    if fragment.1 != 0 {
+        let from_backend = (0..REPLICAS).any(|i| replica6(i).0 == src);
+        return if from_backend {
+            Ok(())
+        } else {
+            Err(NotOwned::Ipv6Fragment)
+        };
+    }
     let datagram = Datagram {
         bytes: &ip[l4..end],
         src: IpAddr::from(src),
         dst: IpAddr::from(dst),
-        first_fragment: false,
+        first_fragment: fragment.0,
     };
     datagram.ownership(direction)
 }
@@ -567,7 +596,8 @@ struct Datagram<'a> {
     bytes: &'a [u8],
     src: IpAddr,
     dst: IpAddr,
-    /// An IPv4 first fragment: its UDP length covers the whole datagram.
+    /// A first fragment (IPv4, or IPv6 with a fragment header, atomic or
+    /// not): its UDP length may cover more than it carries.
     first_fragment: bool,
 }
 
@@ -1999,6 +2029,10 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
         Ok((verdict, _)) if !case.program.sane_verdicts().contains(&verdict) => {
             Some(("unexpected verdict", format!("verdict {verdict}")))
         }
+        Ok((_, out)) if out != case.frame && is_later_fragment6(&case.frame) => {
+            tally.ipv6_rewrites_checked += 1;
+            rewritten_fragment6_problem(&case.frame, &out)
+        }
         Ok((_, out)) if out != case.frame && family_of(&case.frame) == Some(Family::V6) => {
             tally.ipv6_rewrites_checked += 1;
             rewritten_udp6_problem(&case.frame, &out)
@@ -2015,6 +2049,45 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
         };
         tally.record(failure, &[kind]);
     }
+}
+
+/// An IPv6 frame whose fragment header has an offset: a later fragment,
+/// with no UDP header.
+fn is_later_fragment6(frame: &[u8]) -> bool {
+    if family_of(frame) != Some(Family::V6) {
+        return false;
+    }
+    let mut next = frame[l3_offset(frame) + IP6_NEXT_HEADER];
+    for (at, _) in ipv6_chain(frame).headers {
+        if next == IPPROTO_FRAGMENT {
+            return read16(frame, at + 2).is_some_and(|field| field >> 3 != 0);
+        }
+        next = frame[at];
+    }
+    false
+}
+
+/// What is wrong with `out`, a later IPv6 fragment the selector rewrote
+/// from `input`: only its source may change, to a member's address (its
+/// first fragment's checksum covers the change).
+fn rewritten_fragment6_problem(input: &[u8], out: &[u8]) -> Option<(&'static str, String)> {
+    let src = l3_offset(input) + IP6_SRC..l3_offset(input) + IP6_SRC + 16;
+    if input.len() != out.len()
+        || input[..src.start] != out[..src.start]
+        || input[src.end..] != out[src.end..]
+    {
+        return Some((
+            "rewritten badly",
+            "a later fragment changed outside its source address".into(),
+        ));
+    }
+    if !(0..REPLICAS).any(|i| out[src.clone()] == replica6(i).0) {
+        return Some((
+            "rewritten badly",
+            "a later fragment's new source is no member".into(),
+        ));
+    }
+    None
 }
 
 /// What is wrong with the UDP checksum of `out`, an IPv6 datagram the
@@ -2389,6 +2462,33 @@ fn ipv6_rules() {
     insert_extension(&mut fourth_fragment, 3, IPPROTO_FRAGMENT, vec![0; 8]);
     assert_eq!(
         ownership(&fourth_fragment, Direction::Ingress),
+        Err(Ipv6Fragment)
+    );
+    // A reply's fragments: the first (offset 0, M) is a reply; a later
+    // one is owned from a member's address only; a second fragment header
+    // is not walked. Fragment header: next header, reserved, offset and
+    // flags, id.
+    let fragment_of = |frame: &[u8], offset_flags: u16| {
+        let mut f = frame.to_vec();
+        let mut header = vec![0, 0];
+        header.extend_from_slice(&offset_flags.to_be_bytes());
+        header.extend_from_slice(&[0x80, 0, 0, 1]);
+        insert_extension(&mut f, 0, IPPROTO_FRAGMENT, header);
+        f
+    };
+    let first = fragment_of(&reply, 1);
+    assert_eq!(ownership(&first, Direction::Ingress), Ok(()));
+    assert_eq!(ownership(&first, Direction::Egress), Err(Ipv6Fragment));
+    let later = fragment_of(&reply, 0x0010);
+    assert!(is_later_fragment6(&later) && !is_later_fragment6(&first));
+    assert_eq!(ownership(&later, Direction::Ingress), Ok(()));
+    let not_member = fragment_of(&datagram(client, client, VALUE, &[]), 0x0010);
+    assert_eq!(
+        ownership(&not_member, Direction::Ingress),
+        Err(Ipv6Fragment)
+    );
+    assert_eq!(
+        ownership(&fragment_of(&first, 1), Direction::Ingress),
         Err(Ipv6Fragment)
     );
 

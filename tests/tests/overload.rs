@@ -6,14 +6,15 @@
 //!   once the replicas resume, and every count settles;
 //! - the same with NSD replicas and `dig`: `status: SERVFAIL`, accepted;
 //! - a redirected query whose NSD answer is IP-fragmented reaches `dig`
-//!   whole (every fragment's source rewritten), with XDP and TC ingress.
+//!   whole (every fragment's source rewritten), with XDP and TC ingress,
+//!   over IPv4 and IPv6.
 //!
 //! Each test prints one figure line (`--nocapture` shows them).
 
 use std::{
     collections::BTreeMap,
     io::ErrorKind,
-    net::{SocketAddrV4, UdpSocket},
+    net::{SocketAddr, SocketAddrV4, UdpSocket},
     thread,
     time::{Duration, Instant},
 };
@@ -26,7 +27,7 @@ use selector_testbed::{
     memcached::{frame, key_for, parse_get_response, value_for},
     netns::{thread_states, wait_stopped},
     preload,
-    topology::{CLIENT_IFACE, replica_addr},
+    topology::{CLIENT_IFACE, replica_addr, replica_addr6},
 };
 use selector_user::{IngressMode, Settings};
 
@@ -375,36 +376,86 @@ fn reject_answers_dig_with_servfail_while_every_nsd_is_stopped() {
     assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
 }
 
+/// NSD on every replica over IPv6 (a dual-stack testbed), answering.
+fn dns6_testbed(prefix: &str) -> (Testbed, Vec<Nsd>) {
+    let tb = Testbed::dual_stack(prefix, 3).expect("testbed");
+    let servers: Vec<Nsd> = dns6_endpoints()
+        .into_iter()
+        .zip(&tb.replica_ns)
+        .map(|(addr, ns)| Nsd::start(ns, addr).expect("nsd"))
+        .collect();
+    for s in &servers {
+        s.wait_ready(&tb.client).expect("nsd ready over IPv6");
+    }
+    (tb, servers)
+}
+
+fn dns6_endpoints() -> Vec<SocketAddr> {
+    (0..3)
+        .map(|i| SocketAddr::from((replica_addr6(i), DNS_PORT)))
+        .collect()
+}
+
+/// The client's reassembly counters (OKs, fails) of one family.
+fn reassembly(tb: &Testbed, v6: bool) -> (u64, u64) {
+    if v6 {
+        (
+            tb.client.snmp6("Ip6ReasmOKs").unwrap(),
+            tb.client.snmp6("Ip6ReasmFails").unwrap(),
+        )
+    } else {
+        (
+            tb.client.snmp("Ip", "ReasmOKs").unwrap(),
+            tb.client.snmp("Ip", "ReasmFails").unwrap(),
+        )
+    }
+}
+
 /// A query redirected away from the stalled primary whose answer (about
-/// 3 kB) is IP-fragmented at MTU 1500: dig gets all of it, from the
-/// primary's address.
-fn fragmented_answer_of_a_redirected_query_reaches_dig(ingress: IngressMode, prefix: &str) {
-    let (tb, servers) = dns_testbed(prefix);
+/// 3 kB) is IP-fragmented at MTU 1500, over IPv4 or IPv6 (where NSD's
+/// host fragments it, with a fragment header): dig gets all of it, from
+/// the primary's address.
+fn fragmented_answer_of_a_redirected_query_reaches_dig(
+    ingress: IngressMode,
+    v6: bool,
+    prefix: &str,
+) {
+    let (tb, servers) = if v6 {
+        dns6_testbed(prefix)
+    } else {
+        dns_testbed(prefix)
+    };
+    let endpoints: Vec<SocketAddr> = if v6 {
+        dns6_endpoints()
+    } else {
+        dns_endpoints(3).into_iter().map(Into::into).collect()
+    };
     let timeout = Duration::from_secs(5);
     let running = SweptSelector::start(
         &tb,
         Settings {
             policy: Policy::Absolute,
             threshold: 1,
+            groups: vec![endpoints.clone()],
             ..dns_settings(ingress, timeout)
         },
     );
-    let primary = dns_endpoints(3)[0];
+    let primary = endpoints[0];
     servers[0].stop();
     // One query stuck on the stalled primary: from now on the policy
     // (pending[primary] >= 1) sends reads to the least-pending replica.
     let stuck = tb
         .client
         .run(move || -> std::io::Result<UdpSocket> {
-            let s = UdpSocket::bind("0.0.0.0:0")?;
+            let s = UdpSocket::bind(if v6 { "[::]:0" } else { "0.0.0.0:0" })?;
             s.send_to(&dns::query(0x5eed, ZONE, dns::QTYPE_A), primary)?;
             Ok(s)
         })
         .unwrap()
         .unwrap();
     let pending_before = wait_for_pending(&running, &[1, 0, 0], Duration::from_secs(1));
-    let reassembled_before = tb.client.snmp("Ip", "ReasmOKs").unwrap();
-    let at = format!("@{}", replica_addr(0));
+    let (reassembled_before, reasm_fails_before) = reassembly(&tb, v6);
+    let at = format!("@{}", primary.ip());
     let d = dns::dig(
         &tb.client,
         &[
@@ -418,8 +469,11 @@ fn fragmented_answer_of_a_redirected_query_reaches_dig(ingress: IngressMode, pre
         ],
     )
     .expect("dig");
-    let reassembled = tb.client.snmp("Ip", "ReasmOKs").unwrap() - reassembled_before;
-    let reasm_fails = tb.client.snmp("Ip", "ReasmFails").unwrap();
+    let (reassembled, reasm_fails) = reassembly(&tb, v6);
+    let (reassembled, reasm_fails) = (
+        reassembled - reassembled_before,
+        reasm_fails - reasm_fails_before,
+    );
     let stats = running.selector.lock().unwrap().stats().unwrap();
     servers[0].resume();
     let settled = running.settle(timeout);
@@ -431,9 +485,10 @@ fn fragmented_answer_of_a_redirected_query_reaches_dig(ingress: IngressMode, pre
         .unwrap_or("no MSG SIZE line")
         .to_string();
     println!(
-        "fragmented answer ({}): status {:?}, ANSWER {:?}, {size}, reassembled {reassembled}, \
-         dig {} ms; pending before {pending_before:?}; settled {settled:?}",
+        "fragmented answer ({}, IPv{}): status {:?}, ANSWER {:?}, {size}, reassembled \
+         {reassembled}, dig {} ms; pending before {pending_before:?}; settled {settled:?}",
         ingress.name(),
+        if v6 { 6 } else { 4 },
         d.status(),
         d.answer_count(),
         d.elapsed.as_millis()
@@ -476,10 +531,20 @@ fn fragmented_answer_of_a_redirected_query_reaches_dig(ingress: IngressMode, pre
 
 #[test]
 fn fragmented_nsd_answer_to_a_redirected_query_reaches_dig_xdp() {
-    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Xdp, "ovfx");
+    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Xdp, false, "ovfx");
 }
 
 #[test]
 fn fragmented_nsd_answer_to_a_redirected_query_reaches_dig_tc_ingress() {
-    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Tc, "ovft");
+    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Tc, false, "ovft");
+}
+
+#[test]
+fn fragmented_ipv6_nsd_answer_to_a_redirected_query_reaches_dig_xdp() {
+    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Xdp, true, "ovf6x");
+}
+
+#[test]
+fn fragmented_ipv6_nsd_answer_to_a_redirected_query_reaches_dig_tc_ingress() {
+    fragmented_answer_of_a_redirected_query_reaches_dig(IngressMode::Tc, true, "ovf6t");
 }
