@@ -73,12 +73,12 @@ pub async fn run(args: RunArgs) -> Result<()> {
         }
         None => None,
     };
-    settings
-        .check_interface()
-        .with_context(|| match &netns_info {
-            Some(ns) => format!("in the network namespace of --netns {}", ns.path),
-            None => "in this network namespace".into(),
-        })?;
+    match &netns_info {
+        Some(ns) => settings
+            .check_interface()
+            .with_context(|| format!("in the network namespace of --netns {}", ns.path))?,
+        None => settings.check_interface()?,
+    }
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     // SIGHUP reloads the config file (and no longer ends the process).
