@@ -244,7 +244,7 @@ fn the_attached_line_names_the_namespace() {
 }
 
 #[test]
-fn a_member_routed_by_another_interface_is_warned_about_and_counted() {
+fn a_member_routed_by_another_interface_is_warned_about_and_listed() {
     // The pod has a second interface whose subnet holds one member: requests
     // to it leave there, past the programs on eth0.
     let tb = Testbed::new("selw", 2).unwrap();
@@ -290,8 +290,21 @@ fn a_member_routed_by_another_interface_is_warned_about_and_counted() {
         text.contains("warning: the route to 10.88.0.2:11211 leaves by side0, not eth0"),
         "{text}"
     );
+    // `detach --netns` looks in the pod: it finds the agent there.
+    let (code, text) = selector(&node, &["detach", "--netns", &pod, "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("a selector agent is running on eth0"),
+        "{text}"
+    );
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
+    let (code, text) = selector(&node, &["detach", "--netns", &pod, "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("nothing of the selector is attached to eth0"),
+        "{text}"
+    );
     // Said at start, too.
     let out: Vec<String> = lines.map(Result::unwrap).collect();
     assert!(
