@@ -106,6 +106,8 @@ pub struct Options {
     pub metrics_addr: Option<SocketAddr>,
     /// A resolv.conf whose nameservers form one more group (`--resolv-conf`).
     pub resolv_conf: Option<PathBuf>,
+    /// The network namespace to attach in (`--netns`).
+    pub netns: Option<PathBuf>,
     /// Milliseconds, `auto` or `off` (`--hedge-after`).
     pub hedge_after: Option<HedgeAfter>,
     /// Percent of reads (`--hedge-budget`).
@@ -137,6 +139,9 @@ pub struct RunConfig {
     pub quiet: bool,
     pub pin: Option<PathBuf>,
     pub metrics_addr: Option<SocketAddr>,
+    /// The network namespace the interface is in (`--netns`; None: the
+    /// agent's own).
+    pub netns: Option<PathBuf>,
 }
 
 impl Options {
@@ -184,6 +189,7 @@ impl Options {
             pin: self.pin.or(file.pin),
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
             resolv_conf: self.resolv_conf.or(file.resolv_conf),
+            netns: self.netns.or(file.netns),
             hedge_after: self.hedge_after.or(file.hedge_after),
             hedge_budget: self.hedge_budget.or(file.hedge_budget),
             budget: self.budget.or(file.budget),
@@ -288,6 +294,7 @@ impl Options {
             quiet: self.quiet.unwrap_or(false),
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
+            netns: self.netns.clone(),
         })
     }
 
@@ -792,6 +799,27 @@ members = ["10.0.0.3:1"]
         assert_eq!(c.pin, Some(PathBuf::from("/sys/fs/bpf/sel")));
         let e = err(&with("metrics-addr = \"nowhere\"\n"));
         assert!(e.contains("metrics-addr"), "{e}");
+    }
+
+    #[test]
+    fn netns_comes_from_the_file_or_the_flag() {
+        let file = parse(&with("netns = \"/run/netns/pod1\"\n")).unwrap();
+        let c = file.resolve_with(&Options::default()).unwrap();
+        assert_eq!(c.netns, Some(PathBuf::from("/run/netns/pod1")));
+        let flags = Options {
+            netns: Some(PathBuf::from("/proc/42/ns/net")),
+            ..Options::default()
+        };
+        let c = file.resolve_with(&flags).unwrap();
+        assert_eq!(c.netns, Some(PathBuf::from("/proc/42/ns/net")));
+        assert_eq!(
+            parse(BASE)
+                .unwrap()
+                .resolve_with(&Options::default())
+                .unwrap()
+                .netns,
+            None
+        );
     }
 
     #[test]

@@ -217,6 +217,13 @@ pub enum Reply {
 ///     "age_ms": 120,               since the last sweep wrote it
 ///     "fresh": true                false: the programs move no read
 ///   }
+///   "netns": {"path": "/run/netns/pod1", "id": "net:[4026532301]"}
+///                                  the network namespace attached in
+///                                  (`--netns`); null: the agent's own
+///   "routed_elsewhere": [{"backend": "10.0.0.3:11211", "iface": "eth1"}]
+///                                  members whose route leaves by another
+///                                  interface: the selector does not see
+///                                  requests to them
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -250,6 +257,14 @@ pub struct Status {
     /// The agent's heartbeat as the kernel programs see it.
     #[serde(default)]
     pub heartbeat: Heartbeat,
+    /// The network namespace the agent attached in, with `--netns`.
+    #[serde(default)]
+    pub netns: Option<NetnsInfo>,
+    /// Members whose route leaves by another interface than the attached
+    /// one: requests to them pass no selector program, so they are never
+    /// counted (their pending count stays 0) or steered.
+    #[serde(default)]
+    pub routed_elsewhere: Vec<RoutedElsewhere>,
 }
 
 /// The heartbeat part of [`Status`] (see `selector_common::Config::agent_alive`).
@@ -261,6 +276,22 @@ pub struct Heartbeat {
     pub age_ms: u64,
     /// Within the bound: the programs steer (false: they move no read).
     pub fresh: bool,
+}
+
+/// `--netns` as given, and the namespace's identity.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetnsInfo {
+    pub path: String,
+    /// `net:[INODE]`, as /proc/PID/ns/net links show it.
+    pub id: String,
+}
+
+/// A member whose route leaves by another interface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RoutedElsewhere {
+    pub backend: std::net::SocketAddr,
+    /// The interface its route leaves by.
+    pub iface: String,
 }
 
 /// The settings part of [`Status`].
@@ -337,8 +368,11 @@ impl Status {
             let names: Vec<String> = self.drained.iter().map(|a| a.to_string()).collect();
             names.join(", ")
         };
+        let netns = self.netns.as_ref().map_or(String::new(), |n| {
+            format!(" in netns {} ({})", n.path, n.id)
+        });
         let mut out = format!(
-            "selector on {}: {}\n\
+            "selector on {}{netns}: {}\n\
              proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, tc {}, drained: {drained}\n",
             self.iface,
             s.tunables(),
@@ -370,6 +404,12 @@ impl Status {
                     budget_percent: s.hedge_budget_percent,
                 },
                 &counts,
+            );
+        }
+        for r in &self.routed_elsewhere {
+            out += &format!(
+                "warning: the route to {} leaves by {}, not {}: requests to it are not seen\n",
+                r.backend, r.iface, self.iface
             );
         }
         if !self.build.version.is_empty() {
@@ -609,6 +649,14 @@ mod tests {
                 age_ms: 120,
                 fresh: true,
             },
+            netns: Some(NetnsInfo {
+                path: "/run/netns/pod1".into(),
+                id: "net:[4026532301]".into(),
+            }),
+            routed_elsewhere: vec![RoutedElsewhere {
+                backend: "10.0.0.3:11211".parse().unwrap(),
+                iface: "eth1".into(),
+            }],
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
         round_trip(&Reply::Done {
@@ -645,6 +693,18 @@ mod tests {
         );
         assert!(text.contains("mark 0x01000000"), "{text}");
         assert!(text.contains("drained: 10.0.0.2:11211"), "{text}");
+        assert_eq!(json["netns"]["path"], "/run/netns/pod1");
+        assert_eq!(json["netns"]["id"], "net:[4026532301]");
+        assert_eq!(json["routed_elsewhere"][0]["backend"], "10.0.0.3:11211");
+        assert_eq!(json["routed_elsewhere"][0]["iface"], "eth1");
+        assert!(
+            text.starts_with("selector on eth0 in netns /run/netns/pod1 (net:[4026532301]): "),
+            "{text}"
+        );
+        assert!(
+            text.contains("warning: the route to 10.0.0.3:11211 leaves by eth1, not eth0"),
+            "{text}"
+        );
         assert!(
             text.contains("passed untouched: ingress fragment 4"),
             "{text}"

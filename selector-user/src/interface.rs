@@ -18,6 +18,22 @@ pub fn index(iface: &str) -> anyhow::Result<u32> {
     Ok(index)
 }
 
+/// The name of interface `index` in this network namespace, if it exists.
+pub fn name(index: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: a buffer of IF_NAMESIZE bytes, as if_indextoname needs.
+    let name = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: on success the buffer holds a NUL-terminated name.
+    Some(
+        unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
 /// What `--ingress auto` picks for a device of `kind` (see
 /// [`crate::neighbours::Netlink::link_kind`]). A virtual device (veth, the
 /// interface of every container; bridge, vlan, macvlan, ...) has no native
@@ -94,6 +110,9 @@ mod tests {
         // `lo` exists in every namespace (its address only once it is up).
         assert!(addresses("lo").unwrap().is_some());
         assert_eq!(addresses("nosuch-if0").unwrap(), None);
+        let lo = index("lo").unwrap();
+        assert_eq!(name(lo).as_deref(), Some("lo"));
+        assert_eq!(name(u32::MAX), None);
     }
 
     #[test]

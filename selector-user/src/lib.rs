@@ -15,6 +15,7 @@ pub mod loader;
 mod marks;
 pub mod metrics;
 pub mod neighbours;
+pub mod netns;
 pub mod next_hops;
 pub mod percpu_batch;
 pub mod pinning;

@@ -70,6 +70,11 @@ pub struct Selector {
     pub tc_attach: Option<TcAttach>,
     /// The hedge thread and its settings.
     pub(crate) hedging: crate::hedging::Hedging,
+    /// The network namespace attached in, with `--netns` (set by `run`).
+    pub netns: Option<crate::control::NetnsInfo>,
+    /// Members whose route leaves by another interface than
+    /// `settings.iface`, as [`crate::next_hops::NextHops`] last found.
+    pub routed_elsewhere: Vec<crate::control::RoutedElsewhere>,
 }
 
 /// What `GROUPS` holds for `backends`: per group index, members in order,
@@ -379,6 +384,8 @@ impl Selector {
             tc_attach: None,
             latency_cache: Default::default(),
             hedging: Default::default(),
+            netns: None,
+            routed_elsewhere: Vec::new(),
         };
         selector.write_tables()?;
         let release = crate::preflight::kernel_release();

@@ -509,6 +509,13 @@ impl Collector for StatusCollector {
         )?;
         ConstGauge::new(status.in_flight as u64).encode(family)?;
         let family = e.encode_descriptor(
+            "selector_members_routed_elsewhere",
+            "Members whose route leaves by another interface than the attached one: requests to them are not seen.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(status.routed_elsewhere.len() as u64).encode(family)?;
+        let family = e.encode_descriptor(
             "selector_config_reload_success",
             "1 if the last configuration reload applied (or none was tried since the start), 0 if it was refused.",
             None,
@@ -688,6 +695,11 @@ mod tests {
                 age_ms: 250,
                 fresh: true,
             },
+            netns: None,
+            routed_elsewhere: vec![crate::control::RoutedElsewhere {
+                backend: "10.0.0.9:11211".parse().unwrap(),
+                iface: "eth1".into(),
+            }],
             passed: vec![PassedCount {
                 direction: "egress".into(),
                 reason: "not_a_backend".into(),
@@ -814,6 +826,7 @@ mod tests {
             "{text}"
         );
         assert_eq!(sample(&text, "selector_config_reload_success"), 1.0);
+        assert_eq!(sample(&text, "selector_members_routed_elsewhere"), 1.0);
         assert_eq!(
             sample(&text, "selector_config_reload_timestamp_seconds"),
             1_764_748_800.5

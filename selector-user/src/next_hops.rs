@@ -17,6 +17,7 @@ use selector_common::{NextHopMac, names};
 
 use crate::{
     Selector,
+    control::RoutedElsewhere,
     neighbours::{Netlink, NextHop},
 };
 
@@ -69,18 +70,28 @@ impl NextHops {
             // One lookup per address: members of many groups often share
             // a host (512 backends on one address in the scale benchmark).
             let mut by_addr = HashMap::new();
+            let mut elsewhere = Vec::new();
             self.routes = selector
                 .backends
                 .iter()
                 .map(|b| {
-                    let hop = *by_addr.entry(b.addr.ip()).or_insert_with(|| {
-                        let hop = self.netlink.next_hop(b.addr.ip()).ok();
-                        hop.filter(|h| h.ifindex == self.ifindex)
-                    });
-                    (b.index, hop)
+                    let hop = *by_addr
+                        .entry(b.addr.ip())
+                        .or_insert_with(|| self.netlink.next_hop(b.addr.ip()).ok());
+                    // A member routed by another interface: the programs
+                    // never see requests to it (nor its replies).
+                    if let Some(h) = hop.filter(|h| h.ifindex != self.ifindex) {
+                        elsewhere.push(RoutedElsewhere {
+                            backend: b.addr,
+                            iface: crate::interface::name(h.ifindex)
+                                .unwrap_or_else(|| format!("ifindex {}", h.ifindex)),
+                        });
+                    }
+                    (b.index, hop.filter(|h| h.ifindex == self.ifindex))
                 })
                 .collect();
             self.routes_at = Some(Instant::now());
+            selector.routed_elsewhere = elsewhere;
         }
         let neighbours: HashMap<_, _> = self
             .netlink

@@ -535,6 +535,8 @@ pub struct Reloader {
     pub quiet: bool,
     pin: Option<PathBuf>,
     metrics_addr: Option<SocketAddr>,
+    /// `--netns` as started with.
+    pub netns: Option<PathBuf>,
     /// `--ingress` as asked (`auto` resolves at attach; the file says `auto`).
     requested_ingress: IngressMode,
     /// How the last reload went.
@@ -552,6 +554,7 @@ impl Reloader {
             quiet: start.quiet,
             pin: start.pin.clone(),
             metrics_addr: start.metrics_addr,
+            netns: start.netns.clone(),
             requested_ingress: start.settings.ingress,
             record: ReloadRecord {
                 refused: None,
@@ -642,6 +645,7 @@ impl Reloader {
             ),
             ("duration", seconds(self.duration), seconds(wanted.duration)),
             ("pin", path(&self.pin), path(&wanted.pin)),
+            ("netns", path(&self.netns), path(&wanted.netns)),
             (
                 "metrics-addr",
                 address(self.metrics_addr),

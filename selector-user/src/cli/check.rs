@@ -21,8 +21,17 @@ pub struct CheckArgs {
 /// Checks, and prints one line saying what `run` would run with.
 pub fn check(args: &CheckArgs) -> Result<()> {
     let config = args.run.run_config()?;
+    // The namespace file is checked as `run` checks it; with --host the
+    // interface is looked for in it.
+    let netns = match &config.netns {
+        Some(path) => Some(crate::netns::NetNs::open(path)?),
+        None => None,
+    };
     if args.host {
         crate::preflight::check_host()?;
+        if let Some(ns) = &netns {
+            ns.enter()?;
+        }
         config.settings.check_interface()?;
     }
     let what = match &args.run.config {
@@ -40,8 +49,12 @@ fn summary(config: &RunConfig) -> String {
     let backends: usize = s.groups.iter().map(Vec::len).sum();
     let in_force = SettingsInForce::from(s);
     format!(
-        "iface {}, {} groups, {backends} backends, {}, proto {}, timeout {} ms, {} ingress",
+        "iface {}{}, {} groups, {backends} backends, {}, proto {}, timeout {} ms, {} ingress",
         s.iface,
+        config
+            .netns
+            .as_ref()
+            .map_or(String::new(), |p| format!(" in netns {}", p.display())),
         s.groups.len(),
         in_force.tunables(),
         in_force.proto,
@@ -107,6 +120,23 @@ mod tests {
         );
         // The interface need not exist here: only --host looks at the host.
         check(&args).unwrap();
+        // --netns is checked to be a network namespace, and summed up.
+        let file = good.0.to_str().unwrap();
+        let args = check_args(&["--config", file, "--netns", "/proc/self/ns/net"]);
+        check(&args).unwrap();
+        assert!(
+            summary(&args.run.run_config().unwrap())
+                .starts_with("iface eth9 in netns /proc/self/ns/net, 2 groups"),
+        );
+        let err = check(&check_args(&[
+            "--config",
+            file,
+            "--netns",
+            "/proc/self/ns/uts",
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with("--netns /proc/self/ns/uts: "), "{err}");
         // A flag over the file, as with run.
         let args = check_args(&["--config", good.0.to_str().unwrap(), "--threshold", "0"]);
         assert!(

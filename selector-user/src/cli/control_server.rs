@@ -147,6 +147,8 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
         config_reload_timestamp_seconds: Some(reloader.record.timestamp_seconds()),
         build: crate::build_info::BuildInfo::current(),
         heartbeat: selector.heartbeat_state(),
+        netns: selector.netns.clone(),
+        routed_elsewhere: selector.routed_elsewhere.clone(),
     })
 }
 

@@ -28,10 +28,14 @@ pub struct DetachArgs {
     /// answered before the reply path goes (the agent's --timeout).
     #[arg(long, value_name = "MS", default_value_t = 1000)]
     pub wait: u64,
+    #[command(flatten)]
+    pub netns: super::NetnsArg,
 }
 
 pub fn detach(args: DetachArgs) -> Result<()> {
     let iface = &args.iface;
+    // The interface (and an agent's control socket) are the namespace's.
+    crate::netns::enter_if_given(args.netns.netns.as_deref())?;
     if pinning::agent_running(iface)? {
         bail!(
             "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"

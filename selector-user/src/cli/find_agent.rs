@@ -52,7 +52,8 @@ pub fn only_agent(found: Vec<String>) -> Result<String> {
         [] => bail!(
             "no selector agent is running in this network namespace (no socket @selector/IFACE \
              in /proc/net/unix): start one with `selector run`, or run this command in the \
-             agent's namespace (`ip netns exec NS selector ...`)"
+             agent's namespace (`--netns PATH` as given to `selector run --netns`, or \
+             `ip netns exec NS selector ...`)"
         ),
         several => bail!(
             "{} selector agents run in this network namespace (on {}): name one with --iface",

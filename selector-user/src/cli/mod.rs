@@ -79,12 +79,23 @@ pub enum Command {
     Man(ManArgs),
 }
 
+/// `--netns` of the commands that talk to an agent.
+#[derive(Debug, Default, Args)]
+pub struct NetnsArg {
+    /// The network namespace the agent was attached in (`selector run
+    /// --netns PATH`): its control socket is there. Needs CAP_SYS_ADMIN.
+    #[arg(long, value_name = "PATH")]
+    pub netns: Option<std::path::PathBuf>,
+}
+
 #[derive(Debug, Args)]
 pub struct ReloadArgs {
     /// Interface the agent runs on (in this network namespace); may be
     /// left out when exactly one agent runs in it.
     #[arg(long)]
     pub iface: Option<String>,
+    #[command(flatten)]
+    pub netns: NetnsArg,
 }
 
 #[derive(Debug, Args)]
@@ -93,6 +104,8 @@ pub struct StatusArgs {
     /// left out when exactly one agent runs in it.
     #[arg(long)]
     pub iface: Option<String>,
+    #[command(flatten)]
+    pub netns: NetnsArg,
     /// Print the status as one JSON document (schema: see the README).
     #[arg(long)]
     pub json: bool,
@@ -105,6 +118,8 @@ pub struct SetArgs {
     #[arg(long)]
     pub iface: Option<String>,
     #[command(flatten)]
+    pub netns: NetnsArg,
+    #[command(flatten)]
     pub tunables: Tunables,
 }
 
@@ -114,6 +129,8 @@ pub struct BackendArgs {
     /// left out when exactly one agent runs in it.
     #[arg(long)]
     pub iface: Option<String>,
+    #[command(flatten)]
+    pub netns: NetnsArg,
     /// The backend, as given to --group.
     pub backend: SocketAddr,
 }
@@ -183,23 +200,24 @@ impl From<OnOverloadArg> for OnOverload {
 /// Runs a control command against the agent on its interface and prints
 /// the reply.
 pub fn control(command: Command) -> Result<()> {
-    let (iface, request, json) = match command {
+    let (iface, netns, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
         Command::Check(a) => return check::check(&a),
         Command::Completions(a) => return generate::completions(&a, &mut std::io::stdout()),
         Command::Man(a) => return generate::man(&a, &mut std::io::stdout()),
         Command::Detach(a) => return detach::detach(a),
-        Command::Status(a) => (a.iface, Request::Status, a.json),
-        Command::Reload(a) => (a.iface, Request::Reload, false),
+        Command::Status(a) => (a.iface, a.netns, Request::Status, a.json),
+        Command::Reload(a) => (a.iface, a.netns, Request::Reload, false),
         Command::Set(a) => {
             let change = a.tunables.change();
             if change.is_empty() {
                 bail!("set needs at least one of {TUNABLE_FLAGS}");
             }
-            (a.iface, Request::Set(change), false)
+            (a.iface, a.netns, Request::Set(change), false)
         }
         Command::Drain(a) => (
             a.iface,
+            a.netns,
             Request::Drain {
                 backend: a.backend,
                 drained: true,
@@ -208,6 +226,7 @@ pub fn control(command: Command) -> Result<()> {
         ),
         Command::Undrain(a) => (
             a.iface,
+            a.netns,
             Request::Drain {
                 backend: a.backend,
                 drained: false,
@@ -215,6 +234,8 @@ pub fn control(command: Command) -> Result<()> {
             false,
         ),
     };
+    // The agent's socket is in the namespace it attached in.
+    crate::netns::enter_if_given(netns.netns.as_deref())?;
     let iface = find_agent::agent_iface(iface)?;
     match control::send(&iface, &request)? {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),

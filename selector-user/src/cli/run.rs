@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result, bail};
 use tokio::{
     signal::unix::{Signal, SignalKind, signal},
     time::{Instant, MissedTickBehavior, interval, sleep, sleep_until},
@@ -15,8 +15,17 @@ use super::{
     control_server::{ControlCall, ControlServer},
 };
 use crate::{
-    Selector, config::RunConfig, control::SettingsInForce, health::Health, metrics::MetricsServer,
-    neighbours, next_hops::NextHops, reload::Reloader, sd_notify::Notifier, settings::sweep_period,
+    Selector,
+    config::RunConfig,
+    control::{NetnsInfo, RoutedElsewhere, SettingsInForce},
+    health::Health,
+    metrics::MetricsServer,
+    neighbours,
+    netns::NetNs,
+    next_hops::NextHops,
+    reload::Reloader,
+    sd_notify::Notifier,
+    settings::sweep_period,
     sys, telemetry,
 };
 
@@ -35,21 +44,52 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 pub async fn run(args: RunArgs) -> Result<()> {
     let config = args.run_config()?;
     let settings = &config.settings;
+    let netns = match &config.netns {
+        Some(path) => Some(NetNs::open(path)?),
+        None => None,
+    };
+    if let (Some(ns), Some(dir)) = (&netns, &config.pin) {
+        bail!(
+            "--netns {} with --pin {}: not supported (pins are named by interface, and pods' interfaces share names); run without --pin",
+            ns.path().display(),
+            dir.display()
+        );
+    }
     crate::preflight::check_host()?;
-    settings.check_interface()?;
+    // Bound before entering --netns: the metrics and probes are served in
+    // the namespace the agent was started in.
+    let metrics = match config.metrics_addr {
+        Some(addr) => Some(MetricsServer::bind(addr).await?),
+        None => None,
+    };
+    // From here on, every interface named and socket opened is the
+    // namespace's (see `crate::netns`).
+    let netns_info = match &netns {
+        Some(ns) => {
+            ns.enter()?;
+            Some(NetnsInfo {
+                path: ns.path().display().to_string(),
+                id: ns.id()?,
+            })
+        }
+        None => None,
+    };
+    match &netns_info {
+        Some(ns) => settings
+            .check_interface()
+            .with_context(|| format!("in the network namespace of --netns {}", ns.path))?,
+        None => settings.check_interface()?,
+    }
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
-    let metrics = match config.metrics_addr {
-        Some(addr) => Some(MetricsServer::bind(addr).await?),
-        None => None,
-    };
-    let selector = match &config.pin {
+    let mut selector = match &config.pin {
         Some(dir) => Selector::attach_pinned(settings, dir)?,
         None => Selector::attach(settings)?,
     };
+    selector.netns = netns_info;
     let reloader = Reloader::new(args.config.clone(), args.options(), &config);
     let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
@@ -168,8 +208,11 @@ impl Agent {
             .as_ref()
             .map_or(String::new(), |c| format!("; {c}"));
         let tc = selector.tc_attach.map_or("", |t| t.name());
+        let netns = selector.netns.as_ref().map_or(String::new(), |n| {
+            format!(" in netns {} ({})", n.path, n.id)
+        });
         println!(
-            "selector: attached to {} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
+            "selector: attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             settings.ingress.name(),
             addrs.len(),
@@ -184,6 +227,7 @@ impl Agent {
                 "selector: next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
             );
         }
+        warn_routed_elsewhere(&[], &selector.routed_elsewhere, &settings.iface);
         let interval = config.interval;
         let sweep_every = sweep_period(interval, settings.timeout, settings.heartbeat_bound);
         let last = selector.snapshot()?;
@@ -439,10 +483,16 @@ impl Agent {
     }
 
     fn refresh_next_hops(&mut self) {
+        let before = self.selector.routed_elsewhere.clone();
         // On failure the entries stay as they were; the next tick retries.
         if let Err(e) = self.next_hops.refresh(&mut self.selector) {
             log::warn!("refreshing the next hops failed: {e:#}");
         }
+        warn_routed_elsewhere(
+            &before,
+            &self.selector.routed_elsewhere,
+            &self.selector.settings.iface,
+        );
     }
 
     fn refresh_hedge_delays(&mut self) {
@@ -572,6 +622,28 @@ impl Agent {
             println!("{table}");
         }
         self.last = now;
+    }
+}
+
+/// Says which members' routes now leave by another interface than the
+/// attached one, and which came back: the programs see no request to such
+/// a member, so it is never counted (it looks idle, the least loaded) and
+/// requests addressed to it are never steered.
+fn warn_routed_elsewhere(before: &[RoutedElsewhere], now: &[RoutedElsewhere], iface: &str) {
+    for r in now.iter().filter(|r| !before.contains(r)) {
+        println!(
+            "selector: warning: the route to {} leaves by {}, not {iface}: the selector does not see requests to it (its pending count stays 0); attach to {} or fix the route",
+            r.backend, r.iface, r.iface
+        );
+    }
+    for r in before
+        .iter()
+        .filter(|r| !now.iter().any(|n| n.backend == r.backend))
+    {
+        println!(
+            "selector: the route to {} leaves by {iface} again",
+            r.backend
+        );
     }
 }
 

@@ -158,6 +158,15 @@ pub struct RunArgs {
     /// use /run/systemd/resolve/resolv.conf, resolved's upstream list.
     #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "/etc/resolv.conf")]
     pub resolv_conf: Option<PathBuf>,
+    /// Attach to --iface in this network namespace: a pod's, as
+    /// /proc/PID/ns/net of a process in it or /run/netns/NAME, from an
+    /// agent started in the host's. The agent enters it at start (needs
+    /// CAP_SYS_ADMIN): interface, routes, neighbours and its control socket
+    /// are the namespace's (reach them with `selector status --netns
+    /// PATH`); only --metrics-addr listens where the agent was started.
+    /// Not with --pin.
+    #[arg(long, value_name = "PATH")]
+    pub netns: Option<PathBuf>,
 }
 
 impl RunArgs {
@@ -207,6 +216,7 @@ impl RunArgs {
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
             resolv_conf: self.resolv_conf.clone(),
+            netns: self.netns.clone(),
             hedge_after: t.hedge_after,
             hedge_budget: t.hedge_budget,
             budget: t.budget_ms(),
