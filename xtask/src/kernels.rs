@@ -19,10 +19,29 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{cargo, run, setup};
 
-/// A kernel of the matrix: the Debian package and its release string.
+/// A kernel of the matrix: the Debian package tested, and its series (the
+/// package names `PREFIX<number>SUFFIX`, whose newest stands in when the
+/// archive no longer has this one: Debian keeps only the latest ABI).
 struct Kernel {
     package: &'static str,
-    release: &'static str,
+    prefix: &'static str,
+    suffix: &'static str,
+}
+
+/// A kernel package as unpacked under target/kernels.
+struct Image {
+    package: String,
+    /// `uname -r` of the kernel: the package name without `linux-image-`.
+    release: String,
+}
+
+impl Image {
+    fn of(package: &str) -> Self {
+        Self {
+            package: package.to_string(),
+            release: package.trim_start_matches("linux-image-").to_string(),
+        }
+    }
 }
 
 /// Debian 12's kernel (6.1, no TCX) and the 6.12 LTS of its backports
@@ -31,11 +50,13 @@ struct Kernel {
 const KERNELS: &[Kernel] = &[
     Kernel {
         package: "linux-image-6.1.0-57-amd64",
-        release: "6.1.0-57-amd64",
+        prefix: "linux-image-6.1.0-",
+        suffix: "-amd64",
     },
     Kernel {
         package: "linux-image-6.12.117+deb12-amd64",
-        release: "6.12.117+deb12-amd64",
+        prefix: "linux-image-6.12.",
+        suffix: "+deb12-amd64",
     },
 ];
 
@@ -72,16 +93,22 @@ pub fn test_kernels(only: &[String]) -> Result<()> {
     let dir = root.join("target/kernels");
     fs::create_dir_all(&dir)?;
     vm_tools(&dir)?;
-    let kernels: Vec<&Kernel> = KERNELS
+    let wanted: Vec<&Kernel> = KERNELS
         .iter()
-        .filter(|k| only.is_empty() || only.iter().any(|o| k.release.starts_with(o.as_str())))
+        .filter(|k| {
+            only.is_empty()
+                || only
+                    .iter()
+                    .any(|o| Image::of(k.package).release.starts_with(o.as_str()))
+        })
         .collect();
-    if kernels.is_empty() {
+    if wanted.is_empty() {
         bail!("no kernel of the matrix matches {only:?}");
     }
-    for k in &kernels {
-        unpack(&dir, k)?;
-    }
+    let kernels = wanted
+        .into_iter()
+        .map(|k| unpack(&dir, k))
+        .collect::<Result<Vec<Image>>>()?;
     let built = build(&root)?;
     let mut failed = 0;
     for k in &kernels {
@@ -133,40 +160,82 @@ fn vm_tools(dir: &Path) -> Result<()> {
 }
 
 /// Downloads and unpacks the kernel package (not installed: no bootloader
-/// or initramfs hooks run on this host).
-fn unpack(dir: &Path, k: &Kernel) -> Result<()> {
-    let tree = dir.join(k.package);
-    if vmlinuz(dir, k).exists() {
-        return Ok(());
+/// or initramfs hooks run on this host); the newest of its series when the
+/// archive has dropped it.
+fn unpack(dir: &Path, k: &Kernel) -> Result<Image> {
+    let image = Image::of(k.package);
+    if vmlinuz(dir, &image).exists() {
+        return Ok(image);
     }
-    eprintln!("test-kernels: downloading {}", k.package);
-    let status = Command::new("apt-get")
-        .args(["download", "-q", k.package])
-        .current_dir(dir)
-        .status()?;
-    if !status.success() {
+    let image = if download(dir, k.package)? {
+        image
+    } else {
         // The package lists may be stale on a fresh machine.
         run(Command::new("apt-get").args(["update", "-qq"]))?;
-        run(Command::new("apt-get")
-            .args(["download", "-q", k.package])
-            .current_dir(dir))?;
-    }
+        if download(dir, k.package)? {
+            image
+        } else {
+            let names = Command::new("apt-cache")
+                .args(["pkgnames", k.prefix])
+                .output()?;
+            let names = String::from_utf8_lossy(&names.stdout);
+            let newest = newest_in_series(k.prefix, k.suffix, names.lines())
+                .with_context(|| format!("no package of {}N{} to download", k.prefix, k.suffix))?;
+            eprintln!(
+                "test-kernels: {} is no longer in the archive; testing {newest}, the newest of its series",
+                k.package
+            );
+            if !download(dir, &newest)? {
+                bail!("apt-get download {newest} failed");
+            }
+            Image::of(&newest)
+        }
+    };
     let deb = fs::read_dir(dir)?
         .filter_map(Result::ok)
         .map(|e| e.path())
         .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(&format!("{}_", k.package)) && n.ends_with(".deb"))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with(&format!("{}_", image.package)) && n.ends_with(".deb")
+            })
         })
-        .with_context(|| format!("{} was not downloaded", k.package))?;
-    run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&tree))?;
+        .with_context(|| format!("{} was not downloaded", image.package))?;
+    run(Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(dir.join(&image.package)))?;
     fs::remove_file(deb)?;
-    Ok(())
+    Ok(image)
 }
 
-fn vmlinuz(dir: &Path, k: &Kernel) -> PathBuf {
-    dir.join(k.package)
+/// `apt-get download PACKAGE` into `dir`; whether it succeeded.
+fn download(dir: &Path, package: &str) -> Result<bool> {
+    eprintln!("test-kernels: downloading {package}");
+    Ok(Command::new("apt-get")
+        .args(["download", "-q", package])
+        .current_dir(dir)
+        .status()?
+        .success())
+}
+
+/// The name `PREFIX<number>SUFFIX` with the highest number.
+fn newest_in_series<'a>(
+    prefix: &str,
+    suffix: &str,
+    names: impl Iterator<Item = &'a str>,
+) -> Option<String> {
+    names
+        .filter_map(|n| {
+            let number = n.strip_prefix(prefix)?.strip_suffix(suffix)?;
+            let number: u64 = number.parse().ok()?;
+            Some((number, n))
+        })
+        .max_by_key(|(number, _)| *number)
+        .map(|(_, n)| n.to_string())
+}
+
+fn vmlinuz(dir: &Path, k: &Image) -> PathBuf {
+    dir.join(&k.package)
         .join(format!("boot/vmlinuz-{}", k.release))
 }
 
@@ -227,7 +296,7 @@ struct Report {
 
 /// Boots kernel `k` and runs everything; the outcome read from the files
 /// the guest wrote.
-fn run_guest(dir: &Path, k: &Kernel, built: &Built) -> Result<Report> {
+fn run_guest(dir: &Path, k: &Image, built: &Built) -> Result<Report> {
     let out = dir.join(format!("out-{}", k.release));
     if out.exists() {
         fs::remove_dir_all(&out)?;
@@ -277,12 +346,12 @@ fn run_guest(dir: &Path, k: &Kernel, built: &Built) -> Result<Report> {
 
 /// The guest's script: modules, bpffs, then each step's output and exit
 /// code to files in the shared directory.
-fn guest_script(dir: &Path, k: &Kernel, built: &Built, out: &Path) -> String {
+fn guest_script(dir: &Path, k: &Image, built: &Built, out: &Path) -> String {
     let mut s = String::from("#!/bin/sh\n");
     s += &format!("cd {}\n", setup::workspace_root().display());
     s += &format!(
         "modprobe -d {} -a {} 2>{}/modprobe.log\n",
-        dir.join(k.package).display(),
+        dir.join(&k.package).display(),
         MODULES.join(" "),
         out.display()
     );
@@ -391,4 +460,37 @@ fn summary(result: &str) -> String {
         .trim_start_matches("ok. ")
         .trim_start_matches("FAILED. ")
         .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_of_a_series_stands_in_for_a_dropped_package() {
+        let names = [
+            "linux-image-6.1.0-58-amd64",
+            "linux-image-6.1.0-61-amd64",
+            "linux-image-6.1.0-61-cloud-amd64",
+            "linux-image-6.1.0-9-amd64",
+            "linux-image-6.1.0-61-amd64-dbg",
+            "linux-image-6.12.118+deb12-amd64",
+        ];
+        assert_eq!(
+            newest_in_series("linux-image-6.1.0-", "-amd64", names.into_iter()).as_deref(),
+            Some("linux-image-6.1.0-61-amd64")
+        );
+        assert_eq!(
+            newest_in_series("linux-image-6.12.", "+deb12-amd64", names.into_iter()).as_deref(),
+            Some("linux-image-6.12.118+deb12-amd64")
+        );
+        assert_eq!(
+            newest_in_series("linux-image-5.10.0-", "-amd64", names.into_iter()),
+            None
+        );
+        assert_eq!(
+            Image::of("linux-image-6.1.0-57-amd64").release,
+            "6.1.0-57-amd64"
+        );
+    }
 }
