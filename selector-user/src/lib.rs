@@ -1,38 +1,33 @@
 //! The selector agent as a library: the `selector` binary, the integration
 //! tests and the demo/benchmark drive the same code.
+//!
+//! Layers, top to bottom; a module imports only from its own layer or the
+//! ones below it (`layering` checks every `use crate::` edge):
+//!
+//! - [`cli`]: the command line, its flags and the text it prints;
+//! - [`agent`]: the running agent: its owner loop, the control server,
+//!   reloads, the metrics and probe endpoint, systemd notifications;
+//! - [`datapath`]: the only code that names aya maps, programs and links:
+//!   loading, attaching, adopting and detaching, pins, the in-flight sweep,
+//!   the hedge hand-over in the shared slots, counters read from the maps;
+//! - [`hedging`]: the hedge thread (timer queue, budget, raw-socket sends);
+//! - [`host`]: the host around the programs: interfaces, neighbours and
+//!   routes over netlink, network namespaces, kernel features, syscalls;
+//! - [`api`]: the control protocol's types (also `status --json`);
+//! - [`telemetry`]: the read model of the counters (no I/O, no text);
+//! - [`config`]: settings, their defaults, validation and the config file.
 
-pub mod attachment;
-pub mod build_info;
+pub mod agent;
+pub mod api;
 pub mod cli;
 pub mod config;
-pub mod control;
-pub mod health;
-pub mod hedge_auto;
-pub mod hedge_wire;
+pub mod datapath;
 pub mod hedging;
-pub mod interface;
-pub mod loader;
-mod marks;
-pub mod metrics;
-pub mod neighbours;
-pub mod netns;
-pub mod next_hops;
-pub mod percpu_batch;
-pub mod pinning;
-pub mod plant;
-pub mod preflight;
-pub mod reload;
-pub mod resolv_conf;
-pub mod sd_notify;
-pub mod settings;
-pub mod shared;
-pub mod sweep;
-pub mod sys;
-pub mod tc_attach;
+pub mod host;
 pub mod telemetry;
 
-pub use loader::Selector;
-pub use settings::{IngressMode, Settings};
+#[cfg(test)]
+mod layering;
 
-/// The compiled kernel programs.
-pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/selector"));
+pub use config::settings::{IngressMode, Settings};
+pub use datapath::{EBPF_OBJECT, Selector};

@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 use crate::{netns::Namespace, topology::Testbed};
 
@@ -41,7 +41,10 @@ impl SweptSelector {
             .client
             .run(move || {
                 let mut selector = Selector::attach(&settings)?;
-                selector_user::next_hops::publish_once(&mut selector, Duration::from_secs(1));
+                selector_user::datapath::next_hops::publish_once(
+                    &mut selector,
+                    Duration::from_secs(1),
+                );
                 anyhow::Ok(selector)
             })
             .unwrap()
@@ -292,7 +295,7 @@ pub fn attached(ns: &Namespace, iface: &str) -> Attached {
 }
 
 /// `selector status --json` of the agent on `iface` in `ns`, as `T`
-/// (`selector_user::control::Status`, or a `serde_json::Value`).
+/// (`selector_user::api::Status`, or a `serde_json::Value`).
 pub fn status_json<T: serde::de::DeserializeOwned>(ns: &Namespace, iface: &str) -> T {
     let (code, out) = run_selector(ns, &["status", "--iface", iface, "--json"]);
     assert_eq!(code, 0, "{out}");

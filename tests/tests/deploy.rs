@@ -440,7 +440,7 @@ fn strings(list: &yaml_rust2::Yaml) -> Vec<String> {
 /// and the pins land on the host's bpffs.
 #[test]
 fn the_daemonset_agrees_with_the_unit_and_its_config() {
-    use selector_user::config::{ConfigFile, Options};
+    use selector_user::config::file::{ConfigFile, Options};
     let config_map = manifest("ConfigMap");
     let text = config_map["data"]["selector.toml"].as_str().unwrap();
     let config = ConfigFile::parse(Path::new("selector.toml"), text.to_owned())
@@ -497,8 +497,14 @@ fn the_daemonset_agrees_with_the_unit_and_its_config() {
     );
     // The probes ask the metrics port for the agent's own health paths.
     for (probe, path) in [
-        ("livenessProbe", selector_user::metrics::LIVENESS_PATH),
-        ("readinessProbe", selector_user::metrics::READINESS_PATH),
+        (
+            "livenessProbe",
+            selector_user::agent::metrics::LIVENESS_PATH,
+        ),
+        (
+            "readinessProbe",
+            selector_user::agent::metrics::READINESS_PATH,
+        ),
     ] {
         let get = &container[probe]["httpGet"];
         assert_eq!(get["path"].as_str(), Some(path), "{probe}");

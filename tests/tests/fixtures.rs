@@ -18,7 +18,7 @@ use selector_testbed::frames::{
     egress_marked, fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued,
     settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 fn selector() -> Selector {
     selector_for(Descriptor::memcached(), replica)
@@ -851,7 +851,7 @@ fn a_stale_heartbeat_applies_no_overload_bound() {
 fn a_slot_stuck_in_the_hold_state_is_freed_and_retirement_goes_on() {
     use std::{net::SocketAddr, time::Instant};
 
-    use selector_user::reload::{GroupTable, plan_groups};
+    use selector_user::datapath::regroup::{GroupTable, plan_groups};
 
     let mut sel = selector();
     assert!(sel.plant_hold(5));

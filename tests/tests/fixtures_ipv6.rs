@@ -16,7 +16,7 @@ use selector_testbed::frames::{
     counters, egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for,
     stats, udp6,
 };
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 const CLIENT6: [u8; 16] = [0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
 const CLIENT_PORT: u16 = 40_000;

@@ -25,7 +25,7 @@ use selector_testbed::frames::{
     CLIENT_MAC, GET, PRIMARY_MAC, TC_ACT_PIPE, XDP_PASS, assert_only_changed, egress, passed,
     replica, run_tc, run_xdp, set_issued, settings_for, stats, udp, udp6, verified_endpoints,
 };
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 const CLIENT_PORT: u16 = 40_000;
 /// The read the fragmented reply answers (memcached request id).

@@ -25,8 +25,8 @@ use selector_testbed::{
 };
 use selector_user::{
     IngressMode, Settings,
-    hedge_auto::AUTO_STEP,
-    hedging::{HedgeAfter, HedgeSettings},
+    config::hedge::{HedgeAfter, HedgeSettings},
+    hedging::auto::AUTO_STEP,
 };
 
 const KEYS: usize = 50;

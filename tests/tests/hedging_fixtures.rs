@@ -10,7 +10,7 @@ use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS,
     egress, replica, request, run_tc, run_xdp, settings_for, verified_endpoints,
 };
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 const XDP_DROP: u32 = 1;
 
@@ -294,7 +294,7 @@ fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
         time::{Duration, Instant},
     };
 
-    use selector_user::reload::{GroupTable, plan_groups};
+    use selector_user::datapath::regroup::{GroupTable, plan_groups};
 
     let mut sel = hedged();
     // The hedge to member 1 wins; the primary's late reply is dropped and
@@ -339,7 +339,7 @@ fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
     let counts = sel.hedge_counts().unwrap()[at];
     assert_eq!(
         counts,
-        selector_user::hedging::HedgeCounts {
+        selector_user::telemetry::hedges::HedgeCounts {
             hedge_delay_ns: counts.hedge_delay_ns,
             ..Default::default()
         },

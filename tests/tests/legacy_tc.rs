@@ -18,8 +18,8 @@ use selector_testbed::{
     topology::CLIENT_IFACE,
 };
 use selector_user::{
-    control::Status,
-    tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR},
+    api::Status,
+    host::tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR},
 };
 
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";

@@ -13,7 +13,7 @@ use selector_testbed::{
     preload, run_load,
     topology::{CLIENT_IFACE, replica_addr},
 };
-use selector_user::control::Status;
+use selector_user::api::Status;
 
 /// `ip neigh show` in the client namespace, one line per entry.
 fn neighbours(tb: &Testbed) -> Vec<String> {

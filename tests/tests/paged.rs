@@ -18,7 +18,7 @@ use selector_testbed::{
     paged::{PagedReplica, read_paged, reply_body, set_gso_size},
     topology::CLIENT_IFACE,
 };
-use selector_user::control::Status;
+use selector_user::api::Status;
 
 /// Reads per second, and how many.
 const RATE: u32 = 2000;

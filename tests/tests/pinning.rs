@@ -27,7 +27,7 @@ use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, MemcachedClient, Testbed, agent, bpffs::Bpffs, run_load_on,
     topology::CLIENT_IFACE,
 };
-use selector_user::control::Status;
+use selector_user::api::Status;
 
 const KEYS: usize = 200;
 const TIMEOUT: Duration = Duration::from_millis(200);
@@ -126,7 +126,7 @@ fn status(tb: &Testbed) -> Status {
 /// and ingress: `--ingress auto` on a veth is TC).
 fn attached(tb: &Testbed) -> usize {
     tb.client
-        .run(|| selector_user::pinning::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
+        .run(|| selector_user::datapath::pinning::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
         .unwrap()
         .unwrap()
 }

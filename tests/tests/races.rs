@@ -33,7 +33,7 @@ use selector_testbed::frames::{
     CLIENT, IP_CHECK, IP_DST, IP_SRC, REPLICAS, TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST,
     UDP_SRC, XDP_PASS, assert_only_changed, replica, settings_for, stats, udp, verified_endpoints,
 };
-use selector_user::{Selector, sweep::SweepReport, sys};
+use selector_user::{Selector, datapath::sweep::SweepReport, host::sys};
 
 /// Client sockets, and request ids per socket: `PORTS * IDS` keys, each
 /// reissued as soon as it is gone.

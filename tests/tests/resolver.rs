@@ -23,7 +23,7 @@ use selector_testbed::{
     dns::{APEX_A, DNS_PORT, Nsd, QTYPE_A, ZONE, query},
     topology::{CLIENT_IFACE, replica_addr, replica_addr6},
 };
-use selector_user::control::Status;
+use selector_user::api::Status;
 
 /// /etc/netns/NS/resolv.conf: what `ip netns exec NS` shows processes as
 /// /etc/resolv.conf. Removed on drop.

@@ -5,7 +5,7 @@ use anyhow::Result;
 use clap::Args;
 
 use super::RunArgs;
-use crate::{config::RunConfig, control::SettingsInForce};
+use crate::{api::SettingsInForce, config::file::RunConfig};
 
 #[derive(Debug, Args)]
 pub struct CheckArgs {
@@ -24,15 +24,15 @@ pub fn check(args: &CheckArgs) -> Result<()> {
     // The namespace file is checked as `run` checks it; with --host the
     // interface is looked for in it.
     let netns = match &config.netns {
-        Some(path) => Some(crate::netns::NetNs::open(path)?),
+        Some(path) => Some(crate::host::netns::NetNs::open(path)?),
         None => None,
     };
     if args.host {
-        crate::preflight::check_host()?;
+        crate::host::preflight::check_host()?;
         if let Some(ns) = &netns {
             ns.enter()?;
         }
-        config.settings.check_interface()?;
+        crate::host::interface::check(&config.settings)?;
     }
     let what = match &args.run.config {
         Some(path) => path.display().to_string(),

@@ -8,8 +8,9 @@ use anyhow::{Result, bail};
 use clap::Args;
 
 use crate::{
-    interface, neighbours,
-    pinning::{self, DEFAULT_PIN_DIR, PinDir},
+    datapath::pinning::{self, DEFAULT_PIN_DIR, PinDir},
+    host::interface,
+    host::neighbours,
 };
 
 #[derive(Debug, Args)]
@@ -35,7 +36,7 @@ pub struct DetachArgs {
 pub fn detach(args: DetachArgs) -> Result<()> {
     let iface = &args.iface;
     // The interface (and an agent's control socket) are the namespace's.
-    crate::netns::enter_if_given(args.netns.netns.as_deref())?;
+    crate::host::netns::enter_if_given(args.netns.netns.as_deref())?;
     if pinning::agent_running(iface)? {
         bail!(
             "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"

@@ -1,7 +1,7 @@
 //! Which agent a control command (`status`, `set`, `drain`, `undrain`,
 //! `reload`) talks to when `--iface` is left out: the only one running in
 //! this network namespace. Each agent listens on the abstract Unix socket
-//! `selector/IFACE` (see [`crate::control`]); the namespace's listening
+//! `selector/IFACE` (see [`crate::api`]); the namespace's listening
 //! sockets are in /proc/net/unix, abstract names written with a leading `@`.
 
 use anyhow::{Context as _, Result, bail};

@@ -49,7 +49,7 @@ pub fn man(args: &ManArgs, out: &mut impl Write) -> Result<()> {
                 bail!("no subcommand '{name}'; one of {}", names.join(", "));
             };
             // Built: its display name is `selector-NAME`, its bin name `selector NAME`.
-            sub.clone().version(crate::build_info::LONG_VERSION)
+            sub.clone().version(crate::api::build_info::LONG_VERSION)
         }
     };
     clap_mangen::Man::new(page)
@@ -108,7 +108,7 @@ mod tests {
         assert!(selector.contains("selector\\-run(1)"), "{selector}");
         let run = page(Some("run")).unwrap();
         assert!(run.contains(".TH selector-run 1"), "{run}");
-        assert!(run.contains(crate::build_info::LONG_VERSION), "{run}");
+        assert!(run.contains(crate::api::build_info::LONG_VERSION), "{run}");
         assert!(run.contains("\\-\\-tie\\-break"), "{run}");
         let err = page(Some("nosuch")).unwrap_err().to_string();
         assert!(

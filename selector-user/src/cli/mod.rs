@@ -4,7 +4,6 @@
 //! in [`detach`]; `check` in [`check`].
 
 mod check;
-mod control_server;
 mod detach;
 mod find_agent;
 mod generate;
@@ -26,14 +25,14 @@ pub use run_args::RunArgs;
 pub use tunables::{TUNABLE_FLAGS, Tunables};
 
 use crate::{
-    control::{self, Reply, Request},
-    settings::OnOverload,
+    api::{self, Reply, Request},
+    config::settings::OnOverload,
 };
 
 #[derive(Debug, Parser)]
 #[command(
     name = "selector",
-    version = crate::build_info::LONG_VERSION,
+    version = crate::api::build_info::LONG_VERSION,
     about = "Kernel-space replica selector: steers reads away from a stalled replica",
     long_about = "Kernel-space replica selector.\n\n\
         eBPF programs on the client's interface count the requests pending at each \
@@ -235,9 +234,9 @@ pub fn control(command: Command) -> Result<()> {
         ),
     };
     // The agent's socket is in the namespace it attached in.
-    crate::netns::enter_if_given(netns.netns.as_deref())?;
+    crate::host::netns::enter_if_given(netns.netns.as_deref())?;
     let iface = find_agent::agent_iface(iface)?;
-    match control::send(&iface, &request)? {
+    match api::send(&iface, &request)? {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
         Reply::Status(status) => print!("{}", status.render()),
         Reply::Done { message } => println!("{message}"),

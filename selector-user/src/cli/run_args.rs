@@ -1,5 +1,5 @@
 //! The flags of `selector run` and their translation into [`Options`],
-//! laid over the config file's (see [`crate::config`]).
+//! laid over the config file's (see [`crate::config::file`]).
 
 use std::{fmt, net::SocketAddr, path::PathBuf};
 
@@ -9,9 +9,9 @@ use selector_common::{Policy, TieBreak};
 
 use super::tunables::Tunables;
 use crate::{
-    config::{ConfigFile, GroupSpec, Options, RunConfig},
-    pinning::DEFAULT_PIN_DIR,
-    settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
+    config::file::{ConfigFile, GroupSpec, Options, RunConfig},
+    config::settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
+    datapath::pinning::DEFAULT_PIN_DIR,
 };
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -250,8 +250,8 @@ mod tests {
     use super::*;
     use crate::{
         cli::{Cli, Command},
-        hedging::HedgeAfter,
-        settings::{MAX_TIMEOUT_MS, OnOverload},
+        config::hedge::HedgeAfter,
+        config::settings::{MAX_TIMEOUT_MS, OnOverload},
     };
 
     fn parse(args: &[&str]) -> Result<Settings> {

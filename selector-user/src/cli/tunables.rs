@@ -8,9 +8,9 @@ use selector_common::{Policy, TieBreak};
 
 use super::{OnOverloadArg, PolicyArg, TieBreakArg};
 use crate::{
-    control::SettingsChange,
-    hedging::HedgeAfter,
-    settings::{OnOverload, parse_millis},
+    api::SettingsChange,
+    config::hedge::HedgeAfter,
+    config::settings::{OnOverload, parse_millis},
 };
 
 /// The flag names, in the order `selector set` lists them.

@@ -502,7 +502,7 @@ fn set_timer_slack() {
 }
 
 pub fn monotonic_ns() -> u64 {
-    selector_user::sys::monotonic_ns()
+    selector_user::host::sys::monotonic_ns()
 }
 
 #[cfg(test)]

@@ -35,7 +35,7 @@ use aya::{
 };
 use etherparse::PacketBuilder;
 use selector_common::{Endpoint, InflightKey, TieBreak, names, programs};
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 use crate::{memcached::frame, netns::Namespace};
 

@@ -4,14 +4,15 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use selector_common::{OnOverload, Policy, TieBreak};
-use selector_user::hedging::HedgeAfter;
+use selector_user::config::hedge::HedgeAfter;
 
 use super::client::ClientPolicy;
 
 /// The latency policy's budget in the benchmark: the agent's default.
 /// Reads sent in a stall's first `budget` wait it out, 0.2% of reads with
 /// 1 ms of a stall every 500 ms, under the p99 the target is about.
-pub const LATENCY_BUDGET_MS: u32 = selector_user::settings::DEFAULT_BUDGET.as_millis() as u32;
+pub const LATENCY_BUDGET_MS: u32 =
+    selector_user::config::settings::DEFAULT_BUDGET.as_millis() as u32;
 
 /// One policy under test.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -28,7 +28,7 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use selector_common::{InflightKey, MAX_GROUP_MEMBERS, MAX_GROUPS};
-use selector_user::{Selector, Settings, sys};
+use selector_user::{Selector, Settings, host::sys};
 
 use super::{
     agent_process::{AgentChild, check_agent, start_agent},

@@ -18,7 +18,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use selector_common::{Policy, programs};
-use selector_user::{IngressMode, Selector, Settings, hedging::HedgeSettings, next_hops};
+use selector_user::{
+    IngressMode, Selector, Settings, config::hedge::HedgeSettings, datapath::next_hops,
+};
 
 use super::{
     client::{

@@ -15,7 +15,9 @@ use std::io;
 use anyhow::{Context as _, Result};
 use selector_common::programs;
 
-use crate::{IngressMode, Selector, interface, neighbours::Netlink};
+use crate::{
+    config::settings::IngressMode, datapath::Selector, host::interface, host::neighbours::Netlink,
+};
 
 /// What of the selector is not attached to its interface (empty: all is).
 pub fn missing(selector: &Selector) -> Result<Vec<String>> {
@@ -32,7 +34,7 @@ pub fn missing(selector: &Selector) -> Result<Vec<String>> {
     };
     // Legacy tc filters are not listed here (no TCX chain to read): taken
     // as attached.
-    let legacy = selector.tc_attach == Some(crate::tc_attach::TcAttach::Netlink);
+    let legacy = selector.tc_attach == Some(crate::host::tc_attach::TcAttach::Netlink);
     let in_tcx = |attach: TcxSide, id: u32| -> Result<bool> {
         if legacy {
             return Ok(true);

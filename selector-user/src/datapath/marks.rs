@@ -8,8 +8,8 @@ use std::{ops::Range, sync::atomic::Ordering};
 use selector_common::inflight::{AGENT_HOLD, FREE, MARK_BITS};
 
 use crate::{
-    Selector,
-    shared::{atomic, load},
+    datapath::Selector,
+    host::shared::{atomic, load},
 };
 
 /// Mark words whose slots are prefetched together.

@@ -1,11 +1,16 @@
 //! What the host says about a network interface: its index, and its
-//! addresses read with getifaddrs(3).
+//! addresses read with getifaddrs(3), and whether it can carry the
+//! settings' groups.
 
 use std::{
     ffi::CStr,
     io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
 };
+
+use anyhow::{Result, bail};
+
+use crate::config::settings::{Settings, is_ipv6_group};
 
 /// The interface index of `iface` in this network namespace.
 pub fn index(iface: &str) -> anyhow::Result<u32> {
@@ -35,20 +40,20 @@ pub fn name(index: u32) -> Option<String> {
 }
 
 /// What `--ingress auto` picks for a device of `kind` (see
-/// [`crate::neighbours::Netlink::link_kind`]). A virtual device (veth, the
+/// [`crate::host::neighbours::Netlink::link_kind`]). A virtual device (veth, the
 /// interface of every container; bridge, vlan, macvlan, ...) has no native
 /// XDP worth its cost: XDP there puts the device on an XDP receive path that
 /// costs more than the program, so TC ingress. A device a hardware driver
 /// made gets XDP in native (driver) mode, falling back to TC ingress at
 /// attach if the driver has none.
-pub fn auto_ingress(kind: Option<&str>) -> (crate::IngressMode, String) {
+pub fn auto_ingress(kind: Option<&str>) -> (crate::config::settings::IngressMode, String) {
     match kind {
         Some(kind) => (
-            crate::IngressMode::Tc,
+            crate::config::settings::IngressMode::Tc,
             format!("auto: a {kind} device, no native XDP worth its cost"),
         ),
         None => (
-            crate::IngressMode::Xdp,
+            crate::config::settings::IngressMode::Xdp,
             "auto: a driver's device, native XDP".into(),
         ),
     }
@@ -101,9 +106,39 @@ pub fn addresses(iface: &str) -> io::Result<Option<Vec<IpAddr>>> {
     Ok(found.then_some(addrs))
 }
 
+/// Checks the host side: the interface exists in this network namespace
+/// and has an address of each family the groups use (a redirect leaves
+/// from the interface's own address).
+pub fn check(settings: &Settings) -> Result<()> {
+    let Some(addrs) = addresses(&settings.iface)? else {
+        bail!("interface '{}' not found", settings.iface)
+    };
+    let wants_v6 = settings.groups.iter().any(|m| is_ipv6_group(m));
+    let wants_v4 = settings.groups.iter().any(|m| !is_ipv6_group(m)) || !wants_v6;
+    if wants_v4 && !addrs.iter().any(IpAddr::is_ipv4) {
+        bail!("interface '{}' has no IPv4 address", settings.iface)
+    }
+    if wants_v6 && !addrs.iter().any(IpAddr::is_ipv6) {
+        bail!(
+            "interface '{}' has no IPv6 address (an IPv6 group needs one)",
+            settings.iface
+        )
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interface_checks_name_the_problem() {
+        let s = Settings::new("nosuch0", vec![]);
+        assert_eq!(
+            check(&s).unwrap_err().to_string(),
+            "interface 'nosuch0' not found"
+        );
+    }
 
     #[test]
     fn loopback_exists_and_a_made_up_name_does_not() {
@@ -119,9 +154,12 @@ mod tests {
     fn auto_ingress_is_tc_on_virtual_devices_and_native_xdp_on_drivers() {
         for kind in ["veth", "bridge", "vlan", "macvlan", "dummy"] {
             let (mode, why) = auto_ingress(Some(kind));
-            assert_eq!(mode, crate::IngressMode::Tc);
+            assert_eq!(mode, crate::config::settings::IngressMode::Tc);
             assert!(why.contains(kind), "{why}");
         }
-        assert_eq!(auto_ingress(None).0, crate::IngressMode::Xdp);
+        assert_eq!(
+            auto_ingress(None).0,
+            crate::config::settings::IngressMode::Xdp
+        );
     }
 }

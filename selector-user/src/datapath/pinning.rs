@@ -47,11 +47,11 @@ use selector_common::{
 };
 
 use crate::{
-    attachment::{TcxSide, tcx_program_ids},
-    control,
-    settings::{IngressMode, Settings},
-    shared::{SharedArray, load},
-    sys,
+    api,
+    config::settings::{IngressMode, Settings},
+    datapath::attachment::{TcxSide, tcx_program_ids},
+    host::shared::{SharedArray, load},
+    host::sys,
 };
 
 /// Where `--pin` without a value pins.
@@ -407,7 +407,7 @@ impl PinDir {
             };
             // Ids only: opening the programs by id (aya's `query_tcx`)
             // takes CAP_SYS_ADMIN, which the agent runs without.
-            let attached = tcx_program_ids(crate::interface::index(iface)?, side)
+            let attached = tcx_program_ids(crate::host::interface::index(iface)?, side)
                 .with_context(|| format!("querying the TCX programs of {iface}"))?;
             if !attached.contains(&program) {
                 bail!(
@@ -541,7 +541,7 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
 /// Whether an agent serves the control socket of `iface` in this network
 /// namespace.
 pub fn agent_running(iface: &str) -> Result<bool> {
-    let address = control::address(iface)?;
+    let address = api::address(iface)?;
     Ok(std::os::unix::net::UnixListener::bind_addr(&address)
         .is_err_and(|e| e.kind() == std::io::ErrorKind::AddrInUse))
 }
@@ -732,7 +732,7 @@ pub fn detach_attached(iface: &str) -> Result<Vec<String>> {
     }
     // Legacy tc filters (kernels without TCX, or SELECTOR_TC_ATTACH=netlink)
     // are found by name.
-    done.extend(crate::tc_attach::detach_filters(
+    done.extend(crate::host::tc_attach::detach_filters(
         iface,
         &[
             (selector_common::programs::EGRESS, TcAttachType::Egress),

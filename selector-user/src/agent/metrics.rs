@@ -6,7 +6,7 @@
 //! `promtool check metrics`).
 //!
 //! `GET /healthz` and `GET /readyz` answer 200 or 503 with a short text
-//! (see [`crate::health`]); other paths 404.
+//! (see [`crate::agent::health`]); other paths 404.
 //!
 //! Per-backend metrics carry the labels `backend` (addr:port) and `group`
 //! (from 1 in `--group` order). Counters are totals since the agent started.
@@ -32,8 +32,8 @@ use tokio::{
 };
 
 use crate::{
-    control::Status,
-    health::{self, Health},
+    agent::health::{self, Health},
+    api::Status,
     telemetry::BackendTotals,
 };
 
@@ -336,7 +336,7 @@ impl Collector for StatusCollector {
         let status = &self.0;
         let backends = &status.backends;
         let e = &mut encoder;
-        crate::build_info::encode_metric(e, &status.build)?;
+        crate::api::build_info::encode_metric(e, &status.build)?;
         let counters: [BackendCounter; 9] = [
             (
                 "selector_requests",
@@ -641,8 +641,8 @@ fn prometheus_buckets(counts: &[u64]) -> (Vec<(f64, u64)>, f64) {
 mod tests {
     use super::*;
     use crate::{
-        control::SettingsInForce,
-        settings::Settings,
+        api::SettingsInForce,
+        config::settings::Settings,
         telemetry::{BackendTail, LastInterval, PassedCount, latency_buckets},
     };
     use selector_common::BackendStats;
@@ -686,17 +686,17 @@ mod tests {
             tc_attach: "tcx".into(),
             config_reload_success: Some(true),
             config_reload_timestamp_seconds: Some(1_764_748_800.5),
-            build: crate::build_info::BuildInfo {
+            build: crate::api::build_info::BuildInfo {
                 version: "0.1.0".into(),
                 commit: "8ab3247".into(),
             },
-            heartbeat: crate::control::Heartbeat {
+            heartbeat: crate::api::Heartbeat {
                 bound_ms: 1000,
                 age_ms: 250,
                 fresh: true,
             },
             netns: None,
-            routed_elsewhere: vec![crate::control::RoutedElsewhere {
+            routed_elsewhere: vec![crate::api::RoutedElsewhere {
                 backend: "10.0.0.9:11211".parse().unwrap(),
                 iface: "eth1".into(),
             }],

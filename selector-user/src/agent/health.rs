@@ -1,8 +1,8 @@
 //! What `/healthz` and `/readyz` on the metrics endpoint answer.
 //!
-//! The agent's owner loop (`cli::run`) records in a [`Health`] when it
+//! The agent's owner loop (`crate::agent::run`) records in a [`Health`] when it
 //! turns, when a sweep completes, whether the programs are attached (checked
-//! every second, see [`crate::attachment`]),
+//! every second, see [`crate::datapath::attachment`]),
 //! whether the last reload was refused and whether it is stopping; the
 //! endpoint reads a copy and decides with the pure functions [`liveness`]
 //! and [`readiness`]:

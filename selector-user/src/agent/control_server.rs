@@ -11,9 +11,9 @@ use tokio::{
 };
 
 use crate::{
-    Selector,
-    control::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
-    reload::Reloader,
+    agent::reload::Reloader,
+    api::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
+    datapath::Selector,
     telemetry::{self, TailHistory},
 };
 
@@ -39,13 +39,14 @@ impl ControlServer {
     /// Claims the interface's socket name. Bound before attaching, this is
     /// also what refuses a second agent on the same interface.
     pub fn bind(iface: &str) -> Result<Self> {
-        let listener = std::os::unix::net::UnixListener::bind_addr(&control::address(iface)?)
-            .map_err(|e| match e.kind() {
+        let listener = std::os::unix::net::UnixListener::bind_addr(&api::address(iface)?).map_err(
+            |e| match e.kind() {
                 std::io::ErrorKind::AddrInUse => {
                     anyhow!("a selector is already running on {iface} in this network namespace")
                 }
                 _ => e.into(),
-            })?;
+            },
+        )?;
         listener.set_nonblocking(true)?;
         let (calls_tx, calls_rx) = mpsc::channel(8);
         Ok(Self {
@@ -141,11 +142,11 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
         drained: selector.drained()?,
         passed: telemetry::passed_counts(&now.passed),
         backends: telemetry::totals(&selector.backends, &now, tails),
-        hedges: crate::hedging::total(&now.hedges),
+        hedges: crate::telemetry::hedges::total(&now.hedges),
         tc_attach: selector.tc_attach.map_or("", |t| t.name()).into(),
         config_reload_success: Some(reloader.record.success()),
         config_reload_timestamp_seconds: Some(reloader.record.timestamp_seconds()),
-        build: crate::build_info::BuildInfo::current(),
+        build: crate::api::build_info::BuildInfo::current(),
         heartbeat: selector.heartbeat_state(),
         netns: selector.netns.clone(),
         routed_elsewhere: selector.routed_elsewhere.clone(),

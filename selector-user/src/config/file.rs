@@ -26,9 +26,9 @@ use serde::{Deserialize, Serialize};
 use toml::de::{DeTable, DeValue};
 
 use crate::{
-    control::{Named, by_name},
-    hedging::{HedgeAfter, HedgeSettings},
-    settings::{
+    config::hedge::{HedgeAfter, HedgeSettings},
+    config::names::{Named, by_name},
+    config::settings::{
         DEFAULT_BUDGET, DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol,
         SettingKey, Settings, default_heartbeat_bound, invalid, millis,
     },
@@ -308,14 +308,17 @@ impl Options {
             Ok(text) => text,
             Err(e) => return invalid(key, format!("reading {}: {e}", path.display())),
         };
-        let (servers, skipped) = crate::resolv_conf::nameservers(&text);
+        let (servers, skipped) = crate::config::resolv_conf::nameservers(&text);
         if servers.is_empty() {
             return invalid(key, format!("{} names no nameserver", path.display()));
         }
-        let upstream = Path::new(crate::resolv_conf::RESOLVED_UPSTREAM);
-        if let Err(e) =
-            crate::resolv_conf::refuse_resolved_stub(path, &servers, upstream, upstream.exists())
-        {
+        let upstream = Path::new(crate::config::resolv_conf::RESOLVED_UPSTREAM);
+        if let Err(e) = crate::config::resolv_conf::refuse_resolved_stub(
+            path,
+            &servers,
+            upstream,
+            upstream.exists(),
+        ) {
             return invalid(key, e);
         }
         if !skipped.is_empty() {
@@ -629,7 +632,7 @@ fn is_literal(member: &str) -> bool {
 mod tests {
     use super::*;
 
-    const SAMPLE: &str = include_str!("../../deploy/selector.toml");
+    const SAMPLE: &str = include_str!("../../../deploy/selector.toml");
 
     fn parse(text: &str) -> Result<ConfigFile> {
         ConfigFile::parse(Path::new("sel.toml"), text.to_string())

@@ -9,7 +9,7 @@ use std::os::fd::{AsFd as _, AsRawFd as _};
 use anyhow::{Context as _, Result, bail};
 use aya::maps::Map;
 
-use crate::sys::lookup_batch;
+use crate::host::sys::lookup_batch;
 
 /// Elements asked for per call.
 const CHUNK: u32 = 4096;

@@ -1,13 +1,14 @@
-//! Reading the maps into snapshots, per-backend totals, and printing the
-//! live table and the summary.
+//! The read model of the counters: snapshots of the maps (read by
+//! `crate::datapath`), per-backend totals, interval tails and blame. No I/O,
+//! no text (the agent renders them).
+
+pub mod hedges;
 
 use std::{
-    fmt::Write as _,
     net::SocketAddr,
     time::{Duration, Instant},
 };
 
-use anyhow::Result;
 use selector_common::{
     BackendStats,
     blame::{self, TAIL_QUANTILE},
@@ -15,7 +16,7 @@ use selector_common::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{Selector, settings::BackendPlan};
+use crate::config::settings::BackendPlan;
 
 /// Everything the table needs, read at one moment.
 #[derive(Clone, Debug)]
@@ -29,7 +30,7 @@ pub struct Snapshot {
     /// Packets passed untouched: (direction, reason, count).
     pub passed: Vec<(String, String, u64)>,
     /// Hedging counters per backend.
-    pub hedges: Vec<crate::hedging::HedgeCounts>,
+    pub hedges: Vec<hedges::HedgeCounts>,
     /// Service time per backend, ns (0: not measured).
     pub service_ns: Vec<u64>,
 }
@@ -47,36 +48,8 @@ impl Snapshot {
     }
 }
 
-impl Selector {
-    pub fn snapshot(&self) -> Result<Snapshot> {
-        let accounting = self.accounting()?;
-        // Every live request is pending at exactly one backend: the count
-        // costs no visit of the in-flight table.
-        let inflight = accounting
-            .iter()
-            .map(|&(issued, completed, expired)| {
-                selector_common::pending_of(issued, completed, expired)
-            })
-            .sum::<u64>() as usize;
-        Ok(Snapshot {
-            at: Instant::now(),
-            accounting,
-            stats: self.stats()?,
-            latency: self.latency()?,
-            inflight,
-            passed: self
-                .passed()?
-                .into_iter()
-                .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
-                .collect(),
-            hedges: self.hedge_counts()?,
-            service_ns: self.service_times(),
-        })
-    }
-}
-
 /// One backend's counters since start (also an element of `selector status
-/// --json`; see [`crate::control::Status`]). Fields added later default when
+/// --json`; see [`crate::api::Status`]). Fields added later default when
 /// absent, so a newer `selector status` reads an older agent's reply.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BackendTotals {
@@ -108,7 +81,7 @@ pub struct BackendTotals {
     pub tail: BackendTail,
     /// Hedging counters, as fields of this object.
     #[serde(flatten)]
-    pub hedges: crate::hedging::HedgeCounts,
+    pub hedges: hedges::HedgeCounts,
     /// Recent time per completed request (the latency policy's service
     /// time); `None` until measured.
     #[serde(default)]
@@ -305,133 +278,20 @@ pub fn passed_counts(passed: &[(String, String, u64)]) -> Vec<PassedCount> {
         .collect()
 }
 
-fn format_ns(ns: Option<u64>) -> String {
-    match ns {
-        None => "-".into(),
-        Some(ns) if ns < 1_000_000 => format!("{}us", ns / 1000),
-        Some(ns) if ns < 1_000_000_000 => format!("{:.1}ms", ns as f64 / 1e6),
-        Some(ns) => format!("{:.2}s", ns as f64 / 1e9),
-    }
-}
-
-fn format_share(share: Option<f64>) -> String {
-    share.map_or_else(|| "-".into(), |s| format!("{s:.2}"))
-}
-
-fn delta(now: &[u64], before: &[u64]) -> Vec<u64> {
+/// Per-bucket growth from `before` to `now`.
+pub fn delta(now: &[u64], before: &[u64]) -> Vec<u64> {
     now.iter()
         .zip(before)
         .map(|(a, b)| a.saturating_sub(*b))
         .collect()
 }
 
-/// The live table: rates, latency quantiles and tail blame over the interval
-/// since `before` (the last one `tails` recorded), pending as of now; then
-/// the footer.
-pub fn render_table(
-    backends: &[BackendPlan],
-    before: &Snapshot,
-    now: &Snapshot,
-    tails: &TailHistory,
-) -> String {
-    let secs = now.at.duration_since(before.at).as_secs_f64().max(1e-3);
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}",
-        "backend", "group", "pending", "req/s", "away/s", "to/s", "timeouts", "p50", "p99", "blame"
-    );
-    for (i, b) in backends.iter().enumerate() {
-        let (s, p) = (&now.stats[i], &before.stats[i]);
-        let hist = delta(&now.latency[i], &before.latency[i]);
-        let rate = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
-        let _ = writeln!(
-            out,
-            "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9} {:>6}",
-            b.addr.to_string(),
-            b.group + 1,
-            now.pending(i),
-            rate(s.requests, p.requests),
-            rate(s.redirected_away, p.redirected_away),
-            rate(s.redirected_to, p.redirected_to),
-            now.expired(i),
-            format_ns(latency::quantile_ns(&hist, 0.5)),
-            format_ns(latency::quantile_ns(&hist, 0.99)),
-            format_share(tails.backend(i).tail_blame),
-        );
-    }
-    out += &render_footer(
-        now.inflight,
-        &totals(backends, now, tails),
-        &passed_counts(&now.passed),
-    );
-    out
-}
-
-/// Totals since start, one row per backend (printed on exit and by `selector status`).
-pub fn render_summary(totals: &[BackendTotals]) -> String {
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
-        "backend", "requests", "responses", "away", "to", "timeouts", "p50", "p99", "pending"
-    );
-    for t in totals {
-        let _ = writeln!(
-            out,
-            "{:<22} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8}",
-            t.backend.to_string(),
-            t.stats.requests,
-            t.stats.responses,
-            t.stats.redirected_away,
-            t.stats.redirected_to,
-            t.expired,
-            format_ns(t.p50_ns),
-            format_ns(t.p99_ns),
-            t.pending,
-        );
-    }
-    out
-}
-
-/// The counters that belong to no single row: entries in flight, requests
-/// passed without tracking, and packets passed untouched by reason.
-pub fn render_footer(in_flight: usize, totals: &[BackendTotals], passed: &[PassedCount]) -> String {
-    let mut all = BackendStats::default();
-    for t in totals {
-        all.add(&t.stats);
-    }
-    let mut out = format!(
-        "in flight {}  untracked {}  no reply expected {}  id collisions {}  unmatched replies {}  late replies {}\n\
-         overloaded: passed {}  dropped {}  rejected {}\n",
-        in_flight,
-        all.untracked,
-        all.no_reply,
-        all.id_collisions,
-        all.unmatched_responses,
-        all.late_responses,
-        all.overload_passed,
-        all.overload_dropped,
-        all.overload_rejected,
-    );
-    out += "passed untouched:";
-    if passed.is_empty() {
-        out += " none";
-    }
-    for (i, p) in passed.iter().enumerate() {
-        let separator = if i == 0 { " " } else { ", " };
-        let _ = write!(out, "{separator}{} {} {}", p.direction, p.reason, p.count);
-    }
-    out.push('\n');
-    out
-}
-
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
-    fn snap(at: Instant, requests: u64, away: u64, lat_us: &[u64]) -> Snapshot {
+    pub(crate) fn snap(at: Instant, requests: u64, away: u64, lat_us: &[u64]) -> Snapshot {
         let mut hist = vec![0u64; latency::LATENCY_BUCKETS as usize];
         for us in lat_us {
             hist[latency::bucket(us * 1000) as usize] += 1;
@@ -450,99 +310,6 @@ mod tests {
             hedges: vec![],
             service_ns: vec![0],
         }
-    }
-
-    #[test]
-    fn table_shows_interval_rates_and_quantiles() {
-        let backends = [BackendPlan {
-            index: 0,
-            addr: "10.0.0.1:11211".parse().unwrap(),
-            group: 0,
-        }];
-        let t0 = Instant::now();
-        let before = snap(t0, 100, 10, &[100]);
-        let now = snap(
-            t0 + Duration::from_secs(2),
-            2100,
-            1010,
-            &[100, 100, 100, 30_000],
-        );
-        let mut tails = TailHistory::default();
-        tails.record(IntervalTail::between(&before, &now));
-        let table = render_table(&backends, &before, &now, &tails);
-        assert!(table.lines().next().unwrap().ends_with(" blame"), "{table}");
-        let row = table.lines().nth(1).unwrap();
-        let cols: Vec<&str> = row.split_whitespace().collect();
-        assert_eq!(cols[0], "10.0.0.1:11211");
-        assert_eq!(cols[2], "7"); // pending
-        assert_eq!(cols[3], "1000"); // (2100-100)/2 s
-        assert_eq!(cols[4], "500");
-        assert_eq!(cols[6], "2"); // timeouts
-        assert_eq!(cols[7], "112us"); // upper edge of 100 µs bucket [96, 112)
-        assert!(cols[8].ends_with("ms"), "{row}");
-        assert_eq!(cols[9], "1.00"); // the only backend has the whole tail
-        assert!(table.contains("in flight 7"));
-        assert!(
-            table.contains("passed untouched: egress not_a_backend 3"),
-            "{table}"
-        );
-    }
-
-    #[test]
-    fn summary_rows_are_the_totals_since_start() {
-        let backends = [
-            BackendPlan {
-                index: 0,
-                addr: "10.0.0.1:11211".parse().unwrap(),
-                group: 0,
-            },
-            BackendPlan {
-                index: 9,
-                addr: "10.0.0.2:11211".parse().unwrap(),
-                group: 1,
-            },
-        ];
-        let mut now = snap(Instant::now(), 50, 5, &[100]);
-        now.stats.push(BackendStats {
-            redirected_to: 5,
-            ..Default::default()
-        });
-        now.accounting.push((5, 5, 0));
-        now.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
-        let totals = totals(&backends, &now, &TailHistory::default());
-        assert_eq!(
-            totals[0].latency_buckets,
-            [LatencyBucket {
-                lower_ns: 96_000,
-                upper_ns: Some(112_000),
-                count: 1
-            }]
-        );
-        assert_eq!(totals[0].p999_ns, Some(112_000));
-        assert!(totals[1].latency_buckets.is_empty());
-        assert_eq!(totals[1].tail, BackendTail::default());
-        assert_eq!((totals[1].issued, totals[1].completed), (5, 5));
-        assert_eq!((totals[1].group, totals[1].position), (2, 1));
-        assert_eq!(totals[0].p50_ns, Some(112_000));
-        assert_eq!(totals[1].p50_ns, None);
-        let summary = render_summary(&totals);
-        let cols: Vec<&str> = summary.lines().nth(1).unwrap().split_whitespace().collect();
-        assert_eq!(
-            cols,
-            [
-                "10.0.0.1:11211",
-                "50",
-                "0",
-                "5",
-                "0",
-                "2",
-                "112us",
-                "112us",
-                "7"
-            ]
-        );
-        let footer = render_footer(0, &totals, &[]);
-        assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
     }
 
     /// Two backends; latencies (µs) answered by each.
@@ -589,13 +356,5 @@ mod tests {
         );
         let last = tails.last_interval().unwrap();
         assert_eq!((last.number, last.answered, last.p99_ns), (2, 0, None));
-    }
-
-    #[test]
-    fn durations_format_by_magnitude() {
-        assert_eq!(format_ns(None), "-");
-        assert_eq!(format_ns(Some(999_000)), "999us");
-        assert_eq!(format_ns(Some(25_300_000)), "25.3ms");
-        assert_eq!(format_ns(Some(2_500_000_000)), "2.50s");
     }
 }

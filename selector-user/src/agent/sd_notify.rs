@@ -105,7 +105,7 @@ impl Notifier {
     pub fn reloading(&self) {
         self.notify(&format!(
             "RELOADING=1\nMONOTONIC_USEC={}\nSTATUS=reloading the configuration",
-            crate::sys::monotonic_ns() / 1000
+            crate::host::sys::monotonic_ns() / 1000
         ));
     }
 

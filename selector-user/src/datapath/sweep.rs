@@ -18,8 +18,8 @@ use selector_common::{
 };
 
 use crate::{
-    Selector,
-    shared::{SharedArray, atomic, load},
+    datapath::Selector,
+    host::shared::{SharedArray, atomic, load},
 };
 
 /// What one sweep did.
@@ -163,7 +163,7 @@ fn cas(slots: &SharedArray<InflightSlot>, i: usize, from: u64, to: u64) -> bool 
 impl Selector {
     /// Expires requests older than the timeout and frees lingering slots
     /// older than timeout + grace, as of `now_ns` (CLOCK_MONOTONIC). Visits
-    /// only marked slots (`crate::marks`): the cost follows the requests
+    /// only marked slots (`crate::datapath::marks`): the cost follows the requests
     /// sent since the last sweep and those still in flight, not the size
     /// of the table. Then writes the agent's heartbeat (with the real
     /// clock, whatever `now_ns` says).

@@ -15,7 +15,7 @@ use selector_common::{
     split_backend_id,
 };
 
-use crate::{Selector, shared::atomic};
+use crate::{datapath::Selector, host::shared::atomic};
 
 /// The CPU id the agent's planted instances claim: kernel CPU ids stay
 /// below it, so planted and kernel instance numbers never collide.

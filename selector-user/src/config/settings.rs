@@ -8,14 +8,12 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use selector_common::{
     DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
     TieBreak, backend_id,
 };
 pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
-
-use crate::interface;
 
 /// Defaults shared by the command line and [`Settings::new`].
 pub const DEFAULT_THRESHOLD: u32 = 4;
@@ -59,7 +57,7 @@ pub enum IngressMode {
     /// TC ingress, for devices where XDP does not fit.
     Tc,
     /// The default: chosen for the device at attach (see
-    /// [`crate::interface::auto_ingress`]); never in force once attached.
+    /// [`crate::host::interface::auto_ingress`]); never in force once attached.
     Auto,
 }
 
@@ -138,7 +136,7 @@ pub struct Settings {
     /// redirected read is still rewritten.
     pub grace: Duration,
     /// `--hedge-after`, `--hedge-budget`.
-    pub hedging: crate::hedging::HedgeSettings,
+    pub hedging: crate::config::hedge::HedgeSettings,
     /// How old the agent's heartbeat may get before the programs take it
     /// for gone and move no read (`Config::agent_alive`); zero: never.
     pub heartbeat_bound: Duration,
@@ -319,27 +317,6 @@ impl Settings {
     /// The budget in whole microseconds, as the kernel holds it.
     pub fn budget_us(&self) -> u32 {
         self.budget.as_micros().min(u128::from(u32::MAX)) as u32
-    }
-
-    /// Checks the host side: the interface exists in this network namespace
-    /// and has an address of each family the groups use (a redirect leaves
-    /// from the interface's own address).
-    pub fn check_interface(&self) -> Result<()> {
-        let Some(addrs) = interface::addresses(&self.iface)? else {
-            bail!("interface '{}' not found", self.iface)
-        };
-        let wants_v6 = self.groups.iter().any(|m| is_ipv6_group(m));
-        let wants_v4 = self.groups.iter().any(|m| !is_ipv6_group(m)) || !wants_v6;
-        if wants_v4 && !addrs.iter().any(IpAddr::is_ipv4) {
-            bail!("interface '{}' has no IPv4 address", self.iface)
-        }
-        if wants_v6 && !addrs.iter().any(IpAddr::is_ipv6) {
-            bail!(
-                "interface '{}' has no IPv6 address (an IPv6 group needs one)",
-                self.iface
-            )
-        }
-        Ok(())
     }
 
     fn number_backends(&self) -> Result<Vec<BackendPlan>> {
@@ -732,15 +709,6 @@ mod tests {
             assert_eq!(OnOverload::from_name(o.name()), Some(o));
         }
         assert_eq!(OnOverload::from_name("throttle"), None);
-    }
-
-    #[test]
-    fn interface_checks_name_the_problem() {
-        let s = Settings::new("nosuch0", vec![]);
-        assert_eq!(
-            s.check_interface().unwrap_err().to_string(),
-            "interface 'nosuch0' not found"
-        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! named in one line: the capabilities to load programs and attach them.
 //! The kernel is not judged by its version: the programs load on every
 //! kernel from 6.1 (the matrix `cargo xtask test-kernels` runs), how they
-//! attach is probed (`crate::tc_attach`), and a kernel that lacks something
+//! attach is probed (`crate::host::tc_attach`), and a kernel that lacks something
 //! says so when the load fails.
 
 use anyhow::{Result, bail};

@@ -22,7 +22,7 @@ pub const LONG_VERSION: &str = concat!(
     ")"
 );
 
-/// The `build` part of [`crate::control::Status`].
+/// The `build` part of [`crate::api::Status`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BuildInfo {
     pub version: String,
@@ -69,8 +69,8 @@ pub fn encode_metric(encoder: &mut DescriptorEncoder, build: &BuildInfo) -> fmt:
 mod tests {
     use super::*;
     use crate::{
-        control::Status,
-        metrics::{Format, render},
+        agent::metrics::{Format, render},
+        api::Status,
     };
 
     #[test]

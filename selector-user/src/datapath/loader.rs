@@ -26,11 +26,11 @@ use selector_common::{
 };
 
 use crate::{
-    EBPF_OBJECT,
-    pinning::{self, LinkSlot, PinDir},
-    settings::{BackendPlan, IngressMode, Settings},
-    shared::{SharedArray, atomic, load},
-    tc_attach::TcAttach,
+    config::settings::{BackendPlan, IngressMode, Settings},
+    datapath::EBPF_OBJECT,
+    datapath::pinning::{self, LinkSlot, PinDir},
+    host::shared::{SharedArray, atomic, load},
+    host::tc_attach::TcAttach,
 };
 
 /// A loaded, configured and attached selector. Dropping it detaches.
@@ -42,7 +42,7 @@ pub struct Selector {
     pub backends: Vec<BackendPlan>,
     /// The in-flight slots, shared with the kernel.
     pub(crate) slots: SharedArray<InflightSlot>,
-    /// One bit per slot that may be occupied (`crate::marks`).
+    /// One bit per slot that may be occupied (`crate::datapath::marks`).
     pub(crate) marks: SharedArray<u64>,
     /// Issued/completed/expired per group, shared with the kernel.
     pub(crate) counters: SharedArray<GroupCounters>,
@@ -56,8 +56,8 @@ pub struct Selector {
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
     pub(crate) planted: u64,
-    /// When each mark word next needs the sweep (`crate::sweep`).
-    pub(crate) sweep_schedule: crate::sweep::SweepSchedule,
+    /// When each mark word next needs the sweep (`crate::datapath::sweep`).
+    pub(crate) sweep_schedule: crate::datapath::sweep::SweepSchedule,
     /// Where maps and links are pinned (`--pin`); `None`: private to this agent.
     pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
@@ -71,10 +71,10 @@ pub struct Selector {
     /// The hedge thread and its settings.
     pub(crate) hedging: crate::hedging::Hedging,
     /// The network namespace attached in, with `--netns` (set by `run`).
-    pub netns: Option<crate::control::NetnsInfo>,
+    pub netns: Option<crate::api::NetnsInfo>,
     /// Members whose route leaves by another interface than
-    /// `settings.iface`, as [`crate::next_hops::NextHops`] last found.
-    pub routed_elsewhere: Vec<crate::control::RoutedElsewhere>,
+    /// `settings.iface`, as [`crate::datapath::next_hops::NextHops`] last found.
+    pub routed_elsewhere: Vec<crate::api::RoutedElsewhere>,
 }
 
 /// What `GROUPS` holds for `backends`: per group index, members in order,
@@ -165,9 +165,9 @@ fn resolve_ingress(settings: &Settings) -> Result<(Settings, Option<String>)> {
     if settings.ingress != IngressMode::Auto {
         return Ok((settings.clone(), None));
     }
-    let ifindex = crate::interface::index(&settings.iface)?;
-    let kind = crate::neighbours::Netlink::open()?.link_kind(ifindex)?;
-    let (ingress, why) = crate::interface::auto_ingress(kind.as_deref());
+    let ifindex = crate::host::interface::index(&settings.iface)?;
+    let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
+    let (ingress, why) = crate::host::interface::auto_ingress(kind.as_deref());
     Ok((
         Settings {
             ingress,
@@ -188,8 +188,8 @@ struct CachedHistogram {
 impl Selector {
     /// Validates `settings`, loads the programs, fills the maps and attaches.
     pub fn attach(settings: &Settings) -> Result<Self> {
-        crate::interface::index(&settings.iface)?;
-        crate::preflight::check_host()?;
+        crate::host::interface::index(&settings.iface)?;
+        crate::host::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let (settings, choice) = &resolve_ingress(settings)?;
         let mut selector = Self::load_with(settings, None, 1)?;
@@ -204,8 +204,8 @@ impl Selector {
     /// never stops. Settings that shape the maps (groups, `--inflight-max`,
     /// `--ingress`) must match; see [`PinDir::check_adoptable`].
     pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
-        crate::interface::index(&settings.iface)?;
-        crate::preflight::check_host()?;
+        crate::host::interface::index(&settings.iface)?;
+        crate::host::preflight::check_host()?;
         let (settings, choice) = &resolve_ingress(settings)?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
@@ -338,7 +338,7 @@ impl Selector {
         let mut ebpf = loader.load(EBPF_OBJECT).with_context(|| {
             format!(
                 "loading the kernel programs on Linux {}",
-                crate::preflight::kernel_release()
+                crate::host::preflight::kernel_release()
             )
         })?;
         if pins.is_some() {
@@ -388,7 +388,7 @@ impl Selector {
             routed_elsewhere: Vec::new(),
         };
         selector.write_tables()?;
-        let release = crate::preflight::kernel_release();
+        let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
             p.load()
@@ -539,7 +539,7 @@ impl Selector {
             tie_break: s.tie_break as u32,
             budget_us: s.budget_us(),
             descriptor: s.descriptor,
-            heartbeat_ns: crate::sys::monotonic_ns(),
+            heartbeat_ns: crate::host::sys::monotonic_ns(),
             heartbeat_bound_ns: s.heartbeat_bound.as_nanos().min(u128::from(u64::MAX)) as u64,
         };
         let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
@@ -551,7 +551,7 @@ impl Selector {
     /// heartbeat word alone, an atomic store into the mapped config, so no
     /// reader sees it torn and nothing else in the value is rewritten.
     pub fn heartbeat(&self) {
-        self.set_heartbeat(crate::sys::monotonic_ns());
+        self.set_heartbeat(crate::host::sys::monotonic_ns());
     }
 
     pub(crate) fn set_heartbeat(&self, ns: u64) {
@@ -561,7 +561,7 @@ impl Selector {
     }
 
     /// The heartbeat as the programs see it now.
-    pub fn heartbeat_state(&self) -> crate::control::Heartbeat {
+    pub fn heartbeat_state(&self) -> crate::api::Heartbeat {
         // SAFETY: fields of the live mapped element, 8-byte aligned.
         let (beat, bound) = unsafe {
             let c = self.config.ptr(0);
@@ -575,8 +575,8 @@ impl Selector {
             heartbeat_bound_ns: bound,
             ..Config::default()
         };
-        let now = crate::sys::monotonic_ns();
-        crate::control::Heartbeat {
+        let now = crate::host::sys::monotonic_ns();
+        crate::api::Heartbeat {
             bound_ms: bound / 1_000_000,
             age_ms: now.saturating_sub(beat) / 1_000_000,
             fresh: config.agent_alive(now),
@@ -700,7 +700,7 @@ impl Selector {
     ) -> Result<Vec<T>> {
         let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
         let mut out = Vec::with_capacity(end as usize);
-        crate::percpu_batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
+        crate::datapath::percpu_batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
             let mut total = T::default();
             for v in per_cpu {
                 add(&mut total, v);
@@ -727,7 +727,7 @@ impl Selector {
                 let known = cache.get(&b.index);
                 let moved = known.is_none_or(|k| k.completed != completed);
                 if moved || known.is_some_and(|k| k.moved) {
-                    let buckets = crate::percpu_batch::sum_u64(
+                    let buckets = crate::datapath::percpu_batch::sum_u64(
                         map,
                         b.index * LATENCY_BUCKETS,
                         LATENCY_BUCKETS,
@@ -763,7 +763,8 @@ impl Selector {
     /// Packets passed untouched, by direction and reason, summed over CPUs.
     pub fn passed(&self) -> Result<Vec<(Direction, PassReason, u64)>> {
         let reasons = PassReason::ALL.len() as u32;
-        let counts = crate::percpu_batch::sum_u64(self.map(names::PASSED)?, 0, 2 * reasons)?;
+        let counts =
+            crate::datapath::percpu_batch::sum_u64(self.map(names::PASSED)?, 0, 2 * reasons)?;
         let mut out = Vec::new();
         for direction in [Direction::Egress, Direction::Ingress] {
             for reason in PassReason::ALL {

@@ -24,6 +24,8 @@
 //!
 //! [`Status`] is also what `selector status --json` prints.
 
+pub mod build_info;
+
 use std::{
     io::{Read as _, Write as _},
     os::{linux::net::SocketAddrExt as _, unix::net::SocketAddr},
@@ -35,8 +37,9 @@ use selector_common::{Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    settings::{OnOverload, Settings},
-    telemetry::{self, BackendTotals, LastInterval, PassedCount},
+    config::names::by_name,
+    config::settings::{OnOverload, Settings},
+    telemetry::{BackendTotals, LastInterval, PassedCount},
 };
 
 /// The abstract socket name of the agent on `iface`.
@@ -56,7 +59,7 @@ pub enum Request {
         backend: std::net::SocketAddr,
         drained: bool,
     },
-    /// Read the config file again and apply it (see [`crate::reload`]).
+    /// Read the config file again and apply it (see [`crate::agent::reload`]).
     Reload,
 }
 
@@ -76,7 +79,7 @@ pub struct SettingsChange {
     pub on_overload: Option<OnOverload>,
     /// `"off"`, `"auto"` or milliseconds as a string (`"2"`, `"0.5"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hedge_after: Option<crate::hedging::HedgeAfter>,
+    pub hedge_after: Option<crate::config::hedge::HedgeAfter>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hedge_budget: Option<u32>,
     /// The latency policy's budget, microseconds.
@@ -101,7 +104,7 @@ impl SettingsChange {
                 .max_pending_client
                 .unwrap_or(settings.max_pending_client),
             on_overload: self.on_overload.unwrap_or(settings.on_overload),
-            hedging: crate::hedging::HedgeSettings {
+            hedging: crate::config::hedge::HedgeSettings {
                 after: self.hedge_after.unwrap_or(settings.hedging.after),
                 budget_percent: self.hedge_budget.unwrap_or(settings.hedging.budget_percent),
             },
@@ -238,7 +241,7 @@ pub struct Status {
     pub backends: Vec<BackendTotals>,
     /// Hedging totals over all backends.
     #[serde(default)]
-    pub hedges: crate::hedging::HedgeCounts,
+    pub hedges: crate::telemetry::hedges::HedgeCounts,
     /// How the TC programs are attached: `tcx` (links) or `netlink`
     /// (legacy tc filters, on kernels without TCX).
     #[serde(default)]
@@ -253,7 +256,7 @@ pub struct Status {
     pub config_reload_timestamp_seconds: Option<f64>,
     /// The agent's version and git commit (empty from an agent too old to say).
     #[serde(default)]
-    pub build: crate::build_info::BuildInfo,
+    pub build: crate::api::build_info::BuildInfo,
     /// The agent's heartbeat as the kernel programs see it.
     #[serde(default)]
     pub heartbeat: Heartbeat,
@@ -309,7 +312,7 @@ pub struct SettingsInForce {
     pub inflight_max: u32,
     pub ingress: String,
     #[serde(default)]
-    pub hedge_after: crate::hedging::HedgeAfter,
+    pub hedge_after: crate::config::hedge::HedgeAfter,
     #[serde(default)]
     pub hedge_budget_percent: u32,
     /// The latency policy's budget, microseconds.
@@ -358,67 +361,6 @@ impl SettingsInForce {
     }
 }
 
-impl Status {
-    /// The human form `selector status` prints.
-    pub fn render(&self) -> String {
-        let s = &self.settings;
-        let drained = if self.drained.is_empty() {
-            "none".to_string()
-        } else {
-            let names: Vec<String> = self.drained.iter().map(|a| a.to_string()).collect();
-            names.join(", ")
-        };
-        let netns = self.netns.as_ref().map_or(String::new(), |n| {
-            format!(" in netns {} ({})", n.path, n.id)
-        });
-        let mut out = format!(
-            "selector on {}{netns}: {}\n\
-             proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, tc {}, drained: {drained}\n",
-            self.iface,
-            s.tunables(),
-            s.proto,
-            s.timeout_ms,
-            s.grace_ms,
-            s.mark,
-            s.ingress,
-            self.tc_attach,
-        );
-        let h = &self.heartbeat;
-        if h.bound_ms != 0 && !h.fresh {
-            out += &format!(
-                "heartbeat stale: {} ms old, bound {} ms: the programs move no read\n",
-                h.age_ms, h.bound_ms
-            );
-        }
-        out += &telemetry::render_summary(&self.backends);
-        out += &telemetry::render_footer(self.in_flight, &self.backends, &self.passed);
-        if s.hedge_after != crate::hedging::HedgeAfter::Off || self.hedges.hedges_sent > 0 {
-            let counts: Vec<_> = self
-                .backends
-                .iter()
-                .map(|b| (b.backend, b.hedges))
-                .collect();
-            out += &crate::hedging::render(
-                &crate::hedging::HedgeSettings {
-                    after: s.hedge_after,
-                    budget_percent: s.hedge_budget_percent,
-                },
-                &counts,
-            );
-        }
-        for r in &self.routed_elsewhere {
-            out += &format!(
-                "warning: the route to {} leaves by {}, not {}: requests to it are not seen\n",
-                r.backend, r.iface, self.iface
-            );
-        }
-        if !self.build.version.is_empty() {
-            out += &format!("agent: {}\n", self.build);
-        }
-        out
-    }
-}
-
 /// Longest request line the agent reads.
 pub const MAX_REQUEST_BYTES: u64 = 4096;
 
@@ -436,67 +378,6 @@ pub fn send(iface: &str, request: &Request) -> Result<Reply> {
         .read_to_string(&mut text)
         .context("reading the agent's reply")?;
     serde_json::from_str(text.trim_end()).context("the agent's reply is not valid")
-}
-
-/// A name on the wire for the enums that have one (`Policy::name`, ...).
-pub trait Named: Sized + Copy {
-    /// What the name is of, for error messages.
-    const WHAT: &'static str;
-    fn name(self) -> &'static str;
-    fn from_name(name: &str) -> Option<Self>;
-}
-
-impl Named for Policy {
-    const WHAT: &'static str = "policy";
-    fn name(self) -> &'static str {
-        Policy::name(self)
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        Policy::from_name(name)
-    }
-}
-
-impl Named for TieBreak {
-    const WHAT: &'static str = "tie-break";
-    fn name(self) -> &'static str {
-        TieBreak::name(self)
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        TieBreak::from_name(name)
-    }
-}
-
-impl Named for OnOverload {
-    const WHAT: &'static str = "overload response";
-    fn name(self) -> &'static str {
-        OnOverload::name(self)
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        OnOverload::from_name(name)
-    }
-}
-
-/// Serde for an optional [`Named`] value as its name.
-pub(crate) mod by_name {
-    use serde::{Deserialize as _, Deserializer, Serializer, de::Error as _};
-
-    use super::Named;
-
-    pub fn serialize<S: Serializer, T: Named>(value: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
-        match value {
-            Some(v) => s.serialize_some(v.name()),
-            None => s.serialize_none(),
-        }
-    }
-
-    pub fn deserialize<'de, D: Deserializer<'de>, T: Named>(d: D) -> Result<Option<T>, D::Error> {
-        Option::<String>::deserialize(d)?
-            .map(|name| {
-                T::from_name(&name)
-                    .ok_or_else(|| D::Error::custom(format!("unknown {} '{name}'", T::WHAT)))
-            })
-            .transpose()
-    }
 }
 
 #[cfg(test)]
@@ -629,7 +510,7 @@ mod tests {
                     tail_blame: Some(1.0),
                     tail_requests_total: 7,
                 },
-                hedges: crate::hedging::HedgeCounts {
+                hedges: crate::telemetry::hedges::HedgeCounts {
                     hedges_sent: 2,
                     hedges_won: 1,
                     ..Default::default()
@@ -640,7 +521,7 @@ mod tests {
             tc_attach: "tcx".into(),
             config_reload_success: Some(false),
             config_reload_timestamp_seconds: Some(1_764_748_800.25),
-            build: crate::build_info::BuildInfo {
+            build: crate::api::build_info::BuildInfo {
                 version: "0.1.0".into(),
                 commit: "8ab3247-dirty".into(),
             },

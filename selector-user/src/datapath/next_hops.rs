@@ -16,9 +16,9 @@ use aya::maps::Array;
 use selector_common::{NextHopMac, names};
 
 use crate::{
-    Selector,
-    control::RoutedElsewhere,
-    neighbours::{Netlink, NextHop},
+    api::RoutedElsewhere,
+    datapath::Selector,
+    host::neighbours::{Netlink, NextHop},
 };
 
 /// How often routes are looked up again (neighbours: every refresh).
@@ -38,7 +38,7 @@ pub struct NextHops {
 impl NextHops {
     /// For the selector's interface (in the calling thread's namespace).
     pub fn new(iface: &str) -> Result<Self> {
-        let ifindex = crate::interface::index(iface)?;
+        let ifindex = crate::host::interface::index(iface)?;
         let mut netlink = Netlink::open()?;
         let iface_mac = netlink
             .link_address(ifindex)?
@@ -83,7 +83,7 @@ impl NextHops {
                     if let Some(h) = hop.filter(|h| h.ifindex != self.ifindex) {
                         elsewhere.push(RoutedElsewhere {
                             backend: b.addr,
-                            iface: crate::interface::name(h.ifindex)
+                            iface: crate::host::interface::name(h.ifindex)
                                 .unwrap_or_else(|| format!("ifindex {}", h.ifindex)),
                         });
                     }
@@ -145,7 +145,7 @@ impl NextHops {
 /// publishes their addresses once. Returns the backends still unresolved.
 pub fn publish_once(selector: &mut Selector, wait: Duration) -> Vec<std::net::SocketAddr> {
     let addrs: Vec<_> = selector.backends.iter().map(|b| b.addr).collect();
-    let unresolved = crate::neighbours::warm_up(&addrs, wait);
+    let unresolved = crate::host::neighbours::warm_up(&addrs, wait);
     if let Err(e) = NextHops::new(&selector.settings.iface).and_then(|mut n| n.refresh(selector)) {
         log::warn!("publishing the next hops: {e:#}");
     }

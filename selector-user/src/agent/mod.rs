@@ -1,0 +1,10 @@
+//! The running agent: one owner loop ([`run`]) holds the [`crate::datapath::Selector`]
+//! and serves the control socket, reloads, the metrics endpoint and systemd.
+
+pub mod control_server;
+pub mod health;
+pub mod metrics;
+pub mod reload;
+pub mod render;
+pub mod run;
+pub mod sd_notify;

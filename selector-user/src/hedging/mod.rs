@@ -1,0 +1,388 @@
+//! Hedged reads, agent side (`--hedge-after`, `--hedge-budget`): a thread
+//! with a timer queue fed by the egress program's ring buffer. At the delay
+//! it checks, in the slot shared with the kernel, that the same request
+//! instance is still live and unanswered, takes a budget token, claims the
+//! hedge with a compare-and-swap on the slot's hedge word, counts the copy
+//! in the target's `issued`, and sends it from the client's own address and
+//! port through a raw socket carrying the `--mark` bit (the egress program
+//! passes it untouched). The protocol and its races are described in
+//! `selector_common::hedge` and the design notes ("Hedged reads"). The
+//! hand-over in the shared slots is the data path's
+//! (`crate::datapath::hedges`).
+
+pub mod auto;
+pub mod wire;
+
+use std::{
+    cmp::Reverse,
+    collections::BinaryHeap,
+    net::{IpAddr, Ipv6Addr, SocketAddr},
+    os::fd::AsRawFd as _,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
+    },
+    thread::JoinHandle,
+};
+
+use anyhow::Result;
+use aya::maps::{Array, MapData, RingBuf};
+use selector_common::{
+    Endpoint, Group, GroupCounters, MAX_BACKENDS, backend_id,
+    hedge::{self, HedgeEvent, TokenBucket, choose_target, claimed_word, open_word},
+    inflight::InflightSlot,
+    policy::GroupLoad,
+    split_backend_id,
+};
+
+use crate::{
+    config::hedge::DEFAULT_BUDGET_PERCENT,
+    hedging::auto::AutoDelays,
+    hedging::wire::HedgeSockets,
+    host::shared::{SharedArray, atomic, load},
+    host::sys,
+};
+
+/// Reads waiting for their hedge delay at most; more are not hedged (counted).
+pub const MAX_QUEUED: usize = 65_536;
+/// Longest sleep of the hedge thread (it checks for a stop this often).
+const IDLE_WAIT_NS: u64 = 50_000_000;
+
+/// The agent's per-backend counters, shared with the hedge thread.
+#[derive(Default)]
+pub(crate) struct AgentCounts {
+    pub(crate) sent: AtomicU64,
+    pub(crate) over_budget: AtomicU64,
+    pub(crate) no_target: AtomicU64,
+    pub(crate) queue_full: AtomicU64,
+    pub(crate) send_failed: AtomicU64,
+}
+
+/// What the main thread and the hedge thread share.
+pub(crate) struct Control {
+    pub(crate) enabled: AtomicBool,
+    pub(crate) budget_percent: AtomicU32,
+    /// The delay for reads to each primary, by backend id.
+    pub(crate) delay_ns: Vec<AtomicU64>,
+    pub(crate) counts: Vec<AgentCounts>,
+    /// Backend id -> address, as of the last reload: a position a reload
+    /// gives to another member sends its copies to the new one.
+    pub(crate) targets: RwLock<Vec<Option<SocketAddr>>>,
+    pub(crate) stop: AtomicBool,
+}
+
+/// The hedging state a `Selector` carries.
+pub struct Hedging {
+    pub(crate) control: Arc<Control>,
+    pub(crate) thread: Option<JoinHandle<()>>,
+    /// `--hedge-after auto`'s delays.
+    pub(crate) auto: AutoDelays,
+}
+
+impl Default for Hedging {
+    fn default() -> Self {
+        Self {
+            control: Arc::new(Control {
+                enabled: AtomicBool::new(false),
+                budget_percent: AtomicU32::new(DEFAULT_BUDGET_PERCENT),
+                delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
+                counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
+                targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),
+                stop: AtomicBool::new(false),
+            }),
+            thread: None,
+            auto: AutoDelays::default(),
+        }
+    }
+}
+
+impl Drop for Hedging {
+    fn drop(&mut self) {
+        self.control.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The maps the hedge thread works on: second descriptors of the loaded
+/// ones, so the thread owns them.
+pub struct HedgeMaps {
+    /// The egress program's hedge offers.
+    pub ring: RingBuf<MapData>,
+    pub slots: SharedArray<InflightSlot>,
+    pub counters: SharedArray<GroupCounters>,
+    pub groups: Array<MapData, Group>,
+}
+
+impl Hedging {
+    /// Starts the hedge thread on `maps`, sending through `sockets`.
+    pub fn start(
+        &mut self,
+        maps: HedgeMaps,
+        sockets: HedgeSockets,
+        budget_percent: u32,
+        timeout_ns: u64,
+    ) -> Result<()> {
+        let mut hedger = HedgeLoop {
+            ring: maps.ring,
+            slots: maps.slots,
+            counters: maps.counters,
+            groups: maps.groups,
+            sockets,
+            control: self.control.clone(),
+            queue: BinaryHeap::new(),
+            order: 0,
+            bucket: TokenBucket::new(budget_percent),
+            timeout_ns,
+        };
+        let thread = std::thread::Builder::new()
+            .name("selector-hedge".into())
+            .spawn(move || hedger.run())?;
+        self.thread = Some(thread);
+        Ok(())
+    }
+}
+
+/// Set by [`plant_hedge_thread_panic`].
+static PANIC_PLANTED: AtomicBool = AtomicBool::new(false);
+
+/// For tests: the next hedge thread of this process to look panics, as a
+/// bug in it would (nothing else sets this).
+pub fn plant_hedge_thread_panic() {
+    PANIC_PLANTED.store(true, Ordering::SeqCst);
+}
+
+/// One read waiting for its hedge delay.
+struct Due {
+    at_ns: u64,
+    order: u64,
+    event: Box<HedgeEvent>,
+}
+
+impl PartialEq for Due {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at_ns, self.order) == (o.at_ns, o.order)
+    }
+}
+impl Eq for Due {}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Due {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at_ns, self.order).cmp(&(o.at_ns, o.order))
+    }
+}
+
+/// The hedge thread's state.
+struct HedgeLoop {
+    ring: RingBuf<MapData>,
+    slots: SharedArray<InflightSlot>,
+    counters: SharedArray<GroupCounters>,
+    groups: Array<MapData, Group>,
+    sockets: HedgeSockets,
+    control: Arc<Control>,
+    queue: BinaryHeap<Reverse<Due>>,
+    order: u64,
+    bucket: TokenBucket,
+    timeout_ns: u64,
+}
+
+impl HedgeLoop {
+    fn run(&mut self) {
+        while !self.control.stop.load(Ordering::SeqCst) {
+            if PANIC_PLANTED.load(Ordering::Relaxed) && PANIC_PLANTED.swap(false, Ordering::SeqCst)
+            {
+                panic!("planted panic (plant_hedge_thread_panic)");
+            }
+            let now = sys::monotonic_ns();
+            // The kernel does not wake this thread per event: it drains the
+            // ring at least twice per the shortest delay, so every read is
+            // queued before it is due.
+            let wait = self
+                .queue
+                .peek()
+                .map_or(IDLE_WAIT_NS, |Reverse(d)| d.at_ns.saturating_sub(now))
+                .min(self.drain_every_ns());
+            self.wait_readable(wait);
+            self.drain_ring();
+            self.fire_due();
+        }
+    }
+
+    /// Half the shortest hedge delay in force (at most `IDLE_WAIT_NS`).
+    fn drain_every_ns(&self) -> u64 {
+        let targets = self
+            .control
+            .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let shortest = targets
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.is_some())
+            .map(|(id, _)| self.control.delay_ns[id].load(Ordering::Relaxed))
+            .filter(|d| *d > 0)
+            .min()
+            .unwrap_or(IDLE_WAIT_NS);
+        (shortest / 2).clamp(1, IDLE_WAIT_NS)
+    }
+
+    /// Sleeps until the ring has events or `wait_ns` passes (nanosecond
+    /// timer, unlike tokio's millisecond wheel).
+    fn wait_readable(&self, wait_ns: u64) {
+        if wait_ns == 0 {
+            return;
+        }
+        let mut fds = libc::pollfd {
+            fd: self.ring.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ts = libc::timespec {
+            tv_sec: (wait_ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (wait_ns % 1_000_000_000) as libc::c_long,
+        };
+        // SAFETY: one valid pollfd, a valid timespec, no signal mask.
+        unsafe { libc::ppoll(&mut fds, 1, &ts, std::ptr::null()) };
+    }
+
+    fn drain_ring(&mut self) {
+        let percent = self.control.budget_percent.load(Ordering::Relaxed);
+        self.bucket.set_percent(percent);
+        let enabled = self.control.enabled.load(Ordering::SeqCst);
+        while let Some(item) = self.ring.next() {
+            if item.len() < size_of::<HedgeEvent>() {
+                continue;
+            }
+            // SAFETY: the kernel wrote a HedgeEvent (plain old data); the
+            // ring's memory need not be aligned for it, so read unaligned.
+            let event: HedgeEvent =
+                unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<HedgeEvent>()) };
+            drop(item);
+            // Every read handed over refills the budget.
+            self.bucket.on_read();
+            if !enabled {
+                continue;
+            }
+            let primary = usize::from(event.primary) % MAX_BACKENDS as usize;
+            if self.queue.len() >= MAX_QUEUED {
+                self.control.counts[primary]
+                    .queue_full
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let delay = self.control.delay_ns[primary].load(Ordering::Relaxed);
+            self.order += 1;
+            self.queue.push(Reverse(Due {
+                at_ns: event.sent_ns + delay,
+                order: self.order,
+                event: Box::new(event),
+            }));
+        }
+    }
+
+    fn fire_due(&mut self) {
+        let now = sys::monotonic_ns();
+        while self.queue.peek().is_some_and(|Reverse(d)| d.at_ns <= now) {
+            let Some(Reverse(due)) = self.queue.pop() else {
+                break;
+            };
+            if self.control.enabled.load(Ordering::SeqCst) {
+                self.hedge(&due.event, now);
+            }
+        }
+    }
+
+    /// Sends one read's hedge if it is still live and unanswered, within
+    /// the budget, and a target exists.
+    fn hedge(&mut self, event: &HedgeEvent, now: u64) {
+        let i = event.index as usize;
+        if i >= self.slots.len() {
+            return;
+        }
+        let p = self.slots.ptr(i);
+        // SAFETY: words of a live shared element.
+        let live = |p: *mut InflightSlot| unsafe { load(&raw mut (*p).state) } == event.state;
+        if !live(p) {
+            return; // answered (or expired) in time: the usual case
+        }
+        let slot = self.slots.read(i);
+        if !live(p) || slot.state != event.state {
+            return;
+        }
+        let open = open_word(event.state);
+        // SAFETY: the hedge word of a live shared element.
+        let word = unsafe { atomic(&raw mut (*p).hedge) };
+        if word.load(Ordering::SeqCst) != open {
+            return; // answered, closed, or never hedgeable
+        }
+        // Far from the timeout, so the claim and its count are never split
+        // by the sweep's expiry of the target.
+        if now.saturating_sub(slot.sent_ns) >= self.timeout_ns / 2 {
+            return;
+        }
+        let primary = usize::from(slot.primary) % MAX_BACKENDS as usize;
+        let (group, chosen_pos) = split_backend_id(u32::from(slot.chosen));
+        let Ok(members) = self.groups.get(&group, 0) else {
+            return;
+        };
+        let load = GroupLoad::of(&members, &self.counters.read(group as usize));
+        let Some(target_pos) = choose_target(&load, chosen_pos) else {
+            self.control.counts[primary]
+                .no_target
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if !self.bucket.try_take() {
+            self.control.counts[primary]
+                .over_budget
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        if word
+            .compare_exchange(
+                open,
+                claimed_word(open, target_pos),
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_err()
+        {
+            // A reply won or the sweep closed it a moment ago.
+            self.bucket.refund();
+            return;
+        }
+        let c = self.counters.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        unsafe { atomic(&raw mut (*c).issued[target_pos]) }.fetch_add(1, Ordering::SeqCst);
+        let target = backend_id(group, target_pos) as usize;
+        let counts = &self.control.counts[target];
+        // The application's own address: IPv6, or IPv4-mapped.
+        let client = Endpoint::new(slot.client_addr, 0)
+            .ipv4_octets()
+            .map_or(IpAddr::V6(Ipv6Addr::from(slot.client_addr)), |o| {
+                IpAddr::V4(o.into())
+            });
+        let to = self
+            .control
+            .targets
+            .read()
+            .unwrap_or_else(|e| e.into_inner())[target];
+        let sent = to.is_some_and(|to| {
+            let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
+            let from = SocketAddr::new(client, slot.client_port);
+            self.sockets.send(from, to, payload).is_ok()
+        });
+        // Not sent: the target's count expires with the read.
+        let counter = if sent {
+            &counts.sent
+        } else {
+            &counts.send_failed
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
