@@ -13,13 +13,10 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf};
 use selector_common::{
-    MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
-    hedge::{
-        self, HedgeConfig, HedgeStats, auto_ceiling_ns, claimed_word, is_sent, open_word,
-        settling_word,
-    },
+    MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
+    hedge::{self, HedgeConfig, HedgeStats, auto_ceiling_ns, is_sent, settling_word},
     inflight::{PHASE_LINGER, PHASE_LIVE, phase},
-    names, split_backend_id,
+    names,
 };
 
 use crate::{
@@ -328,45 +325,5 @@ impl Selector {
         // SAFETY: a field of a live shared element, 8-byte aligned.
         unsafe { atomic(&raw mut (*c).expired[position]) }.fetch_add(1, Ordering::SeqCst);
         true
-    }
-}
-
-impl Selector {
-    /// For packet fixtures: claims a hedge to member `target` for the live
-    /// request under `key`, as the hedge thread would (hedge word and the
-    /// target's `issued`), without sending anything. False if no live slot
-    /// holds `key` or its read was answered or closed.
-    pub fn plant_hedge(&self, key: &selector_common::InflightKey, target: usize) -> bool {
-        use selector_common::inflight::{PROBE_WINDOW, key_hashes, probe};
-        let mask = self.slots.len() as u32 - 1;
-        let hash = key_hashes(key).home;
-        for n in 0..PROBE_WINDOW {
-            let i = probe(hash, n, mask) as usize;
-            let slot = self.slots.read(i);
-            if phase(slot.state) != PHASE_LIVE || slot.key() != *key {
-                continue;
-            }
-            let open = open_word(slot.state);
-            let p = self.slots.ptr(i);
-            // SAFETY: the hedge word of a live shared element.
-            let word = unsafe { atomic(&raw mut (*p).hedge) };
-            // A fixture's slot may never have been offered (hedging off).
-            let _ = word.compare_exchange(0, open, Ordering::SeqCst, Ordering::SeqCst);
-            if word
-                .compare_exchange(
-                    open,
-                    claimed_word(open, target),
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                )
-                .is_err()
-            {
-                return false;
-            }
-            let (group, _) = split_backend_id(u32::from(slot.chosen));
-            self.add_to_issued(backend_id(group, target), 1);
-            return true;
-        }
-        false
     }
 }

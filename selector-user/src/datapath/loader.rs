@@ -55,6 +55,7 @@ pub struct Selector {
     /// Shutting down: no new redirects.
     steering_off: bool,
     /// Requests planted by `plant_inflight` (their instance numbers).
+    #[cfg(feature = "testing")]
     pub(crate) planted: u64,
     /// When each mark word next needs the sweep (`crate::datapath::sweep`).
     pub(crate) sweep_schedule: crate::datapath::sweep::SweepSchedule,
@@ -303,6 +304,7 @@ impl Selector {
         Self::load_with(settings, None, 1)
     }
 
+    #[cfg(feature = "testing")]
     /// As [`Self::load`], with room for `entries` in the map of the
     /// per-packet cost benchmark's reference programs (one otherwise).
     pub fn load_with_reference(settings: &Settings, entries: u32) -> Result<Self> {
@@ -376,6 +378,7 @@ impl Selector {
             service,
             config,
             steering_off: false,
+            #[cfg(feature = "testing")]
             planted: 0,
             sweep_schedule: Default::default(),
             pins,

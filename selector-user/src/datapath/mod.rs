@@ -8,6 +8,7 @@ mod marks;
 pub mod next_hops;
 pub mod percpu_batch;
 pub mod pinning;
+#[cfg(feature = "testing")]
 pub mod plant;
 pub mod regroup;
 pub mod snapshot;

@@ -140,6 +140,7 @@ impl NextHops {
     }
 }
 
+#[cfg(feature = "testing")]
 /// For callers without an agent loop (tests, benchmarks): marks the
 /// backends' next hops managed, waits up to `wait` for them to resolve, and
 /// publishes their addresses once. Returns the backends still unresolved.

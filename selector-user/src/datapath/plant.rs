@@ -7,6 +7,12 @@
 use std::sync::atomic::Ordering;
 
 use selector_common::{
+    backend_id,
+    hedge::{claimed_word, open_word},
+    inflight::phase,
+};
+
+use selector_common::{
     InflightKey,
     inflight::{
         AGENT_HOLD, FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes,
@@ -113,5 +119,43 @@ impl Selector {
         let s = self.service.ptr(group as usize);
         // SAFETY: a field of a live shared element, 8-byte aligned.
         unsafe { atomic(&raw mut (*s).service_ns[position]) }.store(service_ns, Ordering::SeqCst);
+    }
+
+    /// For packet fixtures: claims a hedge to member `target` for the live
+    /// request under `key`, as the hedge thread would (hedge word and the
+    /// target's `issued`), without sending anything. False if no live slot
+    /// holds `key` or its read was answered or closed.
+    pub fn plant_hedge(&self, key: &selector_common::InflightKey, target: usize) -> bool {
+        use selector_common::inflight::{PROBE_WINDOW, key_hashes, probe};
+        let mask = self.slots.len() as u32 - 1;
+        let hash = key_hashes(key).home;
+        for n in 0..PROBE_WINDOW {
+            let i = probe(hash, n, mask) as usize;
+            let slot = self.slots.read(i);
+            if phase(slot.state) != PHASE_LIVE || slot.key() != *key {
+                continue;
+            }
+            let open = open_word(slot.state);
+            let p = self.slots.ptr(i);
+            // SAFETY: the hedge word of a live shared element.
+            let word = unsafe { atomic(&raw mut (*p).hedge) };
+            // A fixture's slot may never have been offered (hedging off).
+            let _ = word.compare_exchange(0, open, Ordering::SeqCst, Ordering::SeqCst);
+            if word
+                .compare_exchange(
+                    open,
+                    claimed_word(open, target),
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_err()
+            {
+                return false;
+            }
+            let (group, _) = split_backend_id(u32::from(slot.chosen));
+            self.add_to_issued(backend_id(group, target), 1);
+            return true;
+        }
+        false
     }
 }

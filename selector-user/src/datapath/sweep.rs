@@ -92,6 +92,7 @@ pub(crate) struct SweepSchedule {
 
 impl SweepSchedule {
     /// Word `w` must be visited by the next sweep.
+    #[cfg(feature = "testing")]
     pub(crate) fn visit_soon(&mut self, w: usize) {
         if let Some(d) = self.due.get_mut(w) {
             *d = 0;

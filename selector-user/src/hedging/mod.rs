@@ -145,8 +145,10 @@ impl Hedging {
 }
 
 /// Set by [`plant_hedge_thread_panic`].
+#[cfg(feature = "testing")]
 static PANIC_PLANTED: AtomicBool = AtomicBool::new(false);
 
+#[cfg(feature = "testing")]
 /// For tests: the next hedge thread of this process to look panics, as a
 /// bug in it would (nothing else sets this).
 pub fn plant_hedge_thread_panic() {
@@ -194,6 +196,7 @@ struct HedgeLoop {
 impl HedgeLoop {
     fn run(&mut self) {
         while !self.control.stop.load(Ordering::SeqCst) {
+            #[cfg(feature = "testing")]
             if PANIC_PLANTED.load(Ordering::Relaxed) && PANIC_PLANTED.swap(false, Ordering::SeqCst)
             {
                 panic!("planted panic (plant_hedge_thread_panic)");
