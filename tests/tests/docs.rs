@@ -1,6 +1,6 @@
 //! The documentation against the code: the generated CLI reference is
-//! fresh, and the config, status and metrics references name exactly what
-//! the types have.
+//! fresh, the config, status and metrics references name exactly what the
+//! types have, every relative link resolves, and the README stays short.
 //! Needs no privileges. `cargo xtask docs` (`SELECTOR_WRITE_DOCS=1`)
 //! rewrites the generated files instead of comparing them.
 
@@ -224,4 +224,129 @@ fn the_metrics_reference_names_every_metric() {
     assert!(code.len() > 10, "{text}");
     let doc = table_names(&read("docs/reference/metrics.md"));
     assert_eq!(doc, code, "{}", differences(&doc, &code));
+}
+/// README.md and docs/ (but the archive, kept verbatim): markdown files.
+fn pages() -> Vec<PathBuf> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() && path.file_name().is_some_and(|n| n != "archive") {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let mut out = vec![root().join("README.md")];
+    walk(&root().join("docs"), &mut out);
+    out
+}
+
+/// GitHub's anchor of a heading.
+fn slug(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || *c == '-' || *c == ' ' || *c == '_')
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+fn anchors(text: &str) -> BTreeSet<String> {
+    let mut in_code = false;
+    let mut out = BTreeSet::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+        } else if !in_code && line.starts_with('#') {
+            out.insert(slug(line.trim_start_matches('#')));
+        }
+    }
+    out
+}
+
+/// The targets of the inline links `[text](target)` in `text`, outside
+/// fenced blocks.
+fn links(text: &str) -> Vec<String> {
+    let mut in_code = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.starts_with("```") {
+            in_code = !in_code;
+            continue;
+        }
+        if in_code {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(i) = rest.find("](") {
+            rest = &rest[i + 2..];
+            if let Some(end) = rest.find(')') {
+                out.push(rest[..end].to_owned());
+                rest = &rest[end..];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_link_resolves() {
+    let mut broken = Vec::new();
+    for page in pages() {
+        let text = fs::read_to_string(&page).unwrap();
+        for link in links(&text) {
+            if link.contains("://") || link.starts_with("mailto:") {
+                continue;
+            }
+            let (file, anchor) = link.split_once('#').unwrap_or((&link, ""));
+            let target = if file.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(file)
+            };
+            let ok = target.exists()
+                && (anchor.is_empty()
+                    || target.is_dir()
+                    || anchors(&fs::read_to_string(&target).unwrap_or_default()).contains(anchor));
+            if !ok {
+                let page = page.strip_prefix(root()).unwrap().display().to_string();
+                broken.push(format!("{page}: {link}"));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links: {broken:#?}");
+}
+
+/// Our own tracker's numbers mean nothing to a reader of the docs: no
+/// "issue 8" or "#18" outside the archive.
+#[test]
+fn no_tracker_numbers() {
+    let mut found = Vec::new();
+    for page in pages() {
+        let text = fs::read_to_string(&page).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let lower = line.to_lowercase();
+            let numbered = |word: &str| {
+                lower.match_indices(word).any(|(i, _)| {
+                    lower[i + word.len()..]
+                        .chars()
+                        .next()
+                        .is_some_and(|c| c.is_ascii_digit())
+                })
+            };
+            if numbered("issue ") || numbered("issues ") || numbered(" #") || numbered("(#") {
+                let page = page.strip_prefix(root()).unwrap().display().to_string();
+                found.push(format!("{page}:{}: {line}", n + 1));
+            }
+        }
+    }
+    assert!(found.is_empty(), "{found:#?}");
+}
+
+#[test]
+fn the_readme_is_at_most_250_lines() {
+    let lines = read("README.md").lines().count();
+    assert!(lines <= 250, "README.md has {lines} lines");
 }
