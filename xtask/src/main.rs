@@ -1,4 +1,4 @@
-//! `cargo xtask`: setup, build, run (demo or agent), test and bench.
+//! `cargo xtask`: setup, build, run (demo or agent), test, bench and docs.
 //!
 //! xtask depends on nothing that needs the BPF toolchain, so it compiles on a
 //! fresh machine and installs that toolchain before anything else builds.
@@ -56,11 +56,14 @@ enum Task {
         /// Only kernels whose release starts with one of these (e.g. 6.1).
         kernels: Vec<String>,
     },
-    /// The replica-stall benchmark and per-packet costs (see BENCHMARKS.md).
+    /// The replica-stall benchmark and per-packet costs (see docs/bench/).
     Bench {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Regenerate docs/reference/cli.md from the agent's clap definitions
+    /// (`tests/tests/docs.rs` fails while the committed file is stale).
+    Docs,
 }
 
 /// Runs a command, echoing it, failing on a non-zero exit.
@@ -158,6 +161,14 @@ fn main() -> Result<()> {
             setup::setup()?;
             require_root("the kernel matrix")?;
             kernels::test_kernels(&kernels)
+        }
+        Task::Docs => {
+            setup::setup()?;
+            // The generator is the freshness test itself, told to write.
+            run(cargo()
+                .env("SELECTOR_WRITE_DOCS", "1")
+                .args(["test", "--package", "selector-tests", "--test", "docs"])
+                .args(["--", "the_cli_reference_is_fresh"]))
         }
         Task::Bench { args } => {
             setup::setup()?;

@@ -105,7 +105,7 @@ pub struct StatusArgs {
     pub iface: Option<String>,
     #[command(flatten)]
     pub netns: NetnsArg,
-    /// Print the status as one JSON document (schema: see the README).
+    /// Print the status as one JSON document (schema: docs/reference/status.md).
     #[arg(long)]
     pub json: bool,
 }

@@ -21,7 +21,7 @@ pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
 /// The latency policy's default budget: a read leaves a primary whose
 /// expected wait is 1 ms over the best replica's. Reads sent in the first
 /// budget of a stall wait it out, so the budget sets their share: 1 ms of
-/// a stall every 500 ms is 0.2% of reads, under the p99 (BENCHMARKS.md).
+/// a stall every 500 ms is 0.2% of reads, under the p99 (docs/bench/README.md).
 pub const DEFAULT_BUDGET: Duration = Duration::from_millis(1);
 /// `selector run`'s default heartbeat bound is this many sweep periods...
 pub const HEARTBEAT_SWEEPS: u32 = 4;

@@ -6,7 +6,7 @@
 //! in the target's `issued`, and sends it from the client's own address and
 //! port through a raw socket carrying the `--mark` bit (the egress program
 //! passes it untouched). The protocol and its races are described in
-//! `selector_common::hedge` and the design notes ("Hedged reads"). The
+//! `selector_common::hedge` and docs/design.md ("Hedged reads"). The
 //! hand-over in the shared slots is the data path's
 //! (`crate::datapath::hedges`).
 

@@ -2,7 +2,8 @@
 //! experiment (three replicas, short stalls of the primary, client read
 //! latency) with the selector and the alternatives users would pick
 //! instead, side by side in one run, plus the kernel programs' per-packet
-//! cost. See BENCHMARKS.md for a recorded run.
+//! cost. See docs/bench/README.md for the current report and
+//! docs/bench/method.md for the method.
 
 pub mod agent_process;
 pub mod client;

@@ -552,7 +552,7 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         // about a quarter full, where a probe window is rarely full.
         inflight_max: o.inflight_large,
         // The replies are built from the replica `first` picks (and the
-        // costs in BENCHMARKS.md were measured with it).
+        // costs in docs/bench/ were measured with it).
         tie_break: TieBreak::First,
         ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
     };

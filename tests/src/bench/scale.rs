@@ -341,8 +341,6 @@ fn start_scale_agent(pair: &Pair, o: &ScaleOptions) -> Result<AgentChild> {
         IFACE,
         "--inflight-max",
         &o.inflight_max.to_string(),
-        "--ingress",
-        "tc",
     ]
     .iter()
     .map(ToString::to_string)

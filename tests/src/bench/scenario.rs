@@ -13,13 +13,19 @@ use std::{
         mpsc,
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 use selector_common::{Policy, programs};
 use selector_user::{
-    IngressMode, Selector, Settings, config::hedge::HedgeSettings, datapath::next_hops,
+    IngressMode, Selector, Settings,
+    config::{
+        file::DEFAULT_INTERVAL_MS,
+        hedge::HedgeSettings,
+        settings::{default_heartbeat_bound, sweep_period},
+    },
+    datapath::next_hops,
 };
 
 use super::{
@@ -64,7 +70,8 @@ pub struct Options {
     /// Wait for stragglers after the last send; also the request timeout.
     pub drain: Duration,
     pub cost: CostOptions,
-    /// Where the selector's response program attaches in its rows.
+    /// Where the selector's response program attaches in its rows (the
+    /// agent's default, `auto`, unless told).
     pub ingress: IngressMode,
     /// Run only the rows with these ids, or ids starting with one of
     /// these and `_` (all when empty); `ID@RATE` runs them at RATE reads/s
@@ -219,8 +226,9 @@ pub fn preload_marked(client: &Namespace, replicas: &[SocketAddrV4], keys: usize
     Ok(())
 }
 
-/// The selector attached in the client namespace and swept every 10 ms
-/// until dropped.
+/// The selector attached in the client namespace and swept as the agent
+/// sweeps at its defaults (`sweep_period` of the default `--interval`, the
+/// row's timeout and the default heartbeat bound) until dropped.
 struct Attached {
     selector: Arc<Mutex<Selector>>,
     /// Kernel run-time statistics of every BPF program while held.
@@ -232,6 +240,14 @@ struct Attached {
 impl Attached {
     /// Attaches in `ns` (a client host).
     fn start(ns: &Namespace, settings: Settings) -> Result<Self> {
+        // What `selector run` derives when `--interval` and
+        // `--heartbeat-bound` are not given.
+        let interval = Duration::from_millis(DEFAULT_INTERVAL_MS);
+        let settings = Settings {
+            heartbeat_bound: default_heartbeat_bound(interval, settings.timeout),
+            ..settings
+        };
+        let sweep_every = sweep_period(interval, settings.timeout, settings.heartbeat_bound);
         // Not in observe mode, whose row measures the cost of being attached
         // (the statistics add two clock reads per program run).
         let stats = if settings.policy == Policy::Observe {
@@ -249,14 +265,21 @@ impl Attached {
         let sweeper = {
             let selector = selector.clone();
             thread::spawn(move || -> Result<()> {
+                let mut next_sweep = Instant::now() + sweep_every;
                 while let Err(mpsc::RecvTimeoutError::Timeout) =
                     stopped.recv_timeout(Duration::from_millis(10))
                 {
                     let mut s = selector.lock().unwrap_or_else(|e| e.into_inner());
-                    s.sweep(monotonic_ns())?;
+                    let now = Instant::now();
+                    if now >= next_sweep {
+                        s.sweep(monotonic_ns())?;
+                        next_sweep = now + sweep_every;
+                    }
                     // `--hedge-after auto`: the delays follow the latencies
-                    // (a no-op otherwise), as in the agent's loop.
-                    s.refresh_hedge_delays()?;
+                    // when due, as in the agent's loop (never otherwise).
+                    if s.hedge_refresh_due().is_some_and(|due| due <= now) {
+                        s.refresh_hedge_delays()?;
+                    }
                 }
                 Ok(())
             })
@@ -278,7 +301,12 @@ impl Attached {
         };
         let hedges = s.hedge_counts()?;
         let (egress_runs, egress_ns) = run(programs::EGRESS)?;
-        let (ingress_runs, ingress_ns) = run(programs::INGRESS_XDP)?;
+        // `--ingress auto` is resolved at attach: TC ingress on the veth.
+        let ingress = match s.settings.ingress {
+            IngressMode::Xdp => programs::INGRESS_XDP,
+            _ => programs::INGRESS_TC,
+        };
+        let (ingress_runs, ingress_ns) = run(ingress)?;
         Ok(KernelCounts {
             requests: stats.iter().map(|b| b.requests).sum(),
             redirected: stats.iter().map(|b| b.redirected_away).sum(),

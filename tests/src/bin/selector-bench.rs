@@ -77,8 +77,9 @@ struct Args {
     inflight_small: u32,
     #[arg(long, default_value_t = 1_000_000)]
     inflight_large: u32,
-    /// The selector's response hook: xdp (the agent's default) or tc.
-    #[arg(long, default_value = "xdp", value_parser = ["xdp", "tc"])]
+    /// The selector's response hook: auto (the agent's default: TC ingress
+    /// on the testbed's veth devices), xdp or tc.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "xdp", "tc"])]
     ingress: String,
     /// Run only these rows (ids as in results.csv and overload.csv, or the
     /// part of an id before `_`, e.g. `overload`; comma-separated). `ID@RATE`
@@ -185,11 +186,7 @@ fn main() -> Result<()> {
             inflight_small: args.inflight_small,
             inflight_large: args.inflight_large,
         },
-        ingress: if args.ingress == "tc" {
-            IngressMode::Tc
-        } else {
-            IngressMode::Xdp
-        },
+        ingress: IngressMode::from_name(&args.ingress).unwrap_or(IngressMode::Auto),
         only: args.only.clone(),
         herding_hosts: args.herding_hosts.max(1),
         overload_rate: args.overload_rate.max(1),
