@@ -30,8 +30,9 @@ const SCRIPT: &str = concat!(
 const KEYS: usize = 200;
 
 /// A namespace for the script and its agents to start in (the node's),
-/// with an `eth0` of its own, up, with an address: an agent that ignored
-/// `--netns` would attach there and see none of the pod's traffic.
+/// with an `eth0` of its own, up, with an address and a route to the
+/// replicas: an agent attached in the wrong namespace would start, attach
+/// there and see none of the pod's traffic.
 fn node_namespace(prefix: &str) -> Namespace {
     let node = Namespace::create(&format!("{prefix}-{}-node", unique_tag())).unwrap();
     node.ip(&[
@@ -49,6 +50,9 @@ fn node_namespace(prefix: &str) -> Namespace {
         .unwrap();
     node.ip(&["link", "set", CLIENT_IFACE, "up"]).unwrap();
     node.ip(&["link", "set", "peer0", "up"]).unwrap();
+    // And a route to the replicas' subnet: such an agent would start.
+    node.ip(&["route", "add", "10.77.0.0/24", "dev", CLIENT_IFACE])
+        .unwrap();
     node
 }
 
@@ -217,12 +221,6 @@ fn an_agent_started_for_a_pods_pid_steers_it_and_stop_detaches() {
         .unwrap();
     let said = text(&out);
     assert!(out.status.success(), "{said}");
-    assert!(
-        said.contains(&format!(
-            "attach-pods.sh: pid {pid}: attached to eth0 in netns {netns} ("
-        )),
-        "{said}"
-    );
     let attached = agent::attached(&tb.client, CLIENT_IFACE);
     assert_eq!(
         (attached.tcx_egress, attached.tcx_ingress),
@@ -233,6 +231,12 @@ fn an_agent_started_for_a_pods_pid_steers_it_and_stop_detaches() {
         agent::attached(&node, CLIENT_IFACE),
         Attached::NOTHING,
         "nothing may be attached to the node's own {CLIENT_IFACE}"
+    );
+    assert!(
+        said.contains(&format!(
+            "attach-pods.sh: pid {pid}: attached to eth0 in netns {netns} ("
+        )),
+        "{said}"
     );
     let name = format!("pid-{pid}");
     let agent_pid = pods.agent_pid(&name);
