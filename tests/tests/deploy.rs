@@ -744,3 +744,132 @@ fn the_sizing_formula_holds_the_agents_maps() {
         assert!(map_bytes + anon_kb * 1024 <= memory(inflight_max, cpus));
     }
 }
+
+const UNINSTALL: &str = include_str!("../../deploy/kubernetes/uninstall.yaml");
+
+/// The uninstall DaemonSet (deploy/kubernetes/uninstall.yaml): it runs,
+/// where the agents ran, with their image, capabilities, network and bpffs,
+/// a detach of the ConfigMap's interface and pin directory; and that
+/// script, run here (the binary and the pin directory substituted), refuses
+/// while an agent runs, detaches and unpins what a stopped pinned agent
+/// left, and counts a node with nothing pinned as done.
+#[test]
+fn the_uninstall_daemonset_detaches_what_the_agents_pinned() {
+    use selector_user::config::{ConfigFile, Options};
+    let uninstall = yaml_rust2::YamlLoader::load_from_str(UNINSTALL)
+        .expect("the uninstall manifest is YAML")
+        .remove(0);
+    assert_eq!(uninstall["kind"].as_str(), Some("DaemonSet"));
+    let daemonset = manifest("DaemonSet");
+    assert_eq!(
+        uninstall["metadata"]["namespace"],
+        daemonset["metadata"]["namespace"]
+    );
+    let spec = &uninstall["spec"]["template"]["spec"];
+    let agents = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"].as_bool(), Some(true));
+    assert_eq!(spec["tolerations"], agents["tolerations"], "every node");
+    let detach = &spec["initContainers"][0];
+    let agent = &agents["containers"][0];
+    assert_eq!(detach["image"], agent["image"]);
+    assert_eq!(
+        detach["securityContext"]["capabilities"],
+        agent["securityContext"]["capabilities"]
+    );
+    let host_bpffs = |spec: &yaml_rust2::Yaml, container: &yaml_rust2::Yaml| {
+        let mount = container["volumeMounts"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"].as_str() == Some("bpffs"))
+            .and_then(|m| m["mountPath"].as_str())
+            .map(str::to_owned);
+        let host = spec["volumes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"].as_str() == Some("bpffs"))
+            .and_then(|v| v["hostPath"]["path"].as_str())
+            .map(str::to_owned);
+        (mount, host)
+    };
+    assert_eq!(host_bpffs(spec, detach), host_bpffs(agents, agent));
+
+    let text = manifest("ConfigMap")["data"]["selector.toml"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let config = ConfigFile::parse(Path::new("selector.toml"), text)
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .unwrap();
+    let iface = config.settings.iface.clone();
+    let pin = config.pin.clone().expect("the DaemonSet pins");
+    let pin = pin.to_str().unwrap();
+    assert_eq!(strings(&detach["command"]), vec!["/bin/sh", "-c"]);
+    let script = strings(&detach["args"]).concat();
+    let wanted = format!(
+        "/usr/local/bin/selector detach --iface {iface} --pin {pin} --wait {}",
+        config.settings.timeout.as_millis()
+    );
+    assert!(script.contains(&wanted), "{script}\nlacks {wanted}");
+
+    // The script on a "node" (the testbed's client namespace).
+    let tb = Testbed::new("seldu", 1).unwrap();
+    let bpffs = Bpffs::mount();
+    let here = script
+        .replace(
+            "/usr/local/bin/selector",
+            selector_binary().to_str().unwrap(),
+        )
+        .replace(pin, &bpffs.arg());
+    let uninstall = || {
+        let out = tb
+            .client
+            .command("sh")
+            .args(["-c", &here])
+            .output()
+            .unwrap();
+        (out.status.success(), text_of(&out))
+    };
+    let (agent, _lines) = selector_testbed::agent::spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            &iface,
+            "--group",
+            &tb.group_arg(),
+            "--pin",
+            &bpffs.arg(),
+            "--quiet",
+        ],
+    );
+    let (ok, said) = uninstall();
+    assert!(!ok, "refused while the agent runs: {said}");
+    assert!(said.contains("a selector agent is running"), "{said}");
+    assert_eq!(attached(&tb.client, &iface).tcx_egress, 1);
+    // The DaemonSet deleted: its agent exits, the pins stay, steering.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let mut agent = agent;
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, &iface).tcx_egress, 1);
+    let (ok, said) = uninstall();
+    assert!(ok, "{said}");
+    assert!(
+        said.contains(&format!("selector: detached from {iface}")),
+        "{said}"
+    );
+    assert_eq!(attached(&tb.client, &iface), Attached::NOTHING);
+    assert!(!bpffs.dir().join(&iface).exists(), "the pins are removed");
+    // Run again (a restarted init container, a node never installed): done.
+    let (ok, said) = uninstall();
+    assert!(ok, "{said}");
+    assert!(said.contains("nothing pinned"), "{said}");
+}
+
+fn text_of(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
