@@ -4,7 +4,9 @@
 //! restarted, and detaching them, while
 //! any one capability missing is named in one line with nothing attached;
 //! it is `Type=notify` with a watchdog, and the agent speaks that protocol.
-//! The DaemonSet agrees with the unit, its config and the agent's probes.
+//! The DaemonSet agrees with the unit, its config and the agent's probes,
+//! and its memory holds the maps its `--inflight-max` makes (a formula
+//! checked against what the agent really creates).
 
 use std::{
     os::unix::net::UnixDatagram,
@@ -551,4 +553,329 @@ fn the_daemonsets_namespace_admits_its_privileges() {
     assert_eq!(spec["hostNetwork"].as_bool(), Some(true));
     let added = strings(&spec["containers"][0]["securityContext"]["capabilities"]["add"]);
     assert!(added.iter().any(|c| c == "BPF"), "{added:?}");
+}
+
+/// The sizing formula of the DaemonSet's memory (its YAML comment and
+/// deploy/kubernetes/README.md say the same): what the agent's BPF maps and
+/// the agent itself take, charged to the pod's memory cgroup.
+mod sizing {
+    use selector_common::inflight::{InflightSlot, mark_words, slots_for};
+
+    /// The CPUs the manifest is sized for (possible CPUs of a node).
+    pub const SIZED_FOR_CPUS: u64 = 128;
+    /// Every map but the in-flight table and the per-CPU ones (2.3 MiB
+    /// measured: the hedge ring buffers, FRAGMENTS, CLIENT_PENDING, ...).
+    pub const OTHER_MAPS: u64 = 4 << 20;
+    /// The per-CPU maps, per possible CPU (456 KiB measured, LATENCY most).
+    pub const PER_CPU_MAPS: u64 = 512 << 10;
+    /// The agent process: heap, binary, the verifier's memory at load.
+    pub const AGENT: u64 = 64 << 20;
+
+    /// `INFLIGHT` and `INFLIGHT_MARKS` for `inflight_max`.
+    pub fn inflight_table(inflight_max: u32) -> u64 {
+        let slots = slots_for(inflight_max);
+        u64::from(slots) * size_of::<InflightSlot>() as u64 + u64::from(mark_words(slots)) * 8
+    }
+
+    /// Every map, on a node with `cpus` possible CPUs.
+    pub fn maps(inflight_max: u32, cpus: u64) -> u64 {
+        inflight_table(inflight_max) + OTHER_MAPS + cpus * PER_CPU_MAPS
+    }
+
+    /// The memory the pod needs.
+    pub fn memory(inflight_max: u32, cpus: u64) -> u64 {
+        maps(inflight_max, cpus) + AGENT
+    }
+
+    /// A Kubernetes quantity in bytes (or in millicores, with `cpu`).
+    pub fn quantity(text: &str, cpu: bool) -> Option<u64> {
+        let (number, unit): (String, String) = text.chars().partition(char::is_ascii_digit);
+        let number: u64 = number.parse().ok()?;
+        let scale = match (unit.as_str(), cpu) {
+            ("m", true) => 1,
+            ("", true) => 1000,
+            ("", false) => 1,
+            ("Ki", false) => 1 << 10,
+            ("Mi", false) => 1 << 20,
+            ("Gi", false) => 1 << 30,
+            ("k", false) => 1000,
+            ("M", false) => 1_000_000,
+            ("G", false) => 1_000_000_000,
+            _ => return None,
+        };
+        text.starts_with(|c: char| c.is_ascii_digit())
+            .then_some(number * scale)
+    }
+
+    /// Possible CPUs (`0-3,8-11`), as the kernel sizes per-CPU maps.
+    pub fn possible_cpus() -> u64 {
+        let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+        text.trim()
+            .split(',')
+            .map(|range| match range.split_once('-') {
+                Some((a, b)) => b.parse::<u64>().unwrap() - a.parse::<u64>().unwrap() + 1,
+                None => 1,
+            })
+            .sum()
+    }
+}
+
+/// `--inflight-max` of the DaemonSet's agent: its args, else its
+/// ConfigMap, else the default.
+fn manifest_inflight_max() -> u32 {
+    use selector_user::config::{ConfigFile, Options};
+    let container = &manifest("DaemonSet")["spec"]["template"]["spec"]["containers"][0];
+    let args = strings(&container["args"]);
+    if let Some(i) = args.iter().position(|a| a == "--inflight-max") {
+        return args[i + 1].parse().expect("--inflight-max N");
+    }
+    let text = manifest("ConfigMap")["data"]["selector.toml"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    ConfigFile::parse(Path::new("selector.toml"), text)
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .expect("the ConfigMap's config is valid")
+        .settings
+        .inflight_max
+}
+
+/// The container's resources: memory requested and limited, each at least
+/// what the formula gives for its `--inflight-max` on nodes of up to
+/// `SIZED_FOR_CPUS` CPUs; CPU requested and limited, the limit no lower.
+#[test]
+fn the_daemonsets_resources_hold_its_maps() {
+    use sizing::{SIZED_FOR_CPUS, memory, quantity};
+    let inflight_max = manifest_inflight_max();
+    let needed = memory(inflight_max, SIZED_FOR_CPUS);
+    let resources =
+        &manifest("DaemonSet")["spec"]["template"]["spec"]["containers"][0]["resources"];
+    assert!(!resources.is_badvalue(), "the container has no resources");
+    for side in ["requests", "limits"] {
+        let memory = resources[side]["memory"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no {side}.memory"));
+        let bytes = quantity(memory, false).unwrap_or_else(|| panic!("{side}.memory {memory}"));
+        assert!(
+            bytes >= needed,
+            "{side}.memory {memory} is less than the {} MiB the maps and the agent take \
+             with --inflight-max {inflight_max} on {SIZED_FOR_CPUS} CPUs",
+            needed.div_ceil(1 << 20)
+        );
+    }
+    let cpu = |side: &str| {
+        let value = &resources[side]["cpu"];
+        let text = value
+            .as_str()
+            .map(str::to_owned)
+            .or_else(|| value.as_i64().map(|n| n.to_string()))
+            .unwrap_or_else(|| panic!("no {side}.cpu"));
+        quantity(&text, true).unwrap_or_else(|| panic!("{side}.cpu {text}"))
+    };
+    assert!(cpu("requests") > 0);
+    assert!(cpu("limits") >= cpu("requests"));
+    // The comment gives the same sizing.
+    assert!(
+        MANIFEST.contains(&format!("on nodes of up to {SIZED_FOR_CPUS} CPUs")),
+        "the manifest's comment names the CPUs it is sized for"
+    );
+}
+
+/// The formula holds what the agent really creates: started with the
+/// manifest's `--inflight-max` (and four times it), the memory of its maps
+/// (their `memlock` in /proc/PID/fdinfo) is at least the in-flight table
+/// and at most the formula's maps for this machine's possible CPUs; with
+/// its own anonymous memory, within the formula's total.
+#[test]
+fn the_sizing_formula_holds_the_agents_maps() {
+    use sizing::{inflight_table, maps, memory, possible_cpus};
+    let tb = Testbed::new("seldz", 1).unwrap();
+    let cpus = possible_cpus();
+    let base = manifest_inflight_max();
+    for inflight_max in [base, base * 4] {
+        let n = inflight_max.to_string();
+        let (agent, _lines) = selector_testbed::agent::spawn_agent(
+            &tb.client,
+            &[
+                "--iface",
+                CLIENT_IFACE,
+                "--group",
+                &tb.group_arg(),
+                "--inflight-max",
+                &n,
+                "--quiet",
+            ],
+        );
+        let pid = agent.id();
+        let mut map_bytes = 0u64;
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+            let fd = fd.unwrap();
+            let is_map = std::fs::read_link(fd.path())
+                .is_ok_and(|target| target.to_str() == Some("anon_inode:bpf-map"));
+            if !is_map {
+                continue;
+            }
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_str().unwrap()
+            ))
+            .unwrap();
+            map_bytes += info
+                .lines()
+                .find_map(|l| l.strip_prefix("memlock:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .expect("memlock in fdinfo");
+        }
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let anon_kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("RssAnon:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        drop(agent);
+        eprintln!(
+            "--inflight-max {n}, {cpus} CPUs: maps {map_bytes} B (formula {}), agent anon {anon_kb} KiB",
+            maps(inflight_max, cpus)
+        );
+        assert!(
+            map_bytes >= inflight_table(inflight_max),
+            "{map_bytes} B of maps cannot hold the in-flight table"
+        );
+        assert!(
+            map_bytes <= maps(inflight_max, cpus),
+            "the agent's maps take {map_bytes} B, more than the formula's {} B \
+             (--inflight-max {n}, {cpus} CPUs): update the formula",
+            maps(inflight_max, cpus)
+        );
+        assert!(map_bytes + anon_kb * 1024 <= memory(inflight_max, cpus));
+    }
+}
+
+const UNINSTALL: &str = include_str!("../../deploy/kubernetes/uninstall.yaml");
+
+/// The uninstall DaemonSet (deploy/kubernetes/uninstall.yaml): it runs,
+/// where the agents ran, with their image, capabilities, network and bpffs,
+/// a detach of the ConfigMap's interface and pin directory; and that
+/// script, run here (the binary and the pin directory substituted), refuses
+/// while an agent runs, detaches and unpins what a stopped pinned agent
+/// left, and counts a node with nothing pinned as done.
+#[test]
+fn the_uninstall_daemonset_detaches_what_the_agents_pinned() {
+    use selector_user::config::{ConfigFile, Options};
+    let uninstall = yaml_rust2::YamlLoader::load_from_str(UNINSTALL)
+        .expect("the uninstall manifest is YAML")
+        .remove(0);
+    assert_eq!(uninstall["kind"].as_str(), Some("DaemonSet"));
+    let daemonset = manifest("DaemonSet");
+    assert_eq!(
+        uninstall["metadata"]["namespace"],
+        daemonset["metadata"]["namespace"]
+    );
+    let spec = &uninstall["spec"]["template"]["spec"];
+    let agents = &daemonset["spec"]["template"]["spec"];
+    assert_eq!(spec["hostNetwork"].as_bool(), Some(true));
+    assert_eq!(spec["tolerations"], agents["tolerations"], "every node");
+    let detach = &spec["initContainers"][0];
+    let agent = &agents["containers"][0];
+    assert_eq!(detach["image"], agent["image"]);
+    assert_eq!(
+        detach["securityContext"]["capabilities"],
+        agent["securityContext"]["capabilities"]
+    );
+    let host_bpffs = |spec: &yaml_rust2::Yaml, container: &yaml_rust2::Yaml| {
+        let mount = container["volumeMounts"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"].as_str() == Some("bpffs"))
+            .and_then(|m| m["mountPath"].as_str())
+            .map(str::to_owned);
+        let host = spec["volumes"]
+            .as_vec()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"].as_str() == Some("bpffs"))
+            .and_then(|v| v["hostPath"]["path"].as_str())
+            .map(str::to_owned);
+        (mount, host)
+    };
+    assert_eq!(host_bpffs(spec, detach), host_bpffs(agents, agent));
+
+    let text = manifest("ConfigMap")["data"]["selector.toml"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let config = ConfigFile::parse(Path::new("selector.toml"), text)
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .unwrap();
+    let iface = config.settings.iface.clone();
+    let pin = config.pin.clone().expect("the DaemonSet pins");
+    let pin = pin.to_str().unwrap();
+    assert_eq!(strings(&detach["command"]), vec!["/bin/sh", "-c"]);
+    let script = strings(&detach["args"]).concat();
+    let wanted = format!(
+        "/usr/local/bin/selector detach --iface {iface} --pin {pin} --wait {}",
+        config.settings.timeout.as_millis()
+    );
+    assert!(script.contains(&wanted), "{script}\nlacks {wanted}");
+
+    // The script on a "node" (the testbed's client namespace).
+    let tb = Testbed::new("seldu", 1).unwrap();
+    let bpffs = Bpffs::mount();
+    let here = script
+        .replace(
+            "/usr/local/bin/selector",
+            selector_binary().to_str().unwrap(),
+        )
+        .replace(pin, &bpffs.arg());
+    let uninstall = || {
+        let out = tb
+            .client
+            .command("sh")
+            .args(["-c", &here])
+            .output()
+            .unwrap();
+        (out.status.success(), text_of(&out))
+    };
+    let (agent, _lines) = selector_testbed::agent::spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            &iface,
+            "--group",
+            &tb.group_arg(),
+            "--pin",
+            &bpffs.arg(),
+            "--quiet",
+        ],
+    );
+    let (ok, said) = uninstall();
+    assert!(!ok, "refused while the agent runs: {said}");
+    assert!(said.contains("a selector agent is running"), "{said}");
+    assert_eq!(attached(&tb.client, &iface).tcx_egress, 1);
+    // The DaemonSet deleted: its agent exits, the pins stay, steering.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let mut agent = agent;
+    assert!(agent.wait().unwrap().success());
+    assert_eq!(attached(&tb.client, &iface).tcx_egress, 1);
+    let (ok, said) = uninstall();
+    assert!(ok, "{said}");
+    assert!(
+        said.contains(&format!("selector: detached from {iface}")),
+        "{said}"
+    );
+    assert_eq!(attached(&tb.client, &iface), Attached::NOTHING);
+    assert!(!bpffs.dir().join(&iface).exists(), "the pins are removed");
+    // Run again (a restarted init container, a node never installed): done.
+    let (ok, said) = uninstall();
+    assert!(ok, "{said}");
+    assert!(said.contains("nothing pinned"), "{said}");
+}
+
+fn text_of(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
