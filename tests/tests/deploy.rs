@@ -623,7 +623,7 @@ mod sizing {
 /// `--inflight-max` of the DaemonSet's agent: its args, else its
 /// ConfigMap, else the default.
 fn manifest_inflight_max() -> u32 {
-    use selector_user::config::{ConfigFile, Options};
+    use selector_user::config::file::{ConfigFile, Options};
     let container = &manifest("DaemonSet")["spec"]["template"]["spec"]["containers"][0];
     let args = strings(&container["args"]);
     if let Some(i) = args.iter().position(|a| a == "--inflight-max") {
@@ -761,7 +761,7 @@ const UNINSTALL: &str = include_str!("../../deploy/kubernetes/uninstall.yaml");
 /// left, and counts a node with nothing pinned as done.
 #[test]
 fn the_uninstall_daemonset_detaches_what_the_agents_pinned() {
-    use selector_user::config::{ConfigFile, Options};
+    use selector_user::config::file::{ConfigFile, Options};
     let uninstall = yaml_rust2::YamlLoader::load_from_str(UNINSTALL)
         .expect("the uninstall manifest is YAML")
         .remove(0);

@@ -21,7 +21,7 @@ use selector_testbed::{
     preload, run_load,
     topology::CLIENT_IFACE,
 };
-use selector_user::tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR};
+use selector_user::host::tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR};
 
 const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
