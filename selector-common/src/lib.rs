@@ -3,6 +3,10 @@
 //! the kernel and in host unit tests.
 #![no_std]
 
+// clap's derive names `std`; the agent's build (feature `user`) has it.
+#[cfg(feature = "user")]
+extern crate std;
+
 pub mod blame;
 pub mod checksum;
 pub mod descriptor;

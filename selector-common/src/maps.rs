@@ -382,6 +382,11 @@ pub const fn pass_index(direction: Direction, reason: PassReason) -> u32 {
 /// `max_pending` (or its client is over `max_pending_client`).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "user",
+    derive(clap::ValueEnum, serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum OnOverload {
     /// Sent as chosen and counted (default).
     Pass = 0,

@@ -7,6 +7,11 @@ use crate::{
 
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "user",
+    derive(clap::ValueEnum, serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum Policy {
     /// Redirect when `pending[primary] >= pending[best] + threshold`.
     Threshold = 0,
@@ -14,8 +19,9 @@ pub enum Policy {
     Absolute = 1,
     /// Count, never redirect.
     Observe = 2,
-    /// Redirect when the primary's expected wait (pending x service time)
-    /// is at least the budget over the least expected wait (`choose_by_wait`).
+    /// Redirect when the primary's expected wait (pending x recent time per
+    /// completed request) is at least the budget over the best replica's.
+    // See `choose_by_wait`.
     Latency = 3,
 }
 
@@ -55,6 +61,11 @@ impl Policy {
 /// Which of several equally good members is the "best".
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(
+    feature = "user",
+    derive(clap::ValueEnum, serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum TieBreak {
     /// The first in group order (BookKeeper's first strict minimum).
     #[default]

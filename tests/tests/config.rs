@@ -574,7 +574,7 @@ fn check_validates_a_file_as_run_does_unprivileged_and_attaches_nothing() {
         ("threshold = 0\n", ":4: threshold: must be at least 1"),
         (
             "policy = \"fastest\"\n",
-            ":4:10: policy: unknown policy 'fastest'",
+            ":4:10: policy: unknown variant `fastest`, expected one of `threshold`",
         ),
         (
             "colour = \"blue\"\n",

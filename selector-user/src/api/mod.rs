@@ -37,7 +37,6 @@ use selector_common::{Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::names::by_name,
     config::settings::{OnOverload, Settings},
     telemetry::{BackendTotals, LastInterval, PassedCount},
 };
@@ -67,7 +66,7 @@ pub enum Request {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SettingsChange {
-    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<Policy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub threshold: Option<u32>,
@@ -75,7 +74,7 @@ pub struct SettingsChange {
     pub max_pending: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_pending_client: Option<u32>,
-    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_overload: Option<OnOverload>,
     /// `"off"`, `"auto"` or milliseconds as a string (`"2"`, `"0.5"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -85,7 +84,7 @@ pub struct SettingsChange {
     /// The latency policy's budget, microseconds.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub budget_us: Option<u64>,
-    #[serde(default, with = "by_name", skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tie_break: Option<TieBreak>,
 }
 
@@ -644,7 +643,10 @@ mod tests {
         let e = serde_json::from_str::<Request>(r#"{"request":"set","policy":"fastest"}"#)
             .unwrap_err()
             .to_string();
-        assert!(e.contains("unknown policy 'fastest'"), "{e}");
+        assert!(
+            e.contains("unknown variant `fastest`, expected one of `threshold`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -14,8 +14,7 @@ mod tunables;
 use std::net::SocketAddr;
 
 use anyhow::{Result, bail};
-use clap::{Args, Parser, Subcommand, ValueEnum};
-use selector_common::{Policy, TieBreak};
+use clap::{Args, Parser, Subcommand};
 
 pub use check::CheckArgs;
 pub use detach::DetachArgs;
@@ -24,10 +23,7 @@ pub use run::run;
 pub use run_args::RunArgs;
 pub use tunables::{TUNABLE_FLAGS, Tunables};
 
-use crate::{
-    api::{self, Reply, Request},
-    config::settings::OnOverload,
-};
+use crate::api::{self, Reply, Request};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -132,68 +128,6 @@ pub struct BackendArgs {
     pub netns: NetnsArg,
     /// The backend, as given to --group.
     pub backend: SocketAddr,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum PolicyArg {
-    /// Redirect when pending[primary] >= pending[least loaded] + threshold.
-    Threshold,
-    /// Redirect when pending[primary] >= threshold, to the least loaded.
-    Absolute,
-    /// Count and report, never redirect.
-    Observe,
-    /// Redirect when the primary's expected wait (pending x recent time
-    /// per completed request) is the budget over the best replica's.
-    Latency,
-}
-
-impl From<PolicyArg> for Policy {
-    fn from(p: PolicyArg) -> Self {
-        match p {
-            PolicyArg::Threshold => Policy::Threshold,
-            PolicyArg::Absolute => Policy::Absolute,
-            PolicyArg::Observe => Policy::Observe,
-            PolicyArg::Latency => Policy::Latency,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum TieBreakArg {
-    /// The first in group order (BookKeeper's first strict minimum).
-    First,
-    /// One of them at random, so many clients do not herd onto one replica
-    /// (the default).
-    Random,
-}
-
-impl From<TieBreakArg> for TieBreak {
-    fn from(t: TieBreakArg) -> Self {
-        match t {
-            TieBreakArg::First => TieBreak::First,
-            TieBreakArg::Random => TieBreak::Random,
-        }
-    }
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum OnOverloadArg {
-    /// Send it to its primary anyway, and count it.
-    Pass,
-    /// Drop it, and count it.
-    Drop,
-    /// Answer at once with the protocol's error (memcached and dns only).
-    Reject,
-}
-
-impl From<OnOverloadArg> for OnOverload {
-    fn from(o: OnOverloadArg) -> Self {
-        match o {
-            OnOverloadArg::Pass => OnOverload::Pass,
-            OnOverloadArg::Drop => OnOverload::Drop,
-            OnOverloadArg::Reject => OnOverload::Reject,
-        }
-    }
 }
 
 /// Runs a control command against the agent on its interface and prints

@@ -4,37 +4,14 @@
 use std::{fmt, net::SocketAddr, path::PathBuf};
 
 use anyhow::Result;
-use clap::{Args, ValueEnum};
-use selector_common::{Policy, TieBreak};
+use clap::Args;
 
 use super::tunables::Tunables;
 use crate::{
     config::file::{ConfigFile, GroupSpec, Options, RunConfig},
-    config::settings::{IngressMode, OnOverload, Protocol, Settings, parse_group, parse_u32},
+    config::settings::{IngressMode, Protocol, Settings, parse_group, parse_u32},
     datapath::pinning::DEFAULT_PIN_DIR,
 };
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum ProtoArg {
-    /// memcached UDP: 16-bit request id in the frame header; reads are get/gets.
-    Memcached,
-    /// DNS: 16-bit message id; every query is a read; only a standard query
-    /// with one question is tracked.
-    Dns,
-    /// Set with --req-id-offset, --req-id-len and optionally --read-prefix.
-    Custom,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum IngressArg {
-    /// TC ingress on virtual devices (veth, bridge, vlan, ...), native XDP
-    /// on a driver's device (TC ingress if the driver has none).
-    Auto,
-    /// XDP on the interface (native, or generic where the driver has none).
-    Xdp,
-    /// TC ingress.
-    Tc,
-}
 
 /// One replica group: members in preference order.
 #[derive(Clone, Debug)]
@@ -79,7 +56,7 @@ pub struct RunArgs {
     pub tunables: Tunables,
     /// [default: memcached]
     #[arg(long, value_enum)]
-    pub proto: Option<ProtoArg>,
+    pub proto: Option<Protocol>,
     /// Custom protocol: byte offset of the request id in the UDP payload.
     #[arg(long)]
     pub req_id_offset: Option<u16>,
@@ -131,7 +108,7 @@ pub struct RunArgs {
     pub interval: Option<u64>,
     /// Where replies are processed [default: auto].
     #[arg(long, value_enum)]
-    pub ingress: Option<IngressArg>,
+    pub ingress: Option<IngressMode>,
     /// Stop after this many seconds, fractions allowed, at most 315360000
     /// (ten years) (default: run until SIGINT/SIGTERM).
     #[arg(long, value_name = "SECS")]
@@ -184,16 +161,12 @@ impl RunArgs {
                     })
                     .collect()
             }),
-            policy: t.policy.map(Policy::from),
+            policy: t.policy,
             threshold: t.threshold,
             max_pending: t.max_pending,
-            on_overload: t.on_overload.map(OnOverload::from),
+            on_overload: t.on_overload,
             max_pending_client: t.max_pending_client,
-            proto: self.proto.map(|p| match p {
-                ProtoArg::Memcached => Protocol::Memcached,
-                ProtoArg::Dns => Protocol::Dns,
-                ProtoArg::Custom => Protocol::Custom,
-            }),
+            proto: self.proto,
             req_id_offset: self.req_id_offset,
             req_id_len: self.req_id_len,
             read_prefix: self.read_prefix.clone(),
@@ -206,11 +179,7 @@ impl RunArgs {
             mark: self.mark.map(|m| m.0),
             inflight_max: self.inflight_max,
             interval: self.interval,
-            ingress: self.ingress.map(|i| match i {
-                IngressArg::Auto => IngressMode::Auto,
-                IngressArg::Xdp => IngressMode::Xdp,
-                IngressArg::Tc => IngressMode::Tc,
-            }),
+            ingress: self.ingress,
             duration: self.duration,
             quiet: self.quiet.then_some(true),
             pin: self.pin.clone(),
@@ -220,7 +189,7 @@ impl RunArgs {
             hedge_after: t.hedge_after,
             hedge_budget: t.hedge_budget,
             budget: t.budget_ms(),
-            tie_break: t.tie_break.map(TieBreak::from),
+            tie_break: t.tie_break,
         }
     }
 
@@ -253,6 +222,9 @@ mod tests {
         config::hedge::HedgeAfter,
         config::settings::{MAX_TIMEOUT_MS, OnOverload},
     };
+    use selector_common::{Policy, TieBreak};
+
+    use crate::config::defaults::RunDefaults;
 
     fn parse(args: &[&str]) -> Result<Settings> {
         let mut argv = vec![
@@ -513,5 +485,51 @@ mod tests {
         let help = run.render_long_help().to_string();
         assert!(help.contains("[default: 0x01000000]"), "{help}");
         assert!(help.contains("--on-overload"), "{help}");
+    }
+
+    /// Each flag's `[default: ...]` in `run --help` and `set --help`,
+    /// from the help text itself.
+    fn defaults_in_help(subcommand: &str) -> std::collections::BTreeMap<String, String> {
+        use clap::CommandFactory as _;
+        let mut cmd = Cli::command().term_width(10_000);
+        let help = cmd
+            .find_subcommand_mut(subcommand)
+            .unwrap()
+            .render_long_help()
+            .to_string();
+        let mut out = std::collections::BTreeMap::new();
+        let mut flag = None;
+        for line in help.lines() {
+            let line = line.trim();
+            if let Some(name) = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("--"))
+                .filter(|_| line.starts_with('-'))
+            {
+                flag = Some(name.trim_end_matches(',').to_string());
+            }
+            if let (Some(f), Some(at)) = (&flag, line.find("[default: ")) {
+                let rest = &line[at + "[default: ".len()..];
+                out.insert(f.clone(), rest[..rest.find(']').unwrap()].to_string());
+            }
+        }
+        out
+    }
+
+    /// The defaults `--help` shows are the ones in force: every flag with
+    /// a default says it, and says the value `RunDefaults` holds.
+    #[test]
+    fn help_shows_the_defaults_in_force() {
+        let shown: std::collections::BTreeMap<String, String> = RunDefaults::default()
+            .shown()
+            .into_iter()
+            .map(|(flag, value)| (flag.to_string(), value))
+            .collect();
+        assert_eq!(defaults_in_help("run"), shown);
+        let set = defaults_in_help("set");
+        assert!(!set.is_empty());
+        for (flag, value) in &set {
+            assert_eq!(Some(value), shown.get(flag), "set --{flag}");
+        }
     }
 }

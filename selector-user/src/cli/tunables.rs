@@ -6,7 +6,6 @@ use std::time::Duration;
 use clap::Args;
 use selector_common::{Policy, TieBreak};
 
-use super::{OnOverloadArg, PolicyArg, TieBreakArg};
 use crate::{
     api::SettingsChange,
     config::hedge::HedgeAfter,
@@ -21,7 +20,7 @@ pub const TUNABLE_FLAGS: &str = "--policy, --threshold, --max-pending, --on-over
 pub struct Tunables {
     /// [default: threshold]
     #[arg(long, value_enum)]
-    pub policy: Option<PolicyArg>,
+    pub policy: Option<Policy>,
     /// Pending requests: the margin (threshold policy) or the limit
     /// (absolute policy) at which reads leave the primary [default: 4].
     #[arg(long)]
@@ -34,7 +33,7 @@ pub struct Tunables {
     /// What a read gets when its backends are at --max-pending or its
     /// client socket at --max-pending-client [default: pass].
     #[arg(long, value_enum)]
-    pub on_overload: Option<OnOverloadArg>,
+    pub on_overload: Option<OnOverload>,
     /// Pending requests per client socket at which its reads are
     /// overloaded (0: no bound) [default: 0].
     #[arg(long, value_name = "N")]
@@ -63,24 +62,24 @@ pub struct Tunables {
     /// client is alone, or to keep reads on a preferred replica)
     /// [default: random].
     #[arg(long, value_enum)]
-    pub tie_break: Option<TieBreakArg>,
+    pub tie_break: Option<TieBreak>,
 }
 
 impl Tunables {
     /// The tunables given, as a change to the ones in force.
     pub fn change(&self) -> SettingsChange {
         SettingsChange {
-            policy: self.policy.map(Policy::from),
+            policy: self.policy,
             threshold: self.threshold,
             max_pending: self.max_pending,
             max_pending_client: self.max_pending_client,
-            on_overload: self.on_overload.map(OnOverload::from),
+            on_overload: self.on_overload,
             hedge_after: self.hedge_after,
             hedge_budget: self.hedge_budget,
             budget_us: self
                 .budget
                 .map(|b| b.as_micros().min(u128::from(u64::MAX)) as u64),
-            tie_break: self.tie_break.map(TieBreak::from),
+            tie_break: self.tie_break,
         }
     }
 

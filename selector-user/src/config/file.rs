@@ -26,16 +26,13 @@ use serde::{Deserialize, Serialize};
 use toml::de::{DeTable, DeValue};
 
 use crate::{
+    config::defaults::RunDefaults,
     config::hedge::{HedgeAfter, HedgeSettings},
-    config::names::{Named, by_name},
     config::settings::{
-        DEFAULT_BUDGET, DEFAULT_THRESHOLD, DEFAULT_TIMEOUT_MS, IngressMode, Invalid, Protocol,
-        SettingKey, Settings, default_heartbeat_bound, invalid, millis,
+        IngressMode, Invalid, Protocol, SettingKey, Settings, default_heartbeat_bound, invalid,
+        millis,
     },
 };
-
-/// Default `interval`: milliseconds between table prints.
-pub const DEFAULT_INTERVAL_MS: u64 = 1000;
 
 /// The longest `duration`, in seconds: ten years, beyond any run and well
 /// within what a timer holds (`Duration::from_secs_f64` panics past 2^64 s).
@@ -70,14 +67,14 @@ pub struct Options {
     pub iface: Option<String>,
     #[serde(rename = "group")]
     pub groups: Option<Vec<GroupSpec>>,
-    #[serde(default, with = "by_name")]
+    #[serde(default)]
     pub policy: Option<Policy>,
     pub threshold: Option<u32>,
     pub max_pending: Option<u32>,
-    #[serde(default, with = "by_name")]
+    #[serde(default)]
     pub on_overload: Option<OnOverload>,
     pub max_pending_client: Option<u32>,
-    #[serde(default, with = "by_name")]
+    #[serde(default)]
     pub proto: Option<Protocol>,
     pub req_id_offset: Option<u16>,
     pub req_id_len: Option<u8>,
@@ -95,7 +92,7 @@ pub struct Options {
     pub inflight_max: Option<u32>,
     /// Milliseconds.
     pub interval: Option<u64>,
-    #[serde(default, with = "by_name")]
+    #[serde(default)]
     pub ingress: Option<IngressMode>,
     /// Seconds.
     pub duration: Option<f64>,
@@ -114,7 +111,7 @@ pub struct Options {
     pub hedge_budget: Option<u32>,
     /// Milliseconds, fractions allowed (`--budget`).
     pub budget: Option<f64>,
-    #[serde(default, with = "by_name")]
+    #[serde(default)]
     pub tie_break: Option<TieBreak>,
 }
 
@@ -205,7 +202,10 @@ impl Options {
     /// Defaults for what is absent, host names resolved, everything
     /// checked; nothing on the host is looked at beyond the resolver.
     pub fn resolve(&self) -> Result<RunConfig> {
-        let interval = self.interval.unwrap_or(DEFAULT_INTERVAL_MS);
+        let defaults = RunDefaults::default();
+        let interval = self
+            .interval
+            .unwrap_or(defaults.interval.as_millis() as u64);
         if interval == 0 {
             return invalid(SettingKey::Flag("interval"), "must be greater than 0");
         }
@@ -245,10 +245,10 @@ impl Options {
             }
             groups.push(members);
         }
-        let timeout = Duration::from_millis(self.timeout.unwrap_or(DEFAULT_TIMEOUT_MS));
+        let timeout = self.timeout.map_or(defaults.timeout, Duration::from_millis);
         let interval_in_force = Duration::from_millis(interval);
         let budget = match self.budget {
-            None => DEFAULT_BUDGET,
+            None => defaults.budget,
             Some(ms) => match millis(ms) {
                 Some(budget) => budget,
                 None => {
@@ -259,20 +259,21 @@ impl Options {
                 }
             },
         };
-        let defaults = Settings::new("", vec![]);
         let settings = Settings {
             iface: self.iface.clone().unwrap_or_default(),
             groups,
             policy: self.policy.unwrap_or(defaults.policy),
-            threshold: self.threshold.unwrap_or(DEFAULT_THRESHOLD),
+            threshold: self.threshold.unwrap_or(defaults.threshold),
             budget,
             tie_break: self.tie_break.unwrap_or(defaults.tie_break),
             descriptor: self.descriptor()?,
             timeout,
             inflight_max: self.inflight_max.unwrap_or(defaults.inflight_max),
             ingress: self.ingress.unwrap_or(defaults.ingress),
-            max_pending: self.max_pending.unwrap_or(0),
-            max_pending_client: self.max_pending_client.unwrap_or(0),
+            max_pending: self.max_pending.unwrap_or(defaults.max_pending),
+            max_pending_client: self
+                .max_pending_client
+                .unwrap_or(defaults.max_pending_client),
             on_overload: self.on_overload.unwrap_or(defaults.on_overload),
             mark: self.mark.unwrap_or(defaults.mark),
             grace: self.grace.map_or(timeout, Duration::from_millis),
@@ -336,7 +337,7 @@ impl Options {
         // The nameservers of --resolv-conf speak DNS.
         let default = match self.resolv_conf {
             Some(_) => Protocol::Dns,
-            None => Protocol::Memcached,
+            None => RunDefaults::default().protocol,
         };
         match self.proto.unwrap_or(default) {
             Protocol::Memcached | Protocol::Dns if custom_options => descriptor_error(
@@ -351,9 +352,12 @@ impl Options {
                     );
                 };
                 let prefix = self.read_prefix.as_deref().unwrap_or("");
-                let prefix_offset = self.read_prefix_offset.unwrap_or(0);
+                let defaults = RunDefaults::default();
+                let prefix_offset = self
+                    .read_prefix_offset
+                    .unwrap_or(defaults.read_prefix_offset);
                 let descriptor = Descriptor::custom(offset, len, prefix_offset, prefix.as_bytes());
-                let no_reply_offset = self.no_reply_offset.unwrap_or(0);
+                let no_reply_offset = self.no_reply_offset.unwrap_or(defaults.no_reply_offset);
                 let descriptor = match &self.no_reply_marker {
                     Some(marker) => descriptor
                         .and_then(|d| d.with_no_reply_prefix(no_reply_offset, marker.as_bytes())),
@@ -598,26 +602,6 @@ fn line_and_column(text: &str, at: usize) -> (usize, usize) {
         .count()
         + 1;
     (line, column)
-}
-
-impl Named for Protocol {
-    const WHAT: &'static str = "protocol";
-    fn name(self) -> &'static str {
-        Protocol::name(self)
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        Protocol::from_name(name)
-    }
-}
-
-impl Named for IngressMode {
-    const WHAT: &'static str = "ingress mode";
-    fn name(self) -> &'static str {
-        IngressMode::name(self)
-    }
-    fn from_name(name: &str) -> Option<Self> {
-        IngressMode::from_name(name)
-    }
 }
 
 /// An IP literal, for tests that must not touch the resolver.
@@ -915,7 +899,9 @@ members = ["10.0.0.3:1"]
         assert!(e.starts_with("sel.toml:3:1: colour: unknown field"), "{e}");
         let e = err("iface = \"eth0\"\npolicy = \"fastest\"\n");
         assert!(
-            e.starts_with("sel.toml:2:10: policy: unknown policy 'fastest'"),
+            e.starts_with(
+                "sel.toml:2:10: policy: unknown variant `fastest`, expected one of `threshold`"
+            ),
             "{e}"
         );
         let e = err(&format!(
@@ -1039,8 +1025,8 @@ members = ["10.0.0.3:1"]
             ..Options::default()
         };
         let c = flags.resolve().unwrap();
-        assert_eq!(c.settings.threshold, DEFAULT_THRESHOLD);
-        assert_eq!(c.interval, Duration::from_millis(DEFAULT_INTERVAL_MS));
+        assert_eq!(c.settings.threshold, RunDefaults::default().threshold);
+        assert_eq!(c.interval, RunDefaults::default().interval);
         assert!(!c.quiet);
         let e = Options::default().resolve().unwrap_err().to_string();
         assert_eq!(e, "--iface is required");

@@ -5,9 +5,6 @@ use std::{fmt, str::FromStr, time::Duration};
 use anyhow::{Result, bail};
 use serde::{Deserialize, Serialize};
 
-/// `--hedge-budget` default: hedges per second at most 5% of reads (plus
-/// the burst of `selector_common::hedge::BURST`).
-pub const DEFAULT_BUDGET_PERCENT: u32 = 5;
 /// The shortest fixed `--hedge-after`.
 pub const MIN_FIXED_DELAY: Duration = Duration::from_micros(100);
 /// `--hedge-after`: when a pending read gets its copy.
@@ -78,10 +75,7 @@ pub struct HedgeSettings {
 
 impl Default for HedgeSettings {
     fn default() -> Self {
-        Self {
-            after: HedgeAfter::Off,
-            budget_percent: DEFAULT_BUDGET_PERCENT,
-        }
+        crate::config::defaults::RunDefaults::default().hedging
     }
 }
 

@@ -1,8 +1,8 @@
 //! Settings: their types, defaults and validation, and the config file that
 //! sets them. Pure: nothing here touches the host or the kernel.
 
+pub mod defaults;
 pub mod file;
 pub mod hedge;
-pub mod names;
 pub mod resolv_conf;
 pub mod settings;

@@ -9,20 +9,12 @@ use std::{
 };
 
 use anyhow::Result;
-use selector_common::{
-    DEFAULT_INFLIGHT_MAX, Descriptor, MARK_REDIRECTED, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
-    TieBreak, backend_id,
-};
-pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
 
-/// Defaults shared by the command line and [`Settings::new`].
-pub const DEFAULT_THRESHOLD: u32 = 4;
-pub const DEFAULT_TIMEOUT_MS: u64 = 1000;
-/// The latency policy's default budget: a read leaves a primary whose
-/// expected wait is 1 ms over the best replica's. Reads sent in the first
-/// budget of a stall wait it out, so the budget sets their share: 1 ms of
-/// a stall every 500 ms is 0.2% of reads, under the p99 (docs/bench/README.md).
-pub const DEFAULT_BUDGET: Duration = Duration::from_millis(1);
+use crate::config::defaults::RunDefaults;
+use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy, TieBreak, backend_id};
+pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
+use serde::{Deserialize, Serialize};
+
 /// `selector run`'s default heartbeat bound is this many sweep periods...
 pub const HEARTBEAT_SWEEPS: u32 = 4;
 /// ... but at least this: the sweep shares the agent's loop with status
@@ -50,14 +42,18 @@ pub fn default_heartbeat_bound(interval: Duration, timeout: Duration) -> Duratio
         .clamp(MIN_DEFAULT_HEARTBEAT_BOUND, MAX_DEFAULT_HEARTBEAT_BOUND)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where the reply path attaches (`--ingress`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum IngressMode {
-    /// XDP on the interface.
+    /// XDP on the interface (native, or generic where the driver has none).
     Xdp,
-    /// TC ingress, for devices where XDP does not fit.
+    /// TC ingress.
     Tc,
-    /// The default: chosen for the device at attach (see
-    /// [`crate::host::interface::auto_ingress`]); never in force once attached.
+    /// TC ingress on virtual devices (veth, bridge, vlan, ...), native XDP
+    /// on a driver's device (TC ingress if the driver has none), chosen at
+    /// attach.
+    // `crate::host::interface::auto_ingress`; never in force once attached.
     Auto,
 }
 
@@ -77,11 +73,16 @@ impl IngressMode {
     }
 }
 
-/// The request protocol, as far as the descriptor tells it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The request protocol, as far as the descriptor tells it (`--proto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Protocol {
+    /// memcached UDP: 16-bit request id in the frame header; reads are get/gets.
     Memcached,
+    /// DNS: 16-bit message id; every query is a read; only a standard query
+    /// with one question is tracked.
     Dns,
+    /// Set with --req-id-offset, --req-id-len and optionally --read-prefix.
     Custom,
 }
 
@@ -98,6 +99,15 @@ impl Protocol {
         [Self::Memcached, Self::Dns, Self::Custom]
             .into_iter()
             .find(|p| p.name() == name)
+    }
+
+    /// The descriptor of memcached or DNS; custom needs its options
+    /// (`Options::descriptor`), and gets memcached's here.
+    pub fn descriptor(self) -> Descriptor {
+        match self {
+            Self::Dns => Descriptor::dns(),
+            Self::Memcached | Self::Custom => Descriptor::memcached(),
+        }
     }
 
     /// Whether the kernel can build this protocol's error reply (`reject`).
@@ -207,26 +217,24 @@ impl Settings {
     /// Settings with every default of `selector run`; change fields with
     /// struct-update syntax (`Settings { threshold: 1, ..Settings::new(..) }`).
     pub fn new(iface: impl Into<String>, groups: Vec<Vec<SocketAddr>>) -> Self {
-        let timeout = Duration::from_millis(DEFAULT_TIMEOUT_MS);
+        let d = RunDefaults::default();
         Self {
             iface: iface.into(),
             groups,
-            policy: Policy::Threshold,
-            threshold: DEFAULT_THRESHOLD,
-            budget: DEFAULT_BUDGET,
-            // Many client hosts with equal counts spread out (no herding);
-            // `First` is BookKeeper's rule.
-            tie_break: TieBreak::Random,
-            descriptor: Descriptor::memcached(),
-            timeout,
-            inflight_max: DEFAULT_INFLIGHT_MAX,
-            ingress: IngressMode::Auto,
-            max_pending: 0,
-            max_pending_client: 0,
-            on_overload: OnOverload::Pass,
-            mark: MARK_REDIRECTED,
-            grace: timeout,
-            hedging: Default::default(),
+            policy: d.policy,
+            threshold: d.threshold,
+            budget: d.budget,
+            tie_break: d.tie_break,
+            descriptor: d.protocol.descriptor(),
+            timeout: d.timeout,
+            inflight_max: d.inflight_max,
+            ingress: d.ingress,
+            max_pending: d.max_pending,
+            max_pending_client: d.max_pending_client,
+            on_overload: d.on_overload,
+            mark: d.mark,
+            grace: d.timeout,
+            hedging: d.hedging,
             // Off here, unlike `selector run`'s default: only an agent that
             // sweeps on a schedule keeps a heartbeat, and a `Selector`
             // driven by hand (tests, benchmarks) may not sweep at all.
@@ -473,6 +481,29 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
 mod tests {
     use super::*;
 
+    /// Each enum's one name: on the wire, in the config file, as a flag
+    /// value and in `name()` (what status and the kernel's logs print).
+    #[test]
+    fn enum_names_agree_everywhere() {
+        use clap::ValueEnum;
+        fn check<T: ValueEnum + Serialize + for<'de> Deserialize<'de> + PartialEq + fmt::Debug>(
+            all: &[T],
+            name: fn(&T) -> &'static str,
+        ) {
+            for v in all {
+                let wire = serde_json::to_string(v).unwrap();
+                assert_eq!(wire, format!("\"{}\"", name(v)));
+                assert_eq!(&serde_json::from_str::<T>(&wire).unwrap(), v);
+                assert_eq!(v.to_possible_value().unwrap().get_name(), name(v));
+            }
+        }
+        check(Policy::value_variants(), |p| p.name());
+        check(TieBreak::value_variants(), |t| t.name());
+        check(OnOverload::value_variants(), |o| o.name());
+        check(IngressMode::value_variants(), |i| i.name());
+        check(Protocol::value_variants(), |p| p.name());
+    }
+
     #[test]
     fn the_sweep_keeps_the_heartbeat_within_a_quarter_of_its_bound() {
         let ms = Duration::from_millis;
@@ -532,9 +563,9 @@ mod tests {
     #[test]
     fn defaults_match_the_command_line() {
         let s = settings(&["10.0.0.1:1"]);
-        assert_eq!(s.timeout, Duration::from_millis(DEFAULT_TIMEOUT_MS));
+        assert_eq!(s.timeout, RunDefaults::default().timeout);
         assert_eq!(s.grace, s.timeout);
-        assert_eq!(s.mark, MARK_REDIRECTED);
+        assert_eq!(s.mark, selector_common::MARK_REDIRECTED);
         assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
         assert_eq!(s.on_overload, OnOverload::Pass);
         assert_eq!(s.protocol(), Protocol::Memcached);
@@ -667,7 +698,7 @@ mod tests {
             };
             assert!(err(&s).contains("exactly one bit"), "{bad:#x}");
         }
-        for good in [1, 0x8000_0000, MARK_REDIRECTED] {
+        for good in [1, 0x8000_0000, selector_common::MARK_REDIRECTED] {
             let s = Settings {
                 mark: good,
                 ..base.clone()

@@ -36,7 +36,7 @@ use selector_common::{
 };
 
 use crate::{
-    config::hedge::DEFAULT_BUDGET_PERCENT,
+    config::defaults::RunDefaults,
     hedging::auto::AutoDelays,
     hedging::wire::HedgeSockets,
     host::shared::{SharedArray, atomic, load},
@@ -84,7 +84,7 @@ impl Default for Hedging {
         Self {
             control: Arc::new(Control {
                 enabled: AtomicBool::new(false),
-                budget_percent: AtomicU32::new(DEFAULT_BUDGET_PERCENT),
+                budget_percent: AtomicU32::new(RunDefaults::default().hedging.budget_percent),
                 delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
                 counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
                 targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),

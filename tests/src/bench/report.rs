@@ -603,7 +603,11 @@ impl Report {
                 });
             }
             let extra = r.extra_reads().unwrap_or(0.0);
-            let budget = f64::from(selector_user::config::hedge::DEFAULT_BUDGET_PERCENT) / 100.0;
+            let budget = f64::from(
+                selector_user::config::defaults::RunDefaults::default()
+                    .hedging
+                    .budget_percent,
+            ) / 100.0;
             t.push(Target {
                 name: format!("{who}: extra reads at most the budget"),
                 measured: format!(

@@ -11,8 +11,11 @@ use super::client::ClientPolicy;
 /// The latency policy's budget in the benchmark: the agent's default.
 /// Reads sent in a stall's first `budget` wait it out, 0.2% of reads with
 /// 1 ms of a stall every 500 ms, under the p99 the target is about.
-pub const LATENCY_BUDGET_MS: u32 =
-    selector_user::config::settings::DEFAULT_BUDGET.as_millis() as u32;
+pub fn latency_budget_ms() -> u32 {
+    selector_user::config::defaults::RunDefaults::default()
+        .budget
+        .as_millis() as u32
+}
 
 /// One policy under test.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -55,7 +58,7 @@ impl Row {
         rows.extend(thresholds.iter().map(|t| Row::Threshold(*t)));
         rows.push(Row::Absolute(absolute));
         rows.extend(Self::hedged());
-        rows.push(Row::Latency(LATENCY_BUDGET_MS));
+        rows.push(Row::Latency(latency_budget_ms()));
         rows.extend(Self::herding());
         rows
     }

@@ -21,7 +21,7 @@ use selector_common::{Policy, programs};
 use selector_user::{
     IngressMode, Selector, Settings,
     config::{
-        file::DEFAULT_INTERVAL_MS,
+        defaults::RunDefaults,
         hedge::HedgeSettings,
         settings::{default_heartbeat_bound, sweep_period},
     },
@@ -242,7 +242,7 @@ impl Attached {
     fn start(ns: &Namespace, settings: Settings) -> Result<Self> {
         // What `selector run` derives when `--interval` and
         // `--heartbeat-bound` are not given.
-        let interval = Duration::from_millis(DEFAULT_INTERVAL_MS);
+        let interval = RunDefaults::default().interval;
         let settings = Settings {
             heartbeat_bound: default_heartbeat_bound(interval, settings.timeout),
             ..settings

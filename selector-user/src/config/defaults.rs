@@ -1,0 +1,118 @@
+//! Every default of `selector run`, declared once. [`Settings::new`], the
+//! config file's resolution (`Options::resolve`) and the `[default: ...]` of
+//! `--help` all take them from [`RunDefaults::default`]; a test checks the
+//! help against [`RunDefaults::shown`].
+//!
+//! [`Settings::new`]: crate::config::settings::Settings::new
+
+use std::time::Duration;
+
+use selector_common::{DEFAULT_INFLIGHT_MAX, MARK_REDIRECTED, OnOverload, Policy, TieBreak};
+
+use crate::config::{
+    hedge::{HedgeAfter, HedgeSettings},
+    settings::{
+        HEARTBEAT_SWEEPS, IngressMode, MAX_DEFAULT_HEARTBEAT_BOUND, MIN_DEFAULT_HEARTBEAT_BOUND,
+        Protocol,
+    },
+};
+
+/// The defaults of `selector run`. `--grace` defaults to the timeout in
+/// force and `--heartbeat-bound` to a few sweep periods
+/// (`settings::default_heartbeat_bound`): both follow other settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunDefaults {
+    pub policy: Policy,
+    pub threshold: u32,
+    /// The latency policy's budget: a read leaves a primary whose expected
+    /// wait is this much over the best replica's. Reads sent in the first
+    /// budget of a stall wait it out, so the budget sets their share: 1 ms
+    /// of a stall every 500 ms is 0.2% of reads, under the p99.
+    pub budget: Duration,
+    pub tie_break: TieBreak,
+    pub max_pending: u32,
+    pub max_pending_client: u32,
+    pub on_overload: OnOverload,
+    pub hedging: HedgeSettings,
+    pub protocol: Protocol,
+    pub read_prefix_offset: u16,
+    pub no_reply_offset: u16,
+    pub timeout: Duration,
+    pub mark: u32,
+    pub inflight_max: u32,
+    pub interval: Duration,
+    pub ingress: IngressMode,
+}
+
+impl Default for RunDefaults {
+    fn default() -> Self {
+        Self {
+            policy: Policy::Threshold,
+            threshold: 4,
+            budget: Duration::from_millis(1),
+            // Many client hosts with equal counts spread out (no herding);
+            // `First` is BookKeeper's rule.
+            tie_break: TieBreak::Random,
+            max_pending: 0,
+            max_pending_client: 0,
+            on_overload: OnOverload::Pass,
+            hedging: HedgeSettings {
+                after: HedgeAfter::Off,
+                // Hedges per second at most 5% of reads (plus the burst of
+                // `selector_common::hedge::BURST`).
+                budget_percent: 5,
+            },
+            protocol: Protocol::Memcached,
+            read_prefix_offset: 0,
+            no_reply_offset: 0,
+            timeout: Duration::from_millis(1000),
+            mark: MARK_REDIRECTED,
+            inflight_max: DEFAULT_INFLIGHT_MAX,
+            interval: Duration::from_millis(1000),
+            ingress: IngressMode::Auto,
+        }
+    }
+}
+
+/// Milliseconds, as the flags take them (fractions only where there are).
+fn ms(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1000.0;
+    if ms.fract() == 0.0 {
+        format!("{ms:.0}")
+    } else {
+        ms.to_string()
+    }
+}
+
+impl RunDefaults {
+    /// What `--help` shows as `[default: ...]`, by flag (without dashes).
+    pub fn shown(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("policy", self.policy.name().into()),
+            ("threshold", self.threshold.to_string()),
+            ("max-pending", self.max_pending.to_string()),
+            ("on-overload", self.on_overload.name().into()),
+            ("max-pending-client", self.max_pending_client.to_string()),
+            ("hedge-after", self.hedging.after.to_string()),
+            ("hedge-budget", self.hedging.budget_percent.to_string()),
+            ("budget", ms(self.budget)),
+            ("tie-break", self.tie_break.name().into()),
+            ("proto", self.protocol.name().into()),
+            ("read-prefix-offset", self.read_prefix_offset.to_string()),
+            ("no-reply-offset", self.no_reply_offset.to_string()),
+            ("timeout", ms(self.timeout)),
+            (
+                "heartbeat-bound",
+                format!(
+                    "{HEARTBEAT_SWEEPS} sweep periods, within {} to {}",
+                    ms(MIN_DEFAULT_HEARTBEAT_BOUND),
+                    ms(MAX_DEFAULT_HEARTBEAT_BOUND)
+                ),
+            ),
+            ("mark", format!("{:#010x}", self.mark)),
+            ("inflight-max", self.inflight_max.to_string()),
+            ("interval", ms(self.interval)),
+            ("ingress", self.ingress.name().into()),
+        ]
+    }
+}
