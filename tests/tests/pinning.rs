@@ -394,6 +394,37 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
     assert!(!Path::new(&pin).join(CLIENT_IFACE).exists());
 }
 
+/// `--ingress auto` (the default) adopts whichever reply path the pins
+/// hold, here XDP where `auto` would pick TC on a veth; an explicit other
+/// kind is still refused.
+#[test]
+fn auto_ingress_adopts_the_pinned_reply_path() {
+    let tb = testbed("pa");
+    let bpffs = Bpffs::mount();
+    let group = tb.group_arg();
+    let pin = bpffs.arg();
+    let (mut first, line) = spawn(&tb, &run_args(&group, &pin, &["--ingress", "xdp"]));
+    assert!(line.contains("(xdp ingress"), "{line}");
+    assert!(!first.signal(libc::SIGKILL).success());
+    let (second, line) = spawn(&tb, &run_args(&group, &pin, &[]));
+    assert!(line.contains("adopted the pins"), "{line}");
+    assert!(line.contains("(xdp ingress"), "{line}");
+    assert_eq!(status(&tb).settings.ingress, "xdp");
+    drop(second);
+    let tc = run_args(&group, &pin, &["--ingress", "tc"]);
+    let run: Vec<&str> = std::iter::once("run")
+        .chain(tc.iter().map(String::as_str))
+        .collect();
+    let (code, out) = agent::run_selector(&tb.client, &run);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("--ingress differs"), "{out}");
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+    );
+    assert_eq!(code, 0, "{out}");
+}
+
 /// The default heartbeat bound of an agent started with `run_args`: a few
 /// sweep periods (50 ms at --timeout 200), but at least 1 s.
 const HEARTBEAT_BOUND: Duration = Duration::from_secs(1);

@@ -12,7 +12,7 @@ use tokio::{
 
 use crate::{
     agent::reload::Reloader,
-    api::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, SettingsInForce, Status},
+    api::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, Status},
     datapath::Selector,
     telemetry::{self, TailHistory},
 };
@@ -136,7 +136,7 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
     let now = selector.snapshot()?;
     Ok(Status {
         iface: selector.settings.iface.clone(),
-        settings: SettingsInForce::from(&selector.settings),
+        settings: selector.settings_in_force(),
         in_flight: now.inflight,
         last_interval: tails.last_interval(),
         drained: selector.drained()?,
@@ -162,7 +162,7 @@ fn set(selector: &mut Selector, change: &SettingsChange) -> Result<Reply> {
         return Err(e);
     }
     Ok(Reply::Done {
-        message: SettingsInForce::from(&selector.settings).tunables(),
+        message: selector.settings_in_force().tunables(),
     })
 }
 

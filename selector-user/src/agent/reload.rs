@@ -13,9 +13,7 @@ use std::{
 use anyhow::{Result, anyhow, bail};
 
 use crate::{
-    api::SettingsInForce,
     config::file::{ConfigFile, Options, RunConfig},
-    config::settings::IngressMode,
     config::settings::{BackendPlan, Settings},
     datapath::Selector,
     datapath::regroup::{GroupChanges, GroupTable, plan_groups},
@@ -76,8 +74,6 @@ pub struct Reloader {
     metrics_addr: Option<SocketAddr>,
     /// `--netns` as started with.
     pub netns: Option<PathBuf>,
-    /// `--ingress` as asked (`auto` resolves at attach; the file says `auto`).
-    requested_ingress: IngressMode,
     /// How the last reload went.
     pub record: ReloadRecord,
 }
@@ -94,7 +90,6 @@ impl Reloader {
             pin: start.pin.clone(),
             metrics_addr: start.metrics_addr,
             netns: start.netns.clone(),
-            requested_ingress: start.settings.ingress,
             record: ReloadRecord {
                 refused: None,
                 last_success: SystemTime::now(),
@@ -125,12 +120,7 @@ impl Reloader {
             &wanted.group_names,
             Instant::now(),
         )?;
-        // The ingress in force is the resolved one (`auto` never is).
-        let in_force = Settings {
-            ingress: selector.settings.ingress,
-            ..wanted.settings
-        };
-        let previous = std::mem::replace(&mut selector.settings, in_force);
+        let previous = std::mem::replace(&mut selector.settings, wanted.settings);
         if let Err(e) = selector.write_config() {
             selector.settings = previous;
             return Err(e);
@@ -144,7 +134,7 @@ impl Reloader {
         Ok(format!(
             "reloaded {}: {}, timeout {} ms, grace {} ms; {}",
             path.display(),
-            SettingsInForce::from(&selector.settings).tunables(),
+            selector.settings_in_force().tunables(),
             selector.settings.timeout.as_millis(),
             selector.settings.grace.as_millis(),
             describe(&changes)
@@ -169,7 +159,7 @@ impl Reloader {
             ),
             (
                 "ingress",
-                self.requested_ingress.name().into(),
+                running.ingress.name().into(),
                 new.ingress.name().into(),
             ),
             (

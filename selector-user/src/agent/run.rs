@@ -215,7 +215,7 @@ impl Agent {
         println!(
             "selector: attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
-            settings.ingress.name(),
+            selector.reply_path.name(),
             addrs.len(),
             settings.groups.len(),
             SettingsInForce::from(settings).tunables(),

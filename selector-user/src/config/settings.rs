@@ -73,6 +73,34 @@ impl IngressMode {
     }
 }
 
+impl IngressMode {
+    /// The reply path asked for; `None` for `auto`, decided at attach.
+    pub fn fixed(self) -> Option<ReplyPath> {
+        match self {
+            Self::Xdp => Some(ReplyPath::Xdp),
+            Self::Tc => Some(ReplyPath::Tc),
+            Self::Auto => None,
+        }
+    }
+}
+
+/// Where the reply path is attached: `--ingress` resolved for the
+/// interface (never `auto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplyPath {
+    Xdp,
+    Tc,
+}
+
+impl ReplyPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Xdp => "xdp",
+            Self::Tc => "tc",
+        }
+    }
+}
+
 /// The request protocol, as far as the descriptor tells it (`--proto`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -16,7 +16,7 @@ use anyhow::{Context as _, Result};
 use selector_common::programs;
 
 use crate::{
-    config::settings::IngressMode, datapath::Selector, host::interface, host::neighbours::Netlink,
+    config::settings::ReplyPath, datapath::Selector, host::interface, host::neighbours::Netlink,
 };
 
 /// What of the selector is not attached to its interface (empty: all is).
@@ -49,8 +49,8 @@ pub fn missing(selector: &Selector) -> Result<Vec<String>> {
             "the request path (TC egress) is not attached to {iface}"
         ));
     }
-    let reply_path = match selector.settings.ingress {
-        IngressMode::Xdp => {
+    let reply_path = match selector.reply_path {
+        ReplyPath::Xdp => {
             Netlink::open()?.xdp_program(ifindex)? == Some(id(programs::INGRESS_XDP)?)
         }
         _ => in_tcx(TcxSide::Ingress, id(programs::INGRESS_TC)?)?,
@@ -58,7 +58,7 @@ pub fn missing(selector: &Selector) -> Result<Vec<String>> {
     if !reply_path {
         missing.push(format!(
             "the reply path ({} ingress) is not attached to {iface}",
-            selector.settings.ingress.name()
+            selector.reply_path.name()
         ));
     }
     Ok(missing)

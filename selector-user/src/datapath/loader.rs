@@ -26,7 +26,7 @@ use selector_common::{
 };
 
 use crate::{
-    config::settings::{BackendPlan, IngressMode, Settings},
+    config::settings::{BackendPlan, IngressMode, ReplyPath, Settings},
     datapath::EBPF_OBJECT,
     datapath::pinning::{self, LinkSlot, PinDir},
     host::shared::{SharedArray, atomic, load},
@@ -67,6 +67,9 @@ pub struct Selector {
     latency_cache: std::sync::Mutex<std::collections::HashMap<u32, CachedHistogram>>,
     /// Why the reply path is where it is, when `--ingress auto` chose it.
     pub ingress_choice: Option<String>,
+    /// Where the reply path is (or, before attaching, will be) attached;
+    /// `settings.ingress` is what was asked for.
+    pub reply_path: ReplyPath,
     /// How the TC programs attach on this kernel (probed at attach).
     pub tc_attach: Option<TcAttach>,
     /// The hedge thread and its settings.
@@ -161,21 +164,22 @@ fn share<T>(ebpf: &Ebpf, name: &str, len: u32) -> Result<SharedArray<T>> {
     SharedArray::map(data.fd().as_fd(), len as usize).with_context(|| format!("mapping {name}"))
 }
 
-/// `settings` with `--ingress auto` resolved for the interface, and why.
-fn resolve_ingress(settings: &Settings) -> Result<(Settings, Option<String>)> {
-    if settings.ingress != IngressMode::Auto {
-        return Ok((settings.clone(), None));
+/// The reply path `settings` ask for, `--ingress auto` resolved for the
+/// interface (and why).
+fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<String>)> {
+    if let Some(fixed) = settings.ingress.fixed() {
+        return Ok((fixed, None));
     }
     let ifindex = crate::host::interface::index(&settings.iface)?;
     let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
-    let (ingress, why) = crate::host::interface::auto_ingress(kind.as_deref());
-    Ok((
-        Settings {
-            ingress,
-            ..settings.clone()
-        },
-        Some(why),
-    ))
+    let (path, why) = crate::host::interface::auto_ingress(kind.as_deref());
+    Ok((path, Some(why)))
+}
+
+/// The reply path of a selector loaded but not attached (fixtures run
+/// both programs): the one asked for, TC for `auto`.
+fn unattached_reply_path(settings: &Settings) -> ReplyPath {
+    settings.ingress.fixed().unwrap_or(ReplyPath::Tc)
 }
 
 /// A backend's latency histogram as last read, and its completed count then.
@@ -192,9 +196,9 @@ impl Selector {
         crate::host::interface::index(&settings.iface)?;
         crate::host::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
-        let (settings, choice) = &resolve_ingress(settings)?;
-        let mut selector = Self::load_with(settings, None, 1)?;
-        selector.ingress_choice = choice.clone();
+        let (reply_path, choice) = resolve_ingress(settings)?;
+        let mut selector = Self::load_with(settings, reply_path, None, 1)?;
+        selector.ingress_choice = choice;
         selector.attach_fresh()
     }
 
@@ -207,18 +211,23 @@ impl Selector {
     pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
         crate::host::interface::index(&settings.iface)?;
         crate::host::preflight::check_host()?;
-        let (settings, choice) = &resolve_ingress(settings)?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
-            let mut selector = Self::load_with(settings, Some(pins), 1)?;
-            selector.ingress_choice = choice.clone();
+            // `auto` adopts whichever reply path the earlier agent pinned.
+            let (reply_path, choice) = match (settings.ingress, pins.pinned_reply_path()) {
+                (IngressMode::Auto, Some(pinned)) => (pinned, Some("auto: as pinned".into())),
+                _ => resolve_ingress(settings)?,
+            };
+            let mut selector = Self::load_with(settings, reply_path, Some(pins), 1)?;
+            selector.ingress_choice = choice;
             selector.adopt_links()?;
             return Ok(selector);
         }
+        let (reply_path, choice) = resolve_ingress(settings)?;
         let fresh = refuse_if_attached(&settings.iface)
-            .and_then(|()| Self::load_with(settings, Some(pins.clone()), 1))
+            .and_then(|()| Self::load_with(settings, reply_path, Some(pins.clone()), 1))
             .map(|mut s| {
-                s.ingress_choice = choice.clone();
+                s.ingress_choice = choice;
                 s
             })
             .and_then(Self::attach_fresh);
@@ -228,6 +237,15 @@ impl Selector {
             let _ = pins.remove_all(&mut pinning::Removed::default());
         }
         fresh
+    }
+
+    /// The settings as `selector status` shows them: the reply path as
+    /// attached (`auto` resolved).
+    pub fn settings_in_force(&self) -> crate::api::SettingsInForce {
+        crate::api::SettingsInForce {
+            ingress: self.reply_path.name().into(),
+            ..crate::api::SettingsInForce::from(&self.settings)
+        }
     }
 
     /// The pin directory (`DIR/IFACE`) with `--pin`.
@@ -263,7 +281,7 @@ impl Selector {
     fn adopt_links(&mut self) -> Result<()> {
         let pins = self.pins.clone().expect("adopting needs pins");
         let iface = self.settings.iface.clone();
-        let ingress = LinkSlot::ingress(self.settings.ingress);
+        let ingress = LinkSlot::ingress(self.reply_path);
         let mut missing = Vec::new();
         for slot in [ingress, LinkSlot::Egress] {
             let Some(link) = pins.pinned_link(slot, &iface)? else {
@@ -301,20 +319,26 @@ impl Selector {
     /// maps, without attaching (packet-fixture tests and benchmarks run the
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
-        Self::load_with(settings, None, 1)
+        Self::load_with(settings, unattached_reply_path(settings), None, 1)
     }
 
     #[cfg(feature = "testing")]
     /// As [`Self::load`], with room for `entries` in the map of the
     /// per-packet cost benchmark's reference programs (one otherwise).
     pub fn load_with_reference(settings: &Settings, entries: u32) -> Result<Self> {
-        Self::load_with(settings, None, entries.max(1))
+        Self::load_with(
+            settings,
+            unattached_reply_path(settings),
+            None,
+            entries.max(1),
+        )
     }
 
     /// As [`Self::load`]; with `pins`, every map is pinned there, or taken
     /// from there when an earlier agent pinned it (after checking it fits).
     fn load_with(
         settings: &Settings,
+        reply_path: ReplyPath,
         pins: Option<PinDir>,
         reference_entries: u32,
     ) -> Result<Self> {
@@ -322,7 +346,7 @@ impl Selector {
         let slot_count = slots_for(settings.inflight_max);
         let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
         if let Some(pins) = pins.as_ref().filter(|_| adopted) {
-            pins.check_adoptable(settings, &group_table(&backends))?;
+            pins.check_adoptable(settings, reply_path, &group_table(&backends))?;
         }
         let map_names = pinning::pinned_map_names();
         let map_paths: Vec<(&str, PathBuf)> = match &pins {
@@ -384,6 +408,7 @@ impl Selector {
             pins,
             adopted,
             ingress_choice: None,
+            reply_path,
             tc_attach: None,
             latency_cache: Default::default(),
             hedging: Default::default(),
@@ -411,9 +436,9 @@ impl Selector {
         let link: Option<FdLink> = match slot {
             LinkSlot::IngressXdp => {
                 // `auto` wants native XDP only; `--ingress xdp`, whatever runs.
-                let mode = match self.ingress_choice {
-                    Some(_) => XdpMode::Driver,
-                    None => XdpMode::Default,
+                let mode = match self.settings.ingress {
+                    IngressMode::Auto => XdpMode::Driver,
+                    _ => XdpMode::Default,
                 };
                 let p: &mut Xdp = self.program_mut(name)?.try_into()?;
                 let id = p
@@ -494,13 +519,13 @@ impl Selector {
     }
 
     fn attach_programs(&mut self) -> Result<()> {
-        if let Err(e) = self.attach_one(LinkSlot::ingress(self.settings.ingress)) {
+        if let Err(e) = self.attach_one(LinkSlot::ingress(self.reply_path)) {
             // `auto` chose native XDP for a driver's device; without it,
             // TC ingress.
-            if self.ingress_choice.is_none() || self.settings.ingress != IngressMode::Xdp {
+            if self.settings.ingress != IngressMode::Auto || self.reply_path != ReplyPath::Xdp {
                 return Err(e);
             }
-            self.settings.ingress = IngressMode::Tc;
+            self.reply_path = ReplyPath::Tc;
             self.ingress_choice = Some(format!("auto: no native XDP ({e:#})"));
             self.attach_one(LinkSlot::IngressTc)?;
         }

@@ -48,7 +48,7 @@ use selector_common::{
 
 use crate::{
     api,
-    config::settings::{IngressMode, Settings},
+    config::settings::{ReplyPath, Settings},
     datapath::attachment::{TcxSide, tcx_program_ids},
     host::shared::{SharedArray, load},
     host::sys,
@@ -84,12 +84,10 @@ impl LinkSlot {
         }
     }
 
-    pub fn ingress(mode: IngressMode) -> Self {
-        match mode {
-            IngressMode::Xdp => Self::IngressXdp,
-            // `auto` is resolved before anything is attached; TC is what it
-            // picks when unsure.
-            IngressMode::Tc | IngressMode::Auto => Self::IngressTc,
+    pub fn ingress(path: ReplyPath) -> Self {
+        match path {
+            ReplyPath::Xdp => Self::IngressXdp,
+            ReplyPath::Tc => Self::IngressTc,
         }
     }
 
@@ -299,6 +297,7 @@ impl PinDir {
     pub fn check_adoptable(
         &self,
         settings: &Settings,
+        reply_path: ReplyPath,
         groups: &StdHashMap<u32, Group>,
     ) -> Result<()> {
         let detach_first = format!(
@@ -351,7 +350,7 @@ impl PinDir {
                 );
             }
         }
-        let wanted = LinkSlot::ingress(settings.ingress);
+        let wanted = LinkSlot::ingress(reply_path);
         for other in [LinkSlot::IngressXdp, LinkSlot::IngressTc] {
             if other != wanted && self.link_path(other).exists() {
                 bail!(
@@ -390,6 +389,13 @@ impl PinDir {
     /// The link pinned at `slot`, if any, checked to be attached to
     /// `iface` in this network namespace (a pin made in another namespace
     /// or for an interface since re-created is refused).
+    /// The reply path whose link an earlier agent pinned, if one is.
+    pub fn pinned_reply_path(&self) -> Option<ReplyPath> {
+        [ReplyPath::Xdp, ReplyPath::Tc]
+            .into_iter()
+            .find(|p| self.link_path(LinkSlot::ingress(*p)).exists())
+    }
+
     pub fn pinned_link(&self, slot: LinkSlot, iface: &str) -> Result<Option<FdLink>> {
         let path = self.link_path(slot);
         if !path.exists() {

@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{Result, bail};
 
-use crate::config::settings::{Settings, is_ipv6_group};
+use crate::config::settings::{ReplyPath, Settings, is_ipv6_group};
 
 /// The interface index of `iface` in this network namespace.
 pub fn index(iface: &str) -> anyhow::Result<u32> {
@@ -46,16 +46,13 @@ pub fn name(index: u32) -> Option<String> {
 /// costs more than the program, so TC ingress. A device a hardware driver
 /// made gets XDP in native (driver) mode, falling back to TC ingress at
 /// attach if the driver has none.
-pub fn auto_ingress(kind: Option<&str>) -> (crate::config::settings::IngressMode, String) {
+pub fn auto_ingress(kind: Option<&str>) -> (ReplyPath, String) {
     match kind {
         Some(kind) => (
-            crate::config::settings::IngressMode::Tc,
+            ReplyPath::Tc,
             format!("auto: a {kind} device, no native XDP worth its cost"),
         ),
-        None => (
-            crate::config::settings::IngressMode::Xdp,
-            "auto: a driver's device, native XDP".into(),
-        ),
+        None => (ReplyPath::Xdp, "auto: a driver's device, native XDP".into()),
     }
 }
 
@@ -154,12 +151,9 @@ mod tests {
     fn auto_ingress_is_tc_on_virtual_devices_and_native_xdp_on_drivers() {
         for kind in ["veth", "bridge", "vlan", "macvlan", "dummy"] {
             let (mode, why) = auto_ingress(Some(kind));
-            assert_eq!(mode, crate::config::settings::IngressMode::Tc);
+            assert_eq!(mode, ReplyPath::Tc);
             assert!(why.contains(kind), "{why}");
         }
-        assert_eq!(
-            auto_ingress(None).0,
-            crate::config::settings::IngressMode::Xdp
-        );
+        assert_eq!(auto_ingress(None).0, ReplyPath::Xdp);
     }
 }

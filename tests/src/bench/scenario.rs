@@ -23,7 +23,7 @@ use selector_user::{
     config::{
         defaults::RunDefaults,
         hedge::HedgeSettings,
-        settings::{default_heartbeat_bound, sweep_period},
+        settings::{ReplyPath, default_heartbeat_bound, sweep_period},
     },
     datapath::next_hops,
 };
@@ -301,10 +301,9 @@ impl Attached {
         };
         let hedges = s.hedge_counts()?;
         let (egress_runs, egress_ns) = run(programs::EGRESS)?;
-        // `--ingress auto` is resolved at attach: TC ingress on the veth.
-        let ingress = match s.settings.ingress {
-            IngressMode::Xdp => programs::INGRESS_XDP,
-            _ => programs::INGRESS_TC,
+        let ingress = match s.reply_path {
+            ReplyPath::Xdp => programs::INGRESS_XDP,
+            ReplyPath::Tc => programs::INGRESS_TC,
         };
         let (ingress_runs, ingress_ns) = run(ingress)?;
         Ok(KernelCounts {
