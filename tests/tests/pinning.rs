@@ -346,7 +346,7 @@ fn sigterm_leaves_pins_and_detach_removes_them() {
 /// the new agent refuses, naming the difference and `selector detach`,
 /// and the pinned programs steer on untouched.
 #[test]
-fn adoption_with_other_map_shaping_settings_is_refused() {
+fn adoption_with_other_map_shaping_settings_is_refused_and_other_groups_apply() {
     let tb = testbed("pm");
     let bpffs = Bpffs::mount();
     let group = tb.group_arg();
@@ -359,12 +359,11 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
         .map(SocketAddrV4::to_string)
         .collect::<Vec<_>>()
         .join(",");
-    let cases: [(Vec<String>, &str); 3] = [
+    let cases: [(Vec<String>, &str); 2] = [
         (
             run_args(&group, &pin, &["--inflight-max", "1000"]),
             "--inflight-max differs",
         ),
-        (run_args(&two, &pin, &[]), "--group differs"),
         (
             run_args(&group, &pin, &["--ingress", "xdp"]),
             "--ingress differs",
@@ -380,11 +379,13 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
         assert!(out.contains("selector detach --iface eth0 --pin"), "{out}");
         assert_eq!(attached(&tb), 2, "the pinned programs stay");
     }
-    // Other settings may change: they are rewritten in the config map.
-    let (second, line) = spawn(&tb, &run_args(&group, &pin, &["--max-pending", "50"]));
+    // Other settings may change: tunables are rewritten in the config map,
+    // groups applied over the pinned ones as a reload would.
+    let (second, line) = spawn(&tb, &run_args(&two, &pin, &["--max-pending", "50"]));
     assert!(line.contains("adopted the pins"), "{line}");
     let s = status(&tb);
     assert_eq!(s.settings.max_pending, 50);
+    assert_eq!(s.backends.len(), 3, "the third member retires: {s:?}");
     drop(second);
     let (code, out) = agent::run_selector(
         &tb.client,
@@ -392,6 +393,83 @@ fn adoption_with_other_map_shaping_settings_is_refused() {
     );
     assert_eq!(code, 0, "{out}");
     assert!(!Path::new(&pin).join(CLIENT_IFACE).exists());
+}
+
+/// The issue operators hit: a member removed by a reload, the agent killed,
+/// then the file changed again (that member back, another gone) and a new
+/// agent started on the pins. It adopts them, takes the groups as the
+/// pinned maps hold them and applies the file over them as a reload: the
+/// member back gets a free position, the one gone retires, and reads leave
+/// a stalled primary for the member back with nothing lost.
+#[test]
+fn adoption_after_reloads_applies_the_file_over_the_pinned_groups() {
+    let tb = testbed("pr");
+    let bpffs = Bpffs::mount();
+    let pin = bpffs.arg();
+    let [r0, r1, r2]: [SocketAddrV4; 3] = tb.replica_endpoints()[..3].try_into().unwrap();
+    let dir = std::env::temp_dir().join(format!("selector-pin-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("selector.toml");
+    let write = |members: &[SocketAddrV4]| {
+        let members: Vec<String> = members.iter().map(|m| format!("\"{m}\"")).collect();
+        std::fs::write(
+            &file,
+            format!(
+                "iface = \"{CLIENT_IFACE}\"\nquiet = true\nthreshold = 1\ntimeout = {}\ninterval = 100\n\n[[group]]\nname = \"users\"\nmembers = [{}]\n",
+                TIMEOUT.as_millis(),
+                members.join(", ")
+            ),
+        )
+        .unwrap();
+    };
+    let args: Vec<String> = ["--config", file.to_str().unwrap(), "--pin", &pin]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    write(&[r0, r1, r2]);
+    let (mut first, _) = spawn(&tb, &args);
+    write(&[r0, r1]);
+    let (code, out) = agent::run_selector(&tb.client, &["reload", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert!(!first.signal(libc::SIGKILL).success());
+
+    write(&[r0, r2]);
+    let (second, line) = spawn(&tb, &args);
+    assert!(line.contains("adopted the pins"), "{line}");
+    let s = status(&tb);
+    let listed: Vec<String> = s.backends.iter().map(|b| b.backend.to_string()).collect();
+    assert!(listed.contains(&r2.to_string()), "{listed:?}");
+
+    let stop_stalls = Arc::new(AtomicBool::new(false));
+    let stalls = stall_primary_periodically(&tb, stop_stalls.clone());
+    let report = start_load(&tb, LOAD).join().unwrap().unwrap();
+    stop_stalls.store(true, Ordering::Relaxed);
+    stalls.join().unwrap();
+    let end = status(&tb);
+    let to_r2 = end
+        .backends
+        .iter()
+        .find(|b| b.backend.to_string() == r2.to_string())
+        .map(|b| b.stats.redirected_to);
+    println!(
+        "adoption after reloads: {} reads, {} lost, {} wrong source; moved to {r2}: {to_r2:?}",
+        report.sent,
+        report.lost(),
+        report.wrong_source
+    );
+    assert_eq!(report.lost(), 0);
+    assert_eq!(report.wrong_source, 0);
+    assert!(
+        to_r2.is_some_and(|n| n > 0),
+        "reads moved to the member back"
+    );
+    drop(second);
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+    );
+    assert_eq!(code, 0, "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `--ingress auto` (the default) adopts whichever reply path the pins

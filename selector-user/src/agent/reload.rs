@@ -79,11 +79,18 @@ pub struct Reloader {
 }
 
 impl Reloader {
-    pub fn new(path: Option<PathBuf>, flags: Options, start: &RunConfig) -> Self {
+    /// `groups`: the tables as attached (`start`'s groups, or the pinned
+    /// ones with them applied).
+    pub fn new(
+        path: Option<PathBuf>,
+        flags: Options,
+        start: &RunConfig,
+        groups: GroupTable,
+    ) -> Self {
         Self {
             path,
             flags,
-            table: GroupTable::from_start(&start.settings.groups, &start.group_names),
+            table: groups,
             interval: start.interval,
             duration: start.duration,
             quiet: start.quiet,
@@ -201,7 +208,7 @@ impl Reloader {
     }
 }
 
-fn describe(changes: &GroupChanges) -> String {
+pub(crate) fn describe(changes: &GroupChanges) -> String {
     if changes.is_empty() {
         return "groups unchanged".into();
     }

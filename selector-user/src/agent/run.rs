@@ -13,7 +13,7 @@ use tokio::{
 use crate::{
     agent::health::Health,
     agent::metrics::MetricsServer,
-    agent::reload::Reloader,
+    agent::reload::{Reloader, describe},
     agent::sd_notify::Notifier,
     agent::{
         control_server::{ControlCall, ControlServer},
@@ -25,6 +25,7 @@ use crate::{
     config::settings::sweep_period,
     datapath::Selector,
     datapath::next_hops::NextHops,
+    datapath::regroup::{GroupChanges, GroupTable},
     host::neighbours,
     host::netns::NetNs,
     host::sys,
@@ -86,12 +87,18 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
-    let mut selector = match &config.pin {
-        Some(dir) => Selector::attach_pinned(settings, dir)?,
-        None => Selector::attach(settings)?,
+    let (mut selector, groups) = match &config.pin {
+        Some(dir) => Selector::attach_pinned(settings, dir, &config.group_names)?,
+        None => (
+            Selector::attach(settings)?,
+            GroupChanges::none(GroupTable::from_start(
+                &settings.groups,
+                &config.group_names,
+            )),
+        ),
     };
     selector.netns = netns_info;
-    let reloader = Reloader::new(config_file, flags, &config);
+    let reloader = Reloader::new(config_file, flags, &config, groups.table.clone());
     let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
         println!(
@@ -107,6 +114,13 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
             },
             agent.health.clone(),
         ));
+    }
+    if !groups.is_empty() {
+        // Adopted pins whose groups an earlier agent's reloads had changed.
+        println!(
+            "selector: groups applied over the pinned ones: {}",
+            describe(&groups)
+        );
     }
     agent.notifier.ready(&agent.summary());
     let failure = agent

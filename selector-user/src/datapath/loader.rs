@@ -9,6 +9,7 @@ use std::{
     net::SocketAddr,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
+    time::Instant,
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
@@ -29,6 +30,7 @@ use crate::{
     config::settings::{BackendPlan, IngressMode, ReplyPath, Settings},
     datapath::EBPF_OBJECT,
     datapath::pinning::{self, LinkSlot, PinDir},
+    datapath::regroup::{GroupChanges, GroupTable, plan_groups},
     host::shared::{SharedArray, atomic, load},
     host::tc_attach::TcAttach,
 };
@@ -149,6 +151,14 @@ fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
     Ok(())
 }
 
+/// The address an [`Endpoint`] holds.
+pub(crate) fn addr_of(e: &Endpoint) -> SocketAddr {
+    match e.ipv4_octets() {
+        Some(o) => SocketAddr::new(std::net::Ipv4Addr::from(o).into(), e.port),
+        None => SocketAddr::new(std::net::Ipv6Addr::from(e.addr).into(), e.port),
+    }
+}
+
 pub(crate) fn endpoint(addr: SocketAddr) -> Endpoint {
     match addr.ip() {
         std::net::IpAddr::V4(ip) => Endpoint::ipv4(ip.octets(), addr.port()),
@@ -206,9 +216,18 @@ impl Selector {
     /// When an earlier agent pinned them there, adopts them instead: its
     /// maps are reused (counts and requests in flight carry on), this
     /// build's programs are swapped into its links atomically, and steering
-    /// never stops. Settings that shape the maps (groups, `--inflight-max`,
-    /// `--ingress`) must match; see [`PinDir::check_adoptable`].
-    pub fn attach_pinned(settings: &Settings, dir: &Path) -> Result<Self> {
+    /// never stops. The groups are taken as the pinned maps hold them
+    /// (after whatever reloads the earlier agent applied) and `settings`'
+    /// groups applied over them as a reload would (`names`: the groups'
+    /// names, to match them). Settings that shape the maps
+    /// (`--inflight-max`, an explicit `--ingress`) must match; see
+    /// [`PinDir::check_adoptable`]. Returns the selector and how its groups
+    /// changed from the pinned ones (nothing, when it started afresh).
+    pub fn attach_pinned(
+        settings: &Settings,
+        dir: &Path,
+        names: &[Option<String>],
+    ) -> Result<(Self, GroupChanges)> {
         crate::host::interface::index(&settings.iface)?;
         crate::host::preflight::check_host()?;
         let pins = PinDir::prepare(dir, &settings.iface)?;
@@ -220,8 +239,16 @@ impl Selector {
             };
             let mut selector = Self::load_with(settings, reply_path, Some(pins), 1)?;
             selector.ingress_choice = choice;
+            let pinned = selector.table_in_maps()?;
+            let changes = plan_groups(&pinned, &settings.groups, names, Instant::now())
+                .context("applying the groups over the pinned ones")?;
+            selector.backends = pinned.backends();
+            selector.apply_groups(&changes)?;
+            selector.backends = changes.table.backends();
+            // Hedge targets for the groups as they are now.
+            selector.write_config()?;
             selector.adopt_links()?;
-            return Ok(selector);
+            return Ok((selector, changes));
         }
         let (reply_path, choice) = resolve_ingress(settings)?;
         let fresh = refuse_if_attached(&settings.iface)
@@ -236,7 +263,8 @@ impl Selector {
             // adopt it).
             let _ = pins.remove_all(&mut pinning::Removed::default());
         }
-        fresh
+        let table = GroupTable::from_start(&settings.groups, names);
+        fresh.map(|s| (s, GroupChanges::none(table)))
     }
 
     /// The settings as `selector status` shows them: the reply path as
@@ -346,7 +374,7 @@ impl Selector {
         let slot_count = slots_for(settings.inflight_max);
         let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
         if let Some(pins) = pins.as_ref().filter(|_| adopted) {
-            pins.check_adoptable(settings, reply_path, &group_table(&backends))?;
+            pins.check_adoptable(settings, reply_path)?;
         }
         let map_names = pinning::pinned_map_names();
         let map_paths: Vec<(&str, PathBuf)> = match &pins {
@@ -415,7 +443,13 @@ impl Selector {
             netns: None,
             routed_elsewhere: Vec::new(),
         };
-        selector.write_tables()?;
+        // Adopted maps keep the tables an earlier agent wrote (see
+        // `attach_pinned`).
+        if adopted {
+            selector.write_config()?;
+        } else {
+            selector.write_tables()?;
+        }
         let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
@@ -495,17 +529,9 @@ impl Selector {
     fn write_tables(&mut self) -> Result<()> {
         self.write_config()?;
         let backends = self.backends.clone();
-        // Adopted groups keep their drain bits (the groups are the same).
-        let active = match (&self.pins, self.adopted) {
-            (Some(pins), true) => Some(pins.pinned_active()?),
-            _ => None,
-        };
         {
             let mut groups: Array<_, Group> = Array::try_from(self.map_mut(names::GROUPS)?)?;
-            for (index, mut group) in group_table(&backends) {
-                if let Some(bits) = active.as_ref().and_then(|a| a.get(index as usize)) {
-                    group.active = *bits;
-                }
+            for (index, group) in group_table(&backends) {
                 groups.set(index, group, 0)?;
             }
         }

@@ -21,7 +21,7 @@
 use std::{
     collections::HashMap as StdHashMap,
     ffi::CString,
-    net::{IpAddr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv6Addr},
     os::{fd::AsFd as _, unix::ffi::OsStrExt as _},
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -38,7 +38,7 @@ use aya::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupService, MAX_BACKENDS,
-    MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac, PASS_REASONS,
+    MAX_GROUPS, NextHopMac, PASS_REASONS,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge,
     inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
@@ -294,12 +294,7 @@ impl PinDir {
     /// `--inflight-max` asks for), the groups are the same, and the ingress
     /// link is of the kind `--ingress` asks for. `groups` is what the agent
     /// would write to `GROUPS` (drain bits aside).
-    pub fn check_adoptable(
-        &self,
-        settings: &Settings,
-        reply_path: ReplyPath,
-        groups: &StdHashMap<u32, Group>,
-    ) -> Result<()> {
+    pub fn check_adoptable(&self, settings: &Settings, reply_path: ReplyPath) -> Result<()> {
         let detach_first = format!(
             "to start afresh, run `selector detach --iface {} --pin {}` first (it stops steering and removes the pins)",
             settings.iface,
@@ -360,35 +355,9 @@ impl PinDir {
                 );
             }
         }
-        let pinned = pinned_groups(&self.map_path(names::GROUPS))?;
-        // No group at all: an agent stopped before it wrote its tables.
-        let configured = pinned.iter().any(|g| g.len != 0);
-        for g in (0..MAX_GROUPS).filter(|_| configured) {
-            let want = groups.get(&g).copied().unwrap_or_default();
-            let have = pinned.get(g as usize).copied().unwrap_or_default();
-            if want.endpoints != have.endpoints || want.len != have.len {
-                bail!(
-                    "--group differs from the pinned agent's: group {} is {} there, {} here: {detach_first}",
-                    g + 1,
-                    render_group(&have),
-                    render_group(&want)
-                );
-            }
-        }
         Ok(())
     }
 
-    /// The drain bits of the pinned groups (adopted with them).
-    pub fn pinned_active(&self) -> Result<Vec<u32>> {
-        Ok(pinned_groups(&self.map_path(names::GROUPS))?
-            .iter()
-            .map(|g| g.active)
-            .collect())
-    }
-
-    /// The link pinned at `slot`, if any, checked to be attached to
-    /// `iface` in this network namespace (a pin made in another namespace
-    /// or for an interface since re-created is refused).
     /// The reply path whose link an earlier agent pinned, if one is.
     pub fn pinned_reply_path(&self) -> Option<ReplyPath> {
         [ReplyPath::Xdp, ReplyPath::Tc]
@@ -396,6 +365,9 @@ impl PinDir {
             .find(|p| self.link_path(LinkSlot::ingress(*p)).exists())
     }
 
+    /// The link pinned at `slot`, if any, checked to be attached to
+    /// `iface` in this network namespace (a pin made in another namespace
+    /// or for an interface since re-created is refused).
     pub fn pinned_link(&self, slot: LinkSlot, iface: &str) -> Result<Option<FdLink>> {
         let path = self.link_path(slot);
         if !path.exists() {
@@ -449,28 +421,6 @@ fn remove_if_present(path: &Path) -> Result<bool> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(e).with_context(|| format!("removing {}", path.display())),
     }
-}
-
-fn pinned_groups(path: &Path) -> Result<Vec<Group>> {
-    let data = MapData::from_pin(path).with_context(|| format!("opening {}", path.display()))?;
-    let groups: Array<_, Group> = Array::try_from(Map::Array(data))?;
-    (0..MAX_GROUPS)
-        .map(|g| Ok(groups.get(&g, 0)?))
-        .collect::<Result<_>>()
-}
-
-fn render_group(g: &Group) -> String {
-    if g.len == 0 {
-        return "absent".into();
-    }
-    g.endpoints[..(g.len as usize).min(MAX_GROUP_MEMBERS)]
-        .iter()
-        .map(|e| match e.ipv4_octets() {
-            Some(o) => SocketAddr::new(std::net::Ipv4Addr::from(o).into(), e.port).to_string(),
-            None => SocketAddr::new(std::net::Ipv6Addr::from(e.addr).into(), e.port).to_string(),
-        })
-        .collect::<Vec<_>>()
-        .join(",")
 }
 
 fn statfs_type(path: &Path) -> Option<i64> {

@@ -32,12 +32,15 @@ use selector_common::{
     BACKEND_RETIRING, BackendStats, Endpoint, Group, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id,
     inflight::{FREE, PHASE_WRITING, phase},
     latency::LATENCY_BUCKETS,
-    names,
+    names, split_backend_id,
 };
 
 use crate::{
     config::settings::BackendPlan,
-    datapath::{Selector, loader::endpoint},
+    datapath::{
+        Selector,
+        loader::{addr_of, endpoint},
+    },
     host::shared::atomic,
 };
 
@@ -156,6 +159,16 @@ pub struct GroupChanges {
 }
 
 impl GroupChanges {
+    /// No change: `table` as it is.
+    pub fn none(table: GroupTable) -> Self {
+        Self {
+            table,
+            added: Vec::new(),
+            removed: Vec::new(),
+            restored: Vec::new(),
+        }
+    }
+
     pub fn is_empty(&self) -> bool {
         self.added.is_empty() && self.removed.is_empty() && self.restored.is_empty()
     }
@@ -323,6 +336,32 @@ fn plan(g: usize, p: usize, addr: SocketAddr) -> BackendPlan {
 
 /// The kernel side of a reload: a separate impl block of [`Selector`].
 impl Selector {
+    /// The groups as the maps hold them: every member `BACKENDS` names, at
+    /// the position its id gives, retiring (from now) if marked so. What an
+    /// earlier agent left pinned, after whatever reloads it applied.
+    pub fn table_in_maps(&self) -> Result<GroupTable> {
+        let backends: HashMap<_, Endpoint, u32> = HashMap::try_from(self.map(names::BACKENDS)?)?;
+        let now = Instant::now();
+        let mut table = GroupTable { groups: Vec::new() };
+        for entry in backends.iter() {
+            let (endpoint, value) = entry?;
+            let (g, p) = split_backend_id(value & !BACKEND_RETIRING);
+            let g = g as usize;
+            if g >= MAX_GROUPS as usize || p >= MAX_GROUP_MEMBERS {
+                bail!("the pinned BACKENDS map holds an id out of range: {value:#x}");
+            }
+            if table.groups.len() <= g {
+                table.groups.resize(g + 1, None);
+            }
+            let group = table.groups[g].get_or_insert_with(TableGroup::default);
+            group.members[p] = Some(Member {
+                addr: addr_of(&endpoint),
+                retiring_since: (value & BACKEND_RETIRING != 0).then_some(now),
+            });
+        }
+        Ok(table)
+    }
+
     /// Writes `changes` into `GROUPS` and `BACKENDS`. A member becomes
     /// choosable only once the reply path knows it, and a retiring member
     /// keeps its endpoint, so no reply in flight goes unrecognised.
