@@ -861,8 +861,113 @@ fn line_index(lines: &[String], wanted: impl Fn(&str) -> bool) -> usize {
         .unwrap_or_else(|| panic!("no such line in {lines:#?}"))
 }
 
+/// The control socket lives in a directory only root may enter, one per
+/// network namespace: an unprivileged user can neither reach the agent
+/// nor take its name, a killed agent's socket file does not block the next
+/// one, and a client does not trust a socket held by another user (here
+/// planted by making the directory that user's, which the agent then
+/// refuses to start in).
+#[test]
+fn the_control_socket_is_private_and_an_impostor_is_not_trusted() {
+    use std::os::unix::fs::{MetadataExt as _, PermissionsExt as _};
+    let tb = Testbed::new("selsk", 3).unwrap();
+    let inode = std::fs::metadata(format!("/run/netns/{}", tb.client.name))
+        .unwrap()
+        .ino();
+    let dir = std::path::PathBuf::from(format!("/run/selector/net-{inode}"));
+    struct RemoveDir(std::path::PathBuf);
+    impl Drop for RemoveDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _cleanup = RemoveDir(dir.clone());
+    let socket = dir.join(format!("{CLIENT_IFACE}.sock"));
+
+    let (mut agent, _lines) = spawn_agent(&tb, &["--quiet"]);
+    let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "{}", dir.display());
+    assert!(socket.exists());
+    let nobody = |args: &[&str]| {
+        tb.client
+            .command("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = nobody(&[
+        selector_binary().to_str().unwrap(),
+        "status",
+        "--iface",
+        CLIENT_IFACE,
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("permission denied"));
+    // Killed: the file stays, and does not stop the next agent.
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+    assert!(socket.exists());
+    let (mut agent, _lines) = spawn_agent(&tb, &["--quiet"]);
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    assert!(!socket.exists(), "the socket goes with the agent");
+
+    // An impostor: the directory made another user's, who listens there
+    // (/run/selector opened for it to pass through, for the moment).
+    std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+    struct Reopen;
+    impl Drop for Reopen {
+        fn drop(&mut self) {
+            let _ =
+                std::fs::set_permissions("/run/selector", std::fs::Permissions::from_mode(0o700));
+        }
+    }
+    let _reopen = Reopen;
+    std::fs::set_permissions("/run/selector", std::fs::Permissions::from_mode(0o711)).unwrap();
+    let mut impostor = tb
+        .client
+        .command("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "perl"])
+        .args([
+            "-MIO::Socket::UNIX",
+            "-e",
+            r#"$s = IO::Socket::UNIX->new(Type => SOCK_STREAM(), Local => $ARGV[0], Listen => 5) or die "$!"; $| = 1; print "ready\n"; while ($c = $s->accept) { print $c "{\"reply\":\"done\",\"message\":\"impostor\"}\n"; close $c }"#,
+            socket.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ready = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(impostor.stdout.take().unwrap()),
+        &mut ready,
+    )
+    .unwrap();
+    assert_eq!(ready.trim(), "ready");
+    let (code, out) = run_ctl(&tb, &["set", "--iface", CLIENT_IFACE, "--threshold", "9"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("held by uid 65534") && out.contains("not trusting it"),
+        "{out}"
+    );
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["run", "--iface", CLIENT_IFACE, "--group", GROUP, "--quiet"],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("must be a directory of the agent's user"),
+        "{out}"
+    );
+    impostor.kill().unwrap();
+    impostor.wait().unwrap();
+}
+
 /// Without `--iface`, the control commands talk to the only agent in the
-/// namespace (found by its listening socket in /proc/net/unix); with none,
+/// namespace (found by the lock it holds beside its socket); with none,
 /// or with two, they fail in one line saying what to do. Each test's
 /// agents run in a namespace of its own, so what runs elsewhere never
 /// counts.

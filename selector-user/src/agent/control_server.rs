@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, anyhow};
+use std::os::unix::fs::PermissionsExt as _;
+
+use anyhow::{Context as _, Result, anyhow};
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
     net::{UnixListener, UnixStream},
@@ -12,7 +14,7 @@ use tokio::{
 
 use crate::{
     agent::reload::Reloader,
-    api::{self, MAX_REQUEST_BYTES, Reply, Request, SettingsChange, Status},
+    api::{MAX_REQUEST_BYTES, Reply, Request, SettingsChange, Status, socket::RunningLock},
     datapath::Selector,
     telemetry::{self, TailHistory},
 };
@@ -31,26 +33,26 @@ pub struct ControlCall {
 /// come back to the main loop, the only owner of the selector.
 pub struct ControlServer {
     listener: UnixListener,
+    /// Held while the agent runs; removes the socket file when dropped.
+    _running: RunningLock,
     calls_tx: mpsc::Sender<ControlCall>,
     calls_rx: mpsc::Receiver<ControlCall>,
 }
 
 impl ControlServer {
-    /// Claims the interface's socket name. Bound before attaching, this is
-    /// also what refuses a second agent on the same interface.
+    /// Takes the interface's lock and binds its socket. Done before
+    /// attaching, this is also what refuses a second agent on the same
+    /// interface.
     pub fn bind(iface: &str) -> Result<Self> {
-        let listener = std::os::unix::net::UnixListener::bind_addr(&api::address(iface)?).map_err(
-            |e| match e.kind() {
-                std::io::ErrorKind::AddrInUse => {
-                    anyhow!("a selector is already running on {iface} in this network namespace")
-                }
-                _ => e.into(),
-            },
-        )?;
+        let running = RunningLock::take(iface)?;
+        let listener = std::os::unix::net::UnixListener::bind(running.socket())
+            .with_context(|| format!("binding {}", running.socket().display()))?;
+        std::fs::set_permissions(running.socket(), std::fs::Permissions::from_mode(0o600))?;
         listener.set_nonblocking(true)?;
         let (calls_tx, calls_rx) = mpsc::channel(8);
         Ok(Self {
             listener: UnixListener::from_std(listener)?,
+            _running: running,
             calls_tx,
             calls_rx,
         })

@@ -1,11 +1,12 @@
 //! The control protocol between `selector status|set|drain|undrain` and a
 //! running agent.
 //!
-//! Transport: an abstract Unix socket named `selector/<iface>`. Abstract
-//! names belong to the network namespace, so each namespace's `eth0` has its
-//! own agent, and the name disappears with the agent. Only root or the
-//! agent's own user may use it. A command without `--iface` finds the one
-//! agent of its namespace by that name (`cli::find_agent`).
+//! Transport: a Unix socket per agent, `/run/selector/net-INODE/IFACE.sock`
+//! (see [`socket`]): one per network namespace and interface, in
+//! directories only the agent's user may enter. Only root or the agent's
+//! own user may use it, and a client trusts only a root or same-user
+//! agent. A command without `--iface` finds the one agent of its namespace
+//! there (`cli::find_agent`).
 //!
 //! One request, one reply, each a single line of JSON:
 //!
@@ -25,14 +26,13 @@
 //! [`Status`] is also what `selector status --json` prints.
 
 pub mod build_info;
+pub mod socket;
 
-use std::{
-    io::{Read as _, Write as _},
-    os::{linux::net::SocketAddrExt as _, unix::net::SocketAddr},
-    time::Duration,
-};
+pub use socket::send;
 
-use anyhow::{Context as _, Result};
+use std::time::Duration;
+
+use anyhow::Result;
 use selector_common::{Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
@@ -40,11 +40,6 @@ use crate::{
     config::settings::{OnOverload, Settings},
     telemetry::{BackendTotals, LastInterval, PassedCount},
 };
-
-/// The abstract socket name of the agent on `iface`.
-pub fn address(iface: &str) -> Result<SocketAddr> {
-    Ok(SocketAddr::from_abstract_name(format!("selector/{iface}"))?)
-}
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "request", rename_all = "snake_case")]
@@ -362,22 +357,6 @@ impl SettingsInForce {
 
 /// Longest request line the agent reads.
 pub const MAX_REQUEST_BYTES: u64 = 4096;
-
-/// Sends one request to the agent on `iface` (in this network namespace)
-/// and returns its reply.
-pub fn send(iface: &str, request: &Request) -> Result<Reply> {
-    let mut stream = std::os::unix::net::UnixStream::connect_addr(&address(iface)?)
-        .with_context(|| format!("no selector is running on {iface} in this network namespace"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut line = serde_json::to_string(request)?;
-    line.push('\n');
-    stream.write_all(line.as_bytes())?;
-    let mut text = String::new();
-    stream
-        .read_to_string(&mut text)
-        .context("reading the agent's reply")?;
-    serde_json::from_str(text.trim_end()).context("the agent's reply is not valid")
-}
 
 #[cfg(test)]
 mod tests {

@@ -47,7 +47,6 @@ use selector_common::{
 };
 
 use crate::{
-    api,
     config::settings::{ReplyPath, Settings},
     datapath::attachment::{TcxSide, tcx_program_ids},
     host::shared::{SharedArray, load},
@@ -492,14 +491,6 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// Whether an agent serves the control socket of `iface` in this network
-/// namespace.
-pub fn agent_running(iface: &str) -> Result<bool> {
-    let address = api::address(iface)?;
-    Ok(std::os::unix::net::UnixListener::bind_addr(&address)
-        .is_err_and(|e| e.kind() == std::io::ErrorKind::AddrInUse))
 }
 
 /// Names of the selector's programs (the kernel keeps 15 characters).
