@@ -6,6 +6,7 @@
 pub mod blame;
 pub mod checksum;
 pub mod descriptor;
+pub mod ejection;
 pub mod fragments;
 pub mod hedge;
 pub mod inflight;
