@@ -1,6 +1,7 @@
 //! Settings: their types, defaults and validation, and the config file that
 //! sets them. Pure: nothing here touches the host or the kernel.
 
+pub mod ejection;
 pub mod file;
 pub mod hedge;
 pub mod names;

@@ -19,8 +19,8 @@ use aya::{
 };
 use log::debug;
 use selector_common::{
-    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupService,
-    MAX_GROUPS, PassReason, Policy,
+    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupHealth,
+    GroupService, MAX_GROUPS, PassReason, Policy,
     inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     names, pass_index, programs, split_backend_id,
 };
@@ -50,6 +50,10 @@ pub struct Selector {
     pub(crate) clients: SharedArray<u64>,
     /// Service times per group, kept by the kernel.
     pub(crate) service: SharedArray<GroupService>,
+    /// Outlier ejection per group, shared with the kernel.
+    pub(crate) health: SharedArray<GroupHealth>,
+    /// The agent's side of ejection (`crate::datapath::ejection`).
+    pub(crate) ejection: crate::datapath::ejection::Ejection,
     /// The kernel's config, mapped for the heartbeat word alone.
     config: SharedArray<Config>,
     /// Shutting down: no new redirects.
@@ -358,6 +362,7 @@ impl Selector {
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
+        let health = share(&ebpf, names::HEALTH, MAX_GROUPS)?;
         let config = share(&ebpf, names::CONFIG, 1)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
@@ -376,6 +381,8 @@ impl Selector {
             counters,
             clients,
             service,
+            health,
+            ejection: Default::default(),
             config,
             steering_off: false,
             #[cfg(feature = "testing")]
@@ -391,6 +398,7 @@ impl Selector {
             routed_elsewhere: Vec::new(),
         };
         selector.write_tables()?;
+        selector.reset_ejection();
         let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;

@@ -2,6 +2,7 @@
 //! names aya maps, programs and links. [`Selector`] is the handle.
 
 pub mod attachment;
+pub mod ejection;
 pub mod hedges;
 pub mod loader;
 mod marks;
