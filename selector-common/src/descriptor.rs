@@ -415,7 +415,8 @@ impl Descriptor {
                 let Some(w) = word_at(base) else {
                     return false;
                 };
-                let mask = u64::MAX >> (64 - 8 * len).min(63) & ((len != 0) as u64).wrapping_neg();
+                let mask =
+                    (u64::MAX >> (64 - 8 * len).min(63)) & u64::from(len != 0).wrapping_neg();
                 let diff = (u64::from_le_bytes(w) ^ u64::from_le_bytes(self.error)) & mask;
                 whole && len != 0 && diff == 0
             }

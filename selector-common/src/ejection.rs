@@ -169,7 +169,7 @@ pub fn ejection_ns(base_ns: u64, max_ns: u64, in_a_row: u32, random: u32) -> u64
     let d = base_ns
         .saturating_mul(1 << doublings)
         .min(max_ns.max(base_ns));
-    let jitter = ((d / 4) as u128 * u128::from(random) >> 32) as u64;
+    let jitter = (((d / 4) as u128 * u128::from(random)) >> 32) as u64;
     d - jitter
 }
 
