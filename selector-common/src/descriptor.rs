@@ -10,6 +10,17 @@ pub const MAX_PREFIX_LEN: u8 = 16;
 pub const MAX_DESCRIPTOR_SPAN: u16 = 256;
 /// Longest no-reply marker, in bytes.
 pub const MAX_NO_REPLY_LEN: u8 = 8;
+/// Longest error marker, in bytes.
+pub const MAX_ERROR_LEN: u8 = 8;
+
+/// Replies are never classified as errors.
+pub const ERROR_NONE: u8 = 0;
+/// DNS: a response (QR 1) with rcode FORMERR, SERVFAIL, NOTIMP or REFUSED
+/// (RFC 1035 4.1.1). NXDOMAIN is an answer, not a failure of the server.
+pub const ERROR_DNS: u8 = 1;
+/// The reply, in one datagram, holds MARKER at `error_offset`: memcached's
+/// `SERVER_ERROR` (its preset), or a custom protocol's `--error-marker`.
+pub const ERROR_PREFIX: u8 = 2;
 
 /// How a request that expects no reply is recognised (it is then neither
 /// tracked nor steered: nothing would ever complete it).
@@ -66,6 +77,12 @@ pub struct Descriptor {
     pub request_kind: u8,
     pub _pad2: u8,
     pub no_reply: [u8; MAX_NO_REPLY_LEN as usize],
+    /// `ERROR_*`: which replies are errors (failures of the replica).
+    pub error_kind: u8,
+    pub error_len: u8,
+    pub error_offset: u16,
+    pub _pad3: u32,
+    pub error: [u8; MAX_ERROR_LEN as usize],
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +90,7 @@ pub enum DescriptorError {
     IdLength,
     PrefixLength,
     NoReplyLength,
+    ErrorLength,
     OutOfRange,
 }
 
@@ -83,6 +101,9 @@ impl core::fmt::Display for DescriptorError {
             Self::PrefixLength => write!(f, "read prefix must be at most {MAX_PREFIX_LEN} bytes"),
             Self::NoReplyLength => {
                 write!(f, "no-reply marker must be 1..={MAX_NO_REPLY_LEN} bytes")
+            }
+            Self::ErrorLength => {
+                write!(f, "error marker must be 1..={MAX_ERROR_LEN} bytes")
             }
             Self::OutOfRange => write!(
                 f,
@@ -115,6 +136,14 @@ impl Descriptor {
             request_kind: REQUEST_MEMCACHED,
             _pad2: 0,
             no_reply: *b"noreply\0",
+            // `SERVER_ERROR ...` after the frame header. `ERROR` and
+            // `CLIENT_ERROR` are the request's fault, which every replica
+            // would answer alike: not a failure of this one.
+            error_kind: ERROR_PREFIX,
+            error_len: 8,
+            error_offset: MEMCACHED_HEADER_LEN as u16,
+            _pad3: 0,
+            error: *b"SERVER_E",
         }
     }
 
@@ -136,6 +165,11 @@ impl Descriptor {
             request_kind: REQUEST_DNS_QUERY,
             _pad2: 0,
             no_reply: [0; MAX_NO_REPLY_LEN as usize],
+            error_kind: ERROR_DNS,
+            error_len: 0,
+            error_offset: 0,
+            _pad3: 0,
+            error: [0; MAX_ERROR_LEN as usize],
         }
     }
 
@@ -160,6 +194,7 @@ impl Descriptor {
             reject_kind: REJECT_NONE,
             // Nothing is known of the protocol's header.
             request_kind: REQUEST_ANY,
+            error_kind: ERROR_NONE,
             ..Self::dns()
         };
         d.validate()?;
@@ -184,7 +219,37 @@ impl Descriptor {
         Ok(self)
     }
 
+    /// Replies holding `marker` at `offset` are errors (failures of the
+    /// replica that sent them).
+    pub fn with_error_marker(
+        mut self,
+        offset: u16,
+        marker: &[u8],
+    ) -> Result<Self, DescriptorError> {
+        if marker.is_empty() || marker.len() > MAX_ERROR_LEN as usize {
+            return Err(DescriptorError::ErrorLength);
+        }
+        self.error = [0; MAX_ERROR_LEN as usize];
+        self.error[..marker.len()].copy_from_slice(marker);
+        self.error_len = marker.len() as u8;
+        self.error_offset = offset;
+        self.error_kind = ERROR_PREFIX;
+        self.validate()?;
+        Ok(self)
+    }
+
     pub fn validate(&self) -> Result<(), DescriptorError> {
+        if self.error_kind == ERROR_PREFIX
+            && (self.error_len == 0 || self.error_len > MAX_ERROR_LEN)
+        {
+            return Err(DescriptorError::ErrorLength);
+        }
+        if self.error_kind == ERROR_PREFIX
+            && u32::from(self.error_offset) + u32::from(self.error_len)
+                > u32::from(MAX_DESCRIPTOR_SPAN)
+        {
+            return Err(DescriptorError::OutOfRange);
+        }
         if self.id_len == 0 || self.id_len > MAX_ID_LEN {
             return Err(DescriptorError::IdLength);
         }
@@ -322,6 +387,41 @@ impl Descriptor {
             j += 1;
         }
         true
+    }
+
+    /// Whether a reply is an error (`ERROR_*`): a failure of the replica
+    /// that sent it, as a lost request is. `word_at(i)`: the 8 payload
+    /// bytes from `i`, when all 8 are in the datagram. `whole`: the reply
+    /// is one datagram (a marker is looked for only there: a later datagram
+    /// of a long value could hold any bytes). Two word reads and mask
+    /// arithmetic, no branch per byte (the reply path's verifier cost).
+    /// A marker is found only with 8 payload bytes from its offset.
+    #[inline(always)]
+    pub fn is_error_reply(&self, word_at: impl Fn(usize) -> Option<[u8; 8]>, whole: bool) -> bool {
+        match self.error_kind {
+            ERROR_DNS => {
+                // The whole 12-byte header: byte 2 holds QR (bit 7), byte 3
+                // the rcode (bits 3-0).
+                let (Some(head), Some(_)) = (word_at(0), word_at(DNS_HEADER_LEN - 8)) else {
+                    return false;
+                };
+                let rcode = head[3] & 0x0f;
+                // FORMERR 1, SERVFAIL 2, NOTIMP 4, REFUSED 5.
+                head[2] & 0x80 != 0 && (0b11_0110u32 >> rcode) & 1 != 0
+            }
+            ERROR_PREFIX => {
+                let len = (self.error_len % (MAX_ERROR_LEN + 1)) as u32;
+                let base = (self.error_offset % MAX_DESCRIPTOR_SPAN) as usize;
+                let Some(w) = word_at(base) else {
+                    return false;
+                };
+                let mask =
+                    (u64::MAX >> (64 - 8 * len).min(63)) & u64::from(len != 0).wrapping_neg();
+                let diff = (u64::from_le_bytes(w) ^ u64::from_le_bytes(self.error)) & mask;
+                whole && len != 0 && diff == 0
+            }
+            _ => false,
+        }
     }
 
     /// (sequence number, datagram count) of a reply datagram: (0, 1) unless
@@ -673,6 +773,97 @@ mod tests {
         assert_eq!(
             Descriptor::dns().reply_datagram(reader(b"\x12\x34\x00\x02\x00\x05")),
             (0, 1)
+        );
+    }
+
+    #[test]
+    fn dns_error_replies_are_formerr_servfail_notimp_and_refused() {
+        let d = Descriptor::dns();
+        let reply = |flags: u8, rcode: u8| {
+            let mut r = DNS_QUERY.to_vec();
+            r[2] = flags;
+            r[3] = 0x80 | rcode;
+            r
+        };
+        for (rcode, error) in [
+            (0, false), // NOERROR
+            (1, true),  // FORMERR
+            (2, true),  // SERVFAIL
+            (3, false), // NXDOMAIN: an answer
+            (4, true),  // NOTIMP
+            (5, true),  // REFUSED
+            (6, false), // YXDOMAIN
+            (9, false), // NOTAUTH
+        ] {
+            assert_eq!(
+                d.is_error_reply(words(&reply(0x81, rcode)), true),
+                error,
+                "{rcode}"
+            );
+        }
+        // A query (QR 0) carrying rcode bits is no reply; a short one neither.
+        assert!(!d.is_error_reply(words(&reply(0x01, 5)), true));
+        assert!(!d.is_error_reply(words(&reply(0x81, 5)[..11]), true));
+        assert!(
+            !Descriptor::custom(0, 2, 0, b"")
+                .unwrap()
+                .is_error_reply(words(&reply(0x81, 2)), true)
+        );
+    }
+
+    #[test]
+    fn memcached_server_error_is_an_error_and_client_errors_are_not() {
+        let d = Descriptor::memcached();
+        let reply = |body: &[u8]| {
+            let mut r = b"\x12\x34\x00\x00\x00\x01\x00\x00".to_vec();
+            r.extend_from_slice(body);
+            r
+        };
+        assert!(d.is_error_reply(words(&reply(b"SERVER_ERROR out of memory\r\n")), true));
+        assert!(d.is_error_reply(words(&reply(b"SERVER_ERROR overloaded\r\n")), true));
+        for fine in [
+            &b"VALUE foo 0 1\r\nx\r\nEND\r\n"[..],
+            b"END\r\n",
+            b"ERROR\r\n",
+            b"CLIENT_ERROR bad command line format\r\n",
+            b"SERVER_",
+            b"",
+        ] {
+            assert!(!d.is_error_reply(words(&reply(fine)), true), "{fine:?}");
+        }
+        // A datagram of a reply in several: never looked at.
+        assert!(!d.is_error_reply(words(&reply(b"SERVER_ERROR x\r\n")), false));
+    }
+
+    #[test]
+    fn custom_error_marker() {
+        let d = Descriptor::custom(0, 2, 0, b"")
+            .unwrap()
+            .with_error_marker(2, b"ERR")
+            .unwrap();
+        assert!(d.is_error_reply(words(b"\0\x01ERR!....."), true));
+        assert!(d.is_error_reply(words(b"\0\x01ERRERRER"), true));
+        assert!(!d.is_error_reply(words(b"\0\x01ERx!....."), true));
+        assert!(!d.is_error_reply(words(b"\0\x01OK!......"), true));
+        // Fewer than 8 bytes from the offset: not looked at.
+        assert!(!d.is_error_reply(words(b"\0\x01ERR!"), true));
+        let eight = Descriptor::custom(0, 2, 0, b"")
+            .unwrap()
+            .with_error_marker(2, b"12345678")
+            .unwrap();
+        assert!(eight.is_error_reply(words(b"\0\x0112345678"), true));
+        assert!(!eight.is_error_reply(words(b"\0\x0112345679"), true));
+        assert_eq!(
+            Descriptor::dns().with_error_marker(0, b""),
+            Err(DescriptorError::ErrorLength)
+        );
+        assert_eq!(
+            Descriptor::dns().with_error_marker(0, b"123456789"),
+            Err(DescriptorError::ErrorLength)
+        );
+        assert_eq!(
+            Descriptor::dns().with_error_marker(250, b"1234567"),
+            Err(DescriptorError::OutOfRange)
         );
     }
 

@@ -10,6 +10,7 @@ extern crate std;
 pub mod blame;
 pub mod checksum;
 pub mod descriptor;
+pub mod ejection;
 pub mod fragments;
 pub mod hedge;
 pub mod inflight;

@@ -61,6 +61,7 @@ pub mod names {
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const NEXT_HOPS: &str = "NEXT_HOPS";
     pub const SERVICE: &str = "SERVICE";
+    pub const HEALTH: &str = "HEALTH";
     pub const SCRATCH: &str = "SCRATCH";
     /// The reference programs' hash map (benchmark only, never pinned).
     pub const REFERENCE: &str = "REFERENCE";
@@ -175,6 +176,22 @@ pub struct GroupService {
     pub last_completion_ns: [u64; MAX_GROUP_MEMBERS],
 }
 
+/// Outlier ejection state of a group (`crate::ejection`), shared through
+/// mmap. Every change is atomic.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupHealth {
+    /// Bit `p`: member `p` is ejected (never chosen); bit `8 + p`: half-open
+    /// with its probe not taken. The agent sets and clears them; egress
+    /// takes a probe by compare-and-swap (`ejection::take_probe`).
+    pub bits: u64,
+    /// Failures in a row per member: an error reply adds one (reply path),
+    /// so does an expired request (the agent's sweep); a good reply sets 0.
+    pub failures: [u64; MAX_GROUP_MEMBERS],
+    /// Good replies per member, ever (the agent sees a probe succeed).
+    pub good: [u64; MAX_GROUP_MEMBERS],
+}
+
 /// Pending requests of member `position`. The three counters are read
 /// while other CPUs update them, so a reader can see a completion whose issue
 /// it missed; the difference saturates at zero instead of wrapping to a
@@ -265,6 +282,14 @@ pub struct BackendStats {
     /// `bpf_redirect_neigh` (a second pass through egress).
     #[cfg_attr(feature = "user", serde(default))]
     pub redirected_direct: u64,
+    /// Replies from this backend that completed a request with an error
+    /// (`Descriptor::is_error_reply`): failures, as expiries are.
+    #[cfg_attr(feature = "user", serde(default))]
+    pub error_replies: u64,
+    /// ... of which to reads moved here from another primary: the errors
+    /// the selector caused.
+    #[cfg_attr(feature = "user", serde(default))]
+    pub error_replies_moved: u64,
 }
 
 impl BackendStats {
@@ -282,6 +307,8 @@ impl BackendStats {
         self.overload_dropped += other.overload_dropped;
         self.overload_rejected += other.overload_rejected;
         self.redirected_direct += other.redirected_direct;
+        self.error_replies += other.error_replies;
+        self.error_replies_moved += other.error_replies_moved;
     }
 }
 
@@ -482,6 +509,7 @@ mod pod {
     unsafe impl aya::Pod for NextHopMac {}
     unsafe impl aya::Pod for GroupCounters {}
     unsafe impl aya::Pod for GroupService {}
+    unsafe impl aya::Pod for GroupHealth {}
     unsafe impl aya::Pod for InflightKey {}
     unsafe impl aya::Pod for crate::inflight::InflightSlot {}
     unsafe impl aya::Pod for BackendStats {}
@@ -502,9 +530,10 @@ mod tests {
         assert_eq!(size_of::<GroupService>(), 128);
         // The heartbeat words 8-byte aligned after the descriptor, and the
         // whole a multiple of 8 (the agent maps the value).
-        assert_eq!(size_of::<crate::Descriptor>(), 40);
-        assert_eq!(size_of::<Config>(), 40 + 40 + 16);
-        assert_eq!(core::mem::offset_of!(Config, heartbeat_ns), 80);
+        assert_eq!(size_of::<crate::Descriptor>(), 56);
+        assert_eq!(size_of::<Config>(), 40 + 56 + 16);
+        assert_eq!(core::mem::offset_of!(Config, heartbeat_ns), 96);
+        assert_eq!(size_of::<GroupHealth>(), 8 + 64 + 64);
     }
 
     #[test]

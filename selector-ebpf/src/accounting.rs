@@ -15,7 +15,10 @@ use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS, mem
 pub fn group_load(group: u32) -> Option<GroupLoad> {
     let g = GROUPS.get(group)?;
     let counters = COUNTERS.get(group)?;
-    Some(GroupLoad::of(g, counters))
+    let mut load = GroupLoad::of(g, counters);
+    // Ejected members are never chosen, as drained ones.
+    load.usable &= !(crate::health::ejected(group) as u8);
+    Some(load)
 }
 
 #[inline(always)]
@@ -75,6 +78,14 @@ pub fn client_add(slot: u32, more: bool) {
 pub fn count(backend: u32, field: impl FnOnce(&mut BackendStats) -> &mut u64) {
     if let Some(s) = STATS.get_ptr_mut(backend) {
         *field(unsafe { &mut *s }) += 1;
+    }
+}
+
+/// Adds `n` to one per-CPU counter of `backend`, without a branch on `n`.
+#[inline(always)]
+pub fn count_n(backend: u32, field: impl FnOnce(&mut BackendStats) -> &mut u64, n: u64) {
+    if let Some(s) = STATS.get_ptr_mut(backend) {
+        *field(unsafe { &mut *s }) += n;
     }
 }
 

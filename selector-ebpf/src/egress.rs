@@ -254,12 +254,18 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
         service,
         best,
     );
+    let chosen = if chosen < load.len {
+        chosen
+    } else {
+        primary_pos
+    };
+    // A half-open member is usable until one read goes to it: this one, if
+    // its compare-and-swap takes the probe (which ejects the member again
+    // until the agent sees the result). Rarely a request that is no read
+    // takes it: the agent offers the probe again when no result comes.
+    crate::health::take_probe(group, chosen);
     Some(Proposal {
-        chosen: if chosen < load.len {
-            chosen
-        } else {
-            primary_pos
-        },
+        chosen,
         best: best.map(|(pos, _)| pos),
     })
 }

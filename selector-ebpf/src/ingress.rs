@@ -14,7 +14,7 @@ use crate::{
     accounting,
     hedge::{self, Answer},
     inflight::{self, Seen},
-    maps::{BACKENDS, FRAGMENTS, backend_target, config, count_pass},
+    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass},
     packet::{self, Datagram, Ip, Packet},
     rewrite::{Rewrite, Side},
 };
@@ -223,9 +223,34 @@ fn complete<C: Packet>(
         let now = unsafe { bpf_ktime_get_ns() };
         accounting::record_latency(backend, now.saturating_sub(live.sent_ns));
         accounting::record_service(backend, now);
+        // An error reply is a failure of the replica, as a lost request is.
+        let error = forget_flag(
+            config
+                .descriptor
+                .is_error_reply(|i| dgram.payload_word(ctx, i), total <= 1),
+        );
+        let moved = u64::from(live.primary != backend);
+        accounting::count_n(backend, |s| &mut s.error_replies, error);
+        accounting::count_n(backend, |s| &mut s.error_replies_moved, error & moved);
+        crate::health::replied(backend, error);
     } else if phase(live.state) == PHASE_LIVE {
         // The sweep expired it a moment ago: a late reply, still rewritten.
         accounting::count(backend, |s| &mut s.late_responses);
+    }
+}
+
+/// `flag` as 0 or 1, through per-CPU map memory the verifier does not
+/// track: the classification's many ways out (each byte read may fail)
+/// continue as one state.
+#[inline(always)]
+fn forget_flag(flag: bool) -> u64 {
+    let Some(slot) = SCRATCH.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: a per-CPU slot of this map, not shared while the program runs.
+    unsafe {
+        core::ptr::write_volatile(slot, [u64::from(flag), 0]);
+        core::ptr::read_volatile(slot)[0] & 1
     }
 }
 

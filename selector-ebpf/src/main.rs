@@ -7,6 +7,7 @@
 
 mod accounting;
 mod egress;
+mod health;
 mod hedge;
 mod inflight;
 mod ingress;

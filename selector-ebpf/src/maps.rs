@@ -15,8 +15,8 @@ use aya_ebpf::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
-    GroupCounters, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, NextHopMac,
-    PASS_REASONS, PassReason,
+    GroupCounters, GroupHealth, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
+    NextHopMac, PASS_REASONS, PassReason,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, mark_words, slots_for},
@@ -50,6 +50,12 @@ pub static COUNTERS: Array<GroupCounters> = Array::with_max_entries(MAX_GROUPS, 
 /// every completion; read by egress under the latency policy.
 #[map]
 pub static SERVICE: Array<GroupService> = Array::with_max_entries(MAX_GROUPS, BPF_F_MMAPABLE);
+
+/// Outlier ejection per group (`selector_common::ejection`): the agent's
+/// ejected and probe bits, the reply path's failures in a row and good
+/// replies.
+#[map]
+pub static HEALTH: Array<GroupHealth> = Array::with_max_entries(MAX_GROUPS, BPF_F_MMAPABLE);
 
 /// Pending requests per client socket, hashed into `CLIENT_SLOTS` slots.
 #[map]

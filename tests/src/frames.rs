@@ -67,6 +67,7 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
         // Off: fixtures are not swept on a schedule; the heartbeat
         // fixtures set it.
         heartbeat_bound: Duration::ZERO,
+        ejection: Default::default(),
     }
 }
 

@@ -74,6 +74,7 @@ const SUITES: &[(&str, &[&str])] = &[
     ("fixtures", &[]),
     ("fixtures_ipv6", &[]),
     ("hedging_fixtures", &[]),
+    ("ejection_fixtures", &[]),
     (
         "steering",
         &[

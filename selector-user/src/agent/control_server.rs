@@ -142,6 +142,7 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
         in_flight: now.inflight,
         last_interval: tails.last_interval(),
         drained: selector.drained()?,
+        groups_over_cap: selector.groups_over_cap(),
         passed: telemetry::passed_counts(&now.passed),
         backends: telemetry::totals(&selector.backends, &now, tails),
         hedges: crate::telemetry::hedges::total(&now.hedges),

@@ -337,7 +337,7 @@ impl Collector for StatusCollector {
         let backends = &status.backends;
         let e = &mut encoder;
         crate::api::build_info::encode_metric(e, &status.build)?;
-        let counters: [BackendCounter; 9] = [
+        let counters: [BackendCounter; 12] = [
             (
                 "selector_requests",
                 "Requests the application addressed to the backend (as primary).",
@@ -382,6 +382,21 @@ impl Collector for StatusCollector {
                 "selector_late_responses",
                 "Reply datagrams after their request completed or expired, within --grace.",
                 |b| b.stats.late_responses,
+            ),
+            (
+                "selector_error_replies",
+                "Replies from the backend that were errors (DNS FORMERR/SERVFAIL/NOTIMP/REFUSED, memcached SERVER_ERROR, --error-marker): failures of the backend.",
+                |b| b.stats.error_replies,
+            ),
+            (
+                "selector_error_replies_moved",
+                "Error replies from the backend to reads the selector moved to it.",
+                |b| b.stats.error_replies_moved,
+            ),
+            (
+                "selector_ejections",
+                "Times the backend was ejected (failures in a row, or a failed probe).",
+                |b| b.ejection.ejections,
             ),
         ];
         for (name, help, value) in counters {
@@ -439,6 +454,31 @@ impl Collector for StatusCollector {
             MetricType::Gauge,
             backends,
             |b, m| ConstGauge::new(u64::from(status.drained.contains(&b.backend))).encode(m),
+        )?;
+        per_backend(
+            e,
+            "selector_ejected",
+            "Time the backend spent ejected or half-open.",
+            Some(&Unit::Seconds),
+            MetricType::Counter,
+            backends,
+            |b, m| ConstCounter::new(b.ejection.ejected_ns as f64 / 1e9).encode(m),
+        )?;
+        per_backend(
+            e,
+            "selector_ejection_state",
+            "Outlier ejection: 0 healthy, 1 ejected (no read moved to it), 2 half-open (one read probes it). Drain is selector_drained.",
+            None,
+            MetricType::Gauge,
+            backends,
+            |b, m| {
+                let code = match b.ejection.ejection_state.as_str() {
+                    "ejected" => 1,
+                    "half_open" => 2,
+                    _ => 0,
+                };
+                ConstGauge::new(code).encode(m)
+            },
         )?;
         per_backend(
             e,
@@ -669,6 +709,7 @@ mod tests {
             tail,
             hedges: Default::default(),
             service_ns: None,
+            ejection: Default::default(),
         };
         Status {
             iface: "eth0".into(),
@@ -682,6 +723,7 @@ mod tests {
                 tail_requests: 2,
             }),
             drained: vec![replica],
+            groups_over_cap: vec![],
             hedges: Default::default(),
             tc_attach: "tcx".into(),
             config_reload_success: Some(true),

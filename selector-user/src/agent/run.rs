@@ -40,6 +40,11 @@ const NEXT_HOP_REFRESH: Duration = Duration::from_millis(100);
 const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
 
 /// How often a stopping agent checks whether the redirected reads are done.
+/// How often outlier ejection looks at the failure counts: a replica
+/// answering errors at once is ejected within this of its Nth error in a
+/// row (reading a few shared words per group, no system call but one
+/// map read per group).
+const EJECTION_CHECK: Duration = Duration::from_millis(10);
 const STOP_POLL: Duration = Duration::from_millis(20);
 
 /// Attaches, then sweeps and prints until a signal or the duration ends;
@@ -290,6 +295,7 @@ impl Agent {
         let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
         let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
         let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
+        let mut ejection_tick = interval(EJECTION_CHECK.min(self.sweep_every));
         let until_deadline = async {
             match duration {
                 Some(duration) => sleep(duration).await,
@@ -341,7 +347,15 @@ impl Agent {
                 _ = next_hop_tick.tick() => self.refresh_next_hops(),
                 _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
                 _ = attachment_tick.tick() => self.check_attachment(),
+                _ = ejection_tick.tick() => self.check_ejection(),
             }
+        }
+    }
+
+    /// Outlier ejection's step (`crate::datapath::ejection`), its events logged.
+    fn check_ejection(&mut self) {
+        for line in self.selector.check_ejection(sys::monotonic_ns()) {
+            println!("selector: {line}");
         }
     }
 

@@ -163,7 +163,10 @@ pub enum Reply {
 ///     "p99_ns": 28000000,          its p99 over all backends (bucket edge)
 ///     "tail_requests": 25          answered in the p99 bucket or slower
 ///   },
-///   "drained": ["10.0.0.2:11211"],
+///   "drained": ["10.0.0.2:11211"],  the operator's (`selector drain`), apart from ejection
+///   "groups_over_cap": [2],        groups with more members failing than
+///                                  --max-ejected allows: none ejected,
+///                                  steered by counts alone
 ///   "passed": [                    packets passed untouched, by reason
 ///     {"direction": "egress", "reason": "not_a_backend", "count": 12}
 ///   ],
@@ -197,8 +200,16 @@ pub enum Reply {
 ///      "hedge_ring_full": 0, "hedge_too_large": 0,   reads to it (as primary) not hedged
 ///      "hedge_send_failed": 0,     copies to it the socket refused
 ///      "hedge_delay_ns": 2000000,  delay for reads to it; null when off
-///      "service_ns": 250000}       recent time per completed request (the
+///      "service_ns": 250000,       recent time per completed request (the
 ///                                  latency policy's); null until measured
+///      "error_replies": 0,         replies that were errors (DNS FORMERR,
+///                                  SERVFAIL, NOTIMP, REFUSED; memcached
+///                                  SERVER_ERROR; --error-marker)
+///      "error_replies_moved": 0,   ... to reads moved here by the selector
+///      "ejection_state": "healthy", healthy | ejected | half_open
+///      "ejections": 0,             since start (a failed probe's too)
+///      "ejected_ns": 0,            time ejected or half-open since start
+///      "failures_in_a_row": 0}     expired requests and error replies
 ///   ],
 ///   "hedges": {...},               the hedge fields above, summed (delay null)
 ///   "config_reload_success": true, false if the last reload was refused
@@ -231,6 +242,10 @@ pub struct Status {
     #[serde(default)]
     pub last_interval: Option<LastInterval>,
     pub drained: Vec<std::net::SocketAddr>,
+    /// Groups (from 1) with more members failing than `--max-ejected`
+    /// allows: none ejected, steered by counts alone.
+    #[serde(default)]
+    pub groups_over_cap: Vec<u32>,
     pub passed: Vec<PassedCount>,
     pub backends: Vec<BackendTotals>,
     /// Hedging totals over all backends.
@@ -456,6 +471,7 @@ mod tests {
                 tail_requests: 2,
             }),
             drained: vec![backend()],
+            groups_over_cap: vec![],
             passed: vec![PassedCount {
                 direction: "ingress".into(),
                 reason: "fragment".into(),
@@ -494,6 +510,7 @@ mod tests {
                     ..Default::default()
                 },
                 service_ns: Some(250_000),
+                ejection: Default::default(),
             }],
             hedges: Default::default(),
             tc_attach: "tcx".into(),

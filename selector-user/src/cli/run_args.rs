@@ -76,6 +76,32 @@ pub struct RunArgs {
     /// Custom protocol: offset of the no-reply marker in the UDP payload [default: 0].
     #[arg(long)]
     pub no_reply_offset: Option<u16>,
+    /// Custom protocol: replies holding these bytes (1-8) at
+    /// --error-offset are errors, failures of the replica (DNS: FORMERR,
+    /// SERVFAIL, NOTIMP, REFUSED; memcached: SERVER_ERROR).
+    #[arg(long)]
+    pub error_marker: Option<String>,
+    /// Custom protocol: offset of the error marker in the UDP payload [default: 0].
+    #[arg(long)]
+    pub error_offset: Option<u16>,
+    /// Outlier ejection: a member with this many failures in a row (reads
+    /// expired, error replies) is ejected: no read is moved to it, reads
+    /// addressed to it go to the best other member. 0: off [default: 5].
+    #[arg(long, value_name = "N")]
+    pub eject_after: Option<u32>,
+    /// Milliseconds of a first ejection, doubled for each ejection in a row
+    /// (less up to a quarter at random); then one read probes the member:
+    /// a good reply restores it, a failure ejects it again [default: 5000].
+    #[arg(long, value_name = "MS")]
+    pub eject_base: Option<u64>,
+    /// Milliseconds of the longest ejection [default: 300000].
+    #[arg(long, value_name = "MS")]
+    pub eject_max: Option<u64>,
+    /// The most of a group's members (not drained) ejected at once, in
+    /// percent: at least one, never the last. A group with more members
+    /// failing ejects none and is steered by counts alone [default: 50].
+    #[arg(long, value_name = "PERCENT")]
+    pub max_ejected: Option<u32>,
     /// Milliseconds after which an unanswered request is expired (1 to 3600000)
     /// [default: 1000].
     #[arg(long, value_name = "MS")]
@@ -190,6 +216,12 @@ impl RunArgs {
             hedge_budget: t.hedge_budget,
             budget: t.budget_ms(),
             tie_break: t.tie_break,
+            eject_after: self.eject_after,
+            eject_base: self.eject_base,
+            eject_max: self.eject_max,
+            max_ejected: self.max_ejected,
+            error_marker: self.error_marker.clone(),
+            error_offset: self.error_offset,
         }
     }
 

@@ -7,9 +7,16 @@
 
 use std::time::Duration;
 
-use selector_common::{DEFAULT_INFLIGHT_MAX, MARK_REDIRECTED, OnOverload, Policy, TieBreak};
+use selector_common::{
+    DEFAULT_INFLIGHT_MAX, MARK_REDIRECTED, OnOverload, Policy, TieBreak,
+    ejection::{
+        DEFAULT_EJECT_AFTER, DEFAULT_EJECT_BASE_MS, DEFAULT_EJECT_MAX_MS,
+        DEFAULT_MAX_EJECTED_PERCENT,
+    },
+};
 
 use crate::config::{
+    ejection::EjectionSettings,
     hedge::{HedgeAfter, HedgeSettings},
     settings::{
         HEARTBEAT_SWEEPS, IngressMode, MAX_DEFAULT_HEARTBEAT_BOUND, MIN_DEFAULT_HEARTBEAT_BOUND,
@@ -37,6 +44,8 @@ pub struct RunDefaults {
     pub protocol: Protocol,
     pub read_prefix_offset: u16,
     pub no_reply_offset: u16,
+    pub error_offset: u16,
+    pub ejection: EjectionSettings,
     pub timeout: Duration,
     pub mark: u32,
     pub inflight_max: u32,
@@ -65,6 +74,15 @@ impl Default for RunDefaults {
             protocol: Protocol::Memcached,
             read_prefix_offset: 0,
             no_reply_offset: 0,
+            error_offset: 0,
+            // The peers' values (Envoy, Finagle: 5 failures; 5 s to 5 min),
+            // kept where the kernel side's tests use them too.
+            ejection: EjectionSettings {
+                eject_after: DEFAULT_EJECT_AFTER,
+                base: Duration::from_millis(DEFAULT_EJECT_BASE_MS),
+                max: Duration::from_millis(DEFAULT_EJECT_MAX_MS),
+                max_ejected_percent: DEFAULT_MAX_EJECTED_PERCENT,
+            },
             timeout: Duration::from_millis(1000),
             mark: MARK_REDIRECTED,
             inflight_max: DEFAULT_INFLIGHT_MAX,
@@ -100,6 +118,11 @@ impl RunDefaults {
             ("proto", self.protocol.name().into()),
             ("read-prefix-offset", self.read_prefix_offset.to_string()),
             ("no-reply-offset", self.no_reply_offset.to_string()),
+            ("error-offset", self.error_offset.to_string()),
+            ("eject-after", self.ejection.eject_after.to_string()),
+            ("eject-base", ms(self.ejection.base)),
+            ("eject-max", ms(self.ejection.max)),
+            ("max-ejected", self.ejection.max_ejected_percent.to_string()),
             ("timeout", ms(self.timeout)),
             (
                 "heartbeat-bound",

@@ -49,7 +49,7 @@ pub fn run_duration(secs: f64) -> Option<Duration> {
 
 /// Keys of the protocol descriptor; `proto` given as a flag replaces all
 /// of them (see [`Options::over`]).
-const DESCRIPTOR_KEYS: [&str; 7] = [
+const DESCRIPTOR_KEYS: [&str; 9] = [
     "proto",
     "req-id-offset",
     "req-id-len",
@@ -57,6 +57,8 @@ const DESCRIPTOR_KEYS: [&str; 7] = [
     "read-prefix-offset",
     "no-reply-marker",
     "no-reply-offset",
+    "error-marker",
+    "error-offset",
 ];
 
 /// Every setting of `selector run`, each optional: what the file says or
@@ -113,6 +115,14 @@ pub struct Options {
     pub budget: Option<f64>,
     #[serde(default)]
     pub tie_break: Option<TieBreak>,
+    /// Outlier ejection (`config::ejection`): failures in a row, base and
+    /// maximum milliseconds, percent of a group; a custom error marker.
+    pub eject_after: Option<u32>,
+    pub eject_base: Option<u64>,
+    pub eject_max: Option<u64>,
+    pub max_ejected: Option<u32>,
+    pub error_marker: Option<String>,
+    pub error_offset: Option<u16>,
 }
 
 /// One replica group: members in preference order, each `a.b.c.d:port` or
@@ -154,6 +164,8 @@ impl Options {
                 read_prefix_offset: None,
                 no_reply_marker: None,
                 no_reply_offset: None,
+                error_marker: None,
+                error_offset: None,
                 ..file
             }
         } else {
@@ -191,6 +203,12 @@ impl Options {
             hedge_budget: self.hedge_budget.or(file.hedge_budget),
             budget: self.budget.or(file.budget),
             tie_break: self.tie_break.or(file.tie_break),
+            eject_after: self.eject_after.or(file.eject_after),
+            eject_base: self.eject_base.or(file.eject_base),
+            eject_max: self.eject_max.or(file.eject_max),
+            max_ejected: self.max_ejected.or(file.max_ejected),
+            error_marker: self.error_marker.or(file.error_marker),
+            error_offset: self.error_offset.or(file.error_offset),
         }
     }
 
@@ -285,6 +303,12 @@ impl Options {
                 || default_heartbeat_bound(interval_in_force, timeout),
                 Duration::from_millis,
             ),
+            ejection: crate::config::ejection::EjectionSettings::from_options(
+                self.eject_after,
+                self.eject_base,
+                self.eject_max,
+                self.max_ejected,
+            ),
         };
         settings.plan()?;
         Ok(RunConfig {
@@ -341,7 +365,7 @@ impl Options {
         };
         match self.proto.unwrap_or(default) {
             Protocol::Memcached | Protocol::Dns if custom_options => descriptor_error(
-                "--req-id-offset, --req-id-len, --read-prefix[-offset] and --no-reply-* need --proto custom",
+                "--req-id-offset, --req-id-len, --read-prefix[-offset], --no-reply-* and --error-* need --proto custom",
             ),
             Protocol::Memcached => Ok(Descriptor::memcached()),
             Protocol::Dns => Ok(Descriptor::dns()),
@@ -363,6 +387,18 @@ impl Options {
                         .and_then(|d| d.with_no_reply_prefix(no_reply_offset, marker.as_bytes())),
                     None if self.no_reply_offset.is_some() => {
                         return descriptor_error("--no-reply-offset needs --no-reply-marker");
+                    }
+                    None => descriptor,
+                };
+                let descriptor = match &self.error_marker {
+                    Some(marker) => descriptor.and_then(|d| {
+                        d.with_error_marker(
+                            self.error_offset.unwrap_or(defaults.error_offset),
+                            marker.as_bytes(),
+                        )
+                    }),
+                    None if self.error_offset.is_some() => {
+                        return descriptor_error("--error-offset needs --error-marker");
                     }
                     None => descriptor,
                 };

@@ -2,6 +2,7 @@
 //! sets them. Pure: nothing here touches the host or the kernel.
 
 pub mod defaults;
+pub mod ejection;
 pub mod file;
 pub mod hedge;
 pub mod resolv_conf;

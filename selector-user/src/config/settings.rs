@@ -178,6 +178,8 @@ pub struct Settings {
     /// How old the agent's heartbeat may get before the programs take it
     /// for gone and move no read (`Config::agent_alive`); zero: never.
     pub heartbeat_bound: Duration,
+    /// `--eject-after`, `--eject-base`, `--eject-max`, `--max-ejected`.
+    pub ejection: crate::config::ejection::EjectionSettings,
 }
 
 /// What a validation error is about, so that a caller can point at where
@@ -267,6 +269,7 @@ impl Settings {
             // sweeps on a schedule keeps a heartbeat, and a `Selector`
             // driven by hand (tests, benchmarks) may not sweep at all.
             heartbeat_bound: Duration::ZERO,
+            ejection: Default::default(),
         }
     }
 
@@ -309,6 +312,7 @@ impl Settings {
         if !self.heartbeat_bound.is_zero() {
             check_millis("heartbeat-bound", self.heartbeat_bound)?;
         }
+        self.ejection.check()?;
         if self.inflight_max == 0 || self.inflight_max > selector_common::MAX_INFLIGHT_MAX {
             return invalid(
                 SettingKey::Flag("inflight-max"),

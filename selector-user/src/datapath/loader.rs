@@ -20,8 +20,8 @@ use aya::{
 };
 use log::debug;
 use selector_common::{
-    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupService,
-    MAX_GROUPS, PassReason, Policy,
+    BackendStats, CLIENT_SLOTS, Config, Direction, Endpoint, Group, GroupCounters, GroupHealth,
+    GroupService, MAX_GROUPS, PassReason, Policy,
     inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
     names, pass_index, programs, split_backend_id,
 };
@@ -29,6 +29,7 @@ use selector_common::{
 use crate::{
     config::settings::{BackendPlan, IngressMode, ReplyPath, Settings},
     datapath::EBPF_OBJECT,
+    datapath::endpoint::endpoint,
     datapath::pinning::{self, LinkSlot, PinDir},
     datapath::regroup::{GroupChanges, GroupTable, plan_groups},
     host::shared::{SharedArray, atomic, load},
@@ -52,6 +53,10 @@ pub struct Selector {
     pub(crate) clients: SharedArray<u64>,
     /// Service times per group, kept by the kernel.
     pub(crate) service: SharedArray<GroupService>,
+    /// Outlier ejection per group, shared with the kernel.
+    pub(crate) health: SharedArray<GroupHealth>,
+    /// The agent's side of ejection (`crate::datapath::ejection`).
+    pub(crate) ejection: crate::datapath::ejection::Ejection,
     /// The kernel's config, mapped for the heartbeat word alone.
     config: SharedArray<Config>,
     /// Shutting down: no new redirects.
@@ -149,21 +154,6 @@ fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The address an [`Endpoint`] holds.
-pub(crate) fn addr_of(e: &Endpoint) -> SocketAddr {
-    match e.ipv4_octets() {
-        Some(o) => SocketAddr::new(std::net::Ipv4Addr::from(o).into(), e.port),
-        None => SocketAddr::new(std::net::Ipv6Addr::from(e.addr).into(), e.port),
-    }
-}
-
-pub(crate) fn endpoint(addr: SocketAddr) -> Endpoint {
-    match addr.ip() {
-        std::net::IpAddr::V4(ip) => Endpoint::ipv4(ip.octets(), addr.port()),
-        std::net::IpAddr::V6(ip) => Endpoint::new(ip.octets(), addr.port()),
-    }
 }
 
 /// Maps the shared array map `name` of `len` elements.
@@ -410,6 +400,7 @@ impl Selector {
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
         let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
         let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
+        let health = share(&ebpf, names::HEALTH, MAX_GROUPS)?;
         let config = share(&ebpf, names::CONFIG, 1)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
@@ -428,6 +419,8 @@ impl Selector {
             counters,
             clients,
             service,
+            health,
+            ejection: Default::default(),
             config,
             steering_off: false,
             #[cfg(feature = "testing")]
@@ -450,6 +443,7 @@ impl Selector {
         } else {
             selector.write_tables()?;
         }
+        selector.reset_ejection();
         let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;

@@ -2,6 +2,8 @@
 //! names aya maps, programs and links. [`Selector`] is the handle.
 
 pub mod attachment;
+pub mod ejection;
+pub mod endpoint;
 pub mod hedges;
 pub mod loader;
 mod marks;

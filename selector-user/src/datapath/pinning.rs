@@ -37,8 +37,8 @@ use aya::{
     },
 };
 use selector_common::{
-    BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupService, MAX_BACKENDS,
-    MAX_GROUPS, NextHopMac, PASS_REASONS,
+    BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupHealth, GroupService,
+    MAX_BACKENDS, MAX_GROUPS, NextHopMac, PASS_REASONS,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge,
     inflight::{InflightSlot, PHASE_LIVE, mark_words, phase, slots_for},
@@ -106,7 +106,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 18] {
+fn shapes(inflight_max: u32) -> [Shape; 19] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -166,6 +166,13 @@ fn shapes(inflight_max: u32) -> [Shape; 18] {
             MapType::Array,
             u32s,
             size_of::<GroupService>(),
+            MAX_GROUPS,
+        ),
+        shape(
+            names::HEALTH,
+            MapType::Array,
+            u32s,
+            size_of::<GroupHealth>(),
             MAX_GROUPS,
         ),
         shape(names::SCRATCH, MapType::PerCpuArray, u32s, 2 * u64s, 1),

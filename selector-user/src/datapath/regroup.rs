@@ -39,7 +39,7 @@ use crate::{
     config::settings::BackendPlan,
     datapath::{
         Selector,
-        loader::{addr_of, endpoint},
+        endpoint::{addr_of, endpoint},
     },
     host::shared::atomic,
 };

@@ -30,6 +30,7 @@ impl Selector {
                 .collect(),
             hedges: self.hedge_counts()?,
             service_ns: self.service_times(),
+            ejection: self.ejection_states(crate::host::sys::monotonic_ns()),
         })
     }
 }

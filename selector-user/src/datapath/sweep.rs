@@ -305,6 +305,8 @@ impl Selector {
             let client = client_slot(&s.client_addr, s.client_port);
             atomic(self.clients.ptr(client as usize)).fetch_sub(1, Ordering::SeqCst);
         }
+        // Lost: a failure of the member it was sent to (outlier ejection).
+        self.count_failure(u32::from(s.chosen));
         true
     }
 }

@@ -33,6 +33,27 @@ pub struct Snapshot {
     pub hedges: Vec<hedges::HedgeCounts>,
     /// Service time per backend, ns (0: not measured).
     pub service_ns: Vec<u64>,
+    /// Outlier ejection per backend (empty: not read).
+    pub ejection: Vec<EjectionState>,
+}
+
+/// A backend's outlier ejection (`selector_common::ejection`), as fields of
+/// its status object.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EjectionState {
+    /// `healthy`, `ejected` (no read moved to it; reads addressed to it go
+    /// elsewhere) or `half_open` (one read probes it). Drain is apart.
+    #[serde(default)]
+    pub ejection_state: String,
+    /// Ejections since start (a failed probe's too).
+    #[serde(default)]
+    pub ejections: u64,
+    /// Time ejected or half-open since start, ns.
+    #[serde(default)]
+    pub ejected_ns: u64,
+    /// Failures in a row now (expired requests, error replies).
+    #[serde(default)]
+    pub failures_in_a_row: u64,
 }
 
 impl Snapshot {
@@ -86,6 +107,9 @@ pub struct BackendTotals {
     /// time); `None` until measured.
     #[serde(default)]
     pub service_ns: Option<u64>,
+    /// Outlier ejection, as fields of this object.
+    #[serde(flatten, default)]
+    pub ejection: EjectionState,
 }
 
 /// One bucket of a latency histogram: `count` requests answered after at
@@ -263,6 +287,7 @@ pub fn totals(backends: &[BackendPlan], now: &Snapshot, tails: &TailHistory) -> 
             tail: tails.backend(i),
             hedges: now.hedges.get(i).copied().unwrap_or_default(),
             service_ns: now.service_ns.get(i).copied().filter(|s| *s != 0),
+            ejection: now.ejection.get(i).cloned().unwrap_or_default(),
         })
         .collect()
 }
@@ -309,6 +334,7 @@ pub(crate) mod tests {
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
             hedges: vec![],
             service_ns: vec![0],
+            ejection: vec![],
         }
     }
 

@@ -1,0 +1,65 @@
+//! Outlier ejection in the kernel (`selector_common::ejection`): the
+//! ejected members the policy skips, the half-open probe egress takes, and
+//! the failures in a row and good replies the reply path counts. The agent
+//! decides; these only read its word and count.
+
+use core::intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xadd};
+
+use selector_common::{ejection, split_backend_id};
+
+use crate::maps::{HEALTH, member_index};
+
+/// Bit `p` set: member `p` of `group` is ejected (0 if the map is missing,
+/// which it never is).
+#[inline(always)]
+pub fn ejected(group: u32) -> u32 {
+    match HEALTH.get_ptr(group) {
+        // SAFETY: a field of a live array element, written atomically.
+        Some(h) => {
+            ejection::ejected_mask(unsafe { core::ptr::read_volatile(&raw const (*h).bits) })
+        }
+        None => 0,
+    }
+}
+
+/// Takes member `position`'s half-open probe if it is offered: true for
+/// the one caller whose compare-and-swap sets the member ejected again.
+#[inline(always)]
+pub fn take_probe(group: u32, position: usize) -> bool {
+    let Some(h) = HEALTH.get_ptr_mut(group) else {
+        return false;
+    };
+    let p = unsafe { &raw mut (*h).bits };
+    let bits = unsafe { core::ptr::read_volatile(p) };
+    let Some(next) = ejection::take_probe(bits, position) else {
+        return false;
+    };
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(p, bits, next)
+    };
+    won
+}
+
+/// A reply from `backend` completed its request: an error (`error` 1)
+/// adds one to its failures in a row, a good reply (0) ends the run and
+/// counts one good reply. Without a branch: a plain store of
+/// `(failures + 1) * error`, which may overwrite a failure the sweep added
+/// at the same moment (ejection then comes one failure later; no count of
+/// requests depends on it).
+#[inline(always)]
+pub fn replied(backend: u32, error: u64) {
+    let (group, position) = split_backend_id(backend);
+    let Some(h) = HEALTH.get_ptr_mut(group) else {
+        return;
+    };
+    let position = member_index(position);
+    unsafe {
+        let failures = &raw mut (*h).failures[position];
+        let run = core::ptr::read_volatile(failures).wrapping_add(1);
+        core::ptr::write_volatile(failures, run * error);
+        atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(
+            &raw mut (*h).good[position],
+            1 - error,
+        );
+    }
+}

@@ -1,0 +1,248 @@
+//! The agent's side of outlier ejection: it reads the failures in a row and
+//! good replies the kernel (and the sweep) counted in `HEALTH`, runs
+//! `selector_common::ejection::step_group` per group, and writes the
+//! ejected and probe bits back, atomically, beside the kernel's probe
+//! compare-and-swap.
+
+use std::{collections::HashMap, net::SocketAddr, sync::atomic::Ordering};
+
+use aya::maps::Array;
+use selector_common::{
+    Group, MAX_GROUP_MEMBERS,
+    ejection::{self, Event, Member, Seen, ejected_bit, probe_bit},
+    names, split_backend_id,
+};
+
+use crate::{
+    datapath::Selector,
+    host::shared::{atomic, load},
+    telemetry::EjectionState,
+};
+
+/// The agent's ejection records, per group.
+#[derive(Debug, Default)]
+pub struct Ejection {
+    groups: HashMap<u32, GroupRecord>,
+    /// xorshift state for the jitter.
+    random: u64,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct GroupRecord {
+    members: [Member; MAX_GROUP_MEMBERS],
+    over_cap: bool,
+}
+
+impl Ejection {
+    fn next_random(&mut self) -> u32 {
+        if self.random == 0 {
+            self.random = crate::host::sys::monotonic_ns() | 1;
+        }
+        let mut x = self.random;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.random = x;
+        (x >> 32) as u32
+    }
+}
+
+impl Selector {
+    /// Adds one failure in a row to `backend` (the sweep expired a request
+    /// it was sent).
+    pub(crate) fn count_failure(&self, backend: u32) {
+        let (group, position) = split_backend_id(backend);
+        let h = self.health.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        unsafe {
+            atomic(&raw mut (*h).failures[position % MAX_GROUP_MEMBERS])
+                .fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Changes group `group`'s health word: clears `clear`, then sets `set`.
+    fn change_bits(&self, group: u32, clear: u64, set: u64) {
+        let h = self.health.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        let word = unsafe { atomic(&raw mut (*h).bits) };
+        let _ = word.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+            Some((b & !clear) | set)
+        });
+    }
+
+    /// One step of every group at `now_ns`: ejects, probes, restores, and
+    /// returns what happened, one line each, for the log.
+    pub fn check_ejection(&mut self, now_ns: u64) -> Vec<String> {
+        let params = self.settings.ejection.params(self.settings.timeout);
+        let active: HashMap<u32, u32> =
+            match self.map(names::GROUPS).map(Array::<_, Group>::try_from) {
+                Ok(Ok(groups)) => self
+                    .backends
+                    .iter()
+                    .map(|b| b.group)
+                    .filter_map(|g| groups.get(&g, 0).ok().map(|e| (g, e.active)))
+                    .collect(),
+                _ => return Vec::new(),
+            };
+        let mut by_group: HashMap<u32, Vec<(usize, SocketAddr)>> = HashMap::new();
+        for b in &self.backends {
+            let (group, position) = split_backend_id(b.index);
+            by_group.entry(group).or_default().push((position, b.addr));
+        }
+        let mut lines = Vec::new();
+        let mut groups: Vec<_> = by_group.into_iter().collect();
+        groups.sort();
+        for (group, members) in groups {
+            let h = self.health.ptr(group as usize);
+            // SAFETY: fields of a live shared element, 8-byte aligned.
+            let bits = unsafe { load(&raw mut (*h).bits) };
+            let mut seen = [Seen::default(); MAX_GROUP_MEMBERS];
+            let mut len = 0;
+            for &(p, _) in &members {
+                let p = p % MAX_GROUP_MEMBERS;
+                // SAFETY: as above.
+                let (failures, good) =
+                    unsafe { (load(&raw mut (*h).failures[p]), load(&raw mut (*h).good[p])) };
+                seen[p] = Seen {
+                    failures,
+                    good,
+                    eligible: active.get(&group).is_some_and(|a| a & (1 << p) != 0),
+                    probe_offered: bits & probe_bit(p) != 0,
+                };
+                len = len.max(p + 1);
+            }
+            let mut record = self
+                .ejection
+                .groups
+                .get(&group)
+                .copied()
+                .unwrap_or_default();
+            let mut random = [0u32; ejection::MAX_EVENTS];
+            for r in &mut random {
+                *r = self.ejection.next_random();
+            }
+            let mut draws = random.into_iter();
+            let events = ejection::step_group(
+                &mut record.members[..len],
+                &seen[..len],
+                &mut record.over_cap,
+                &params,
+                now_ns,
+                || draws.next().unwrap_or(0),
+            );
+            self.ejection.groups.insert(group, record);
+            let name = |p: usize| {
+                members
+                    .iter()
+                    .find(|(q, _)| *q == p)
+                    .map_or_else(|| format!("member {p}"), |(_, a)| a.to_string())
+            };
+            for event in events.iter() {
+                match event {
+                    Event::Ejected {
+                        position,
+                        for_ns,
+                        failures,
+                        probe_failed,
+                    } => {
+                        self.change_bits(group, probe_bit(position), ejected_bit(position));
+                        let why = if probe_failed {
+                            "its probe failed".to_string()
+                        } else {
+                            format!("{failures} failures in a row")
+                        };
+                        lines.push(format!(
+                            "{} ejected for {:.1} s after {why} (ejection {})",
+                            name(position),
+                            for_ns as f64 / 1e9,
+                            record.members[position].ejections
+                        ));
+                    }
+                    Event::Probe { position, again } => {
+                        // SAFETY: a field of a live shared element.
+                        unsafe {
+                            atomic(&raw mut (*h).failures[position % MAX_GROUP_MEMBERS])
+                                .store(0, Ordering::SeqCst);
+                        }
+                        self.change_bits(group, ejected_bit(position), probe_bit(position));
+                        lines.push(format!(
+                            "{} half-open: {} read probes it",
+                            name(position),
+                            if again { "its probe had no result; another" } else { "one" }
+                        ));
+                    }
+                    Event::Restored { position, probe } => {
+                        self.change_bits(group, ejected_bit(position) | probe_bit(position), 0);
+                        lines.push(if probe {
+                            format!("{} restored: its probe was answered", name(position))
+                        } else {
+                            format!("{} released from ejection", name(position))
+                        });
+                    }
+                    Event::OverCap { over, failing, cap } => lines.push(if over {
+                        format!(
+                            "group {}: {failing} members failing, more than --max-ejected allows ({cap}): none ejected, steering by counts alone",
+                            group + 1
+                        )
+                    } else {
+                        format!(
+                            "group {}: {failing} members failing, within --max-ejected ({cap}): ejection resumes",
+                            group + 1
+                        )
+                    }),
+                }
+            }
+        }
+        lines
+    }
+
+    /// Each backend's ejection state as of `now_ns`, in `backends` order.
+    pub fn ejection_states(&self, now_ns: u64) -> Vec<EjectionState> {
+        self.backends
+            .iter()
+            .map(|b| {
+                let (group, position) = split_backend_id(b.index);
+                let p = position % MAX_GROUP_MEMBERS;
+                let m = self
+                    .ejection
+                    .groups
+                    .get(&group)
+                    .map(|r| r.members[p])
+                    .unwrap_or_default();
+                let h = self.health.ptr(group as usize);
+                EjectionState {
+                    ejection_state: m.state.name().into(),
+                    ejections: m.ejections,
+                    ejected_ns: m.time_out_ns(now_ns),
+                    // SAFETY: a field of a live shared element.
+                    failures_in_a_row: unsafe { load(&raw mut (*h).failures[p]) },
+                }
+            })
+            .collect()
+    }
+
+    /// Groups (numbered from 1) with more members failing than
+    /// `--max-ejected` allows: steered by counts alone.
+    pub fn groups_over_cap(&self) -> Vec<u32> {
+        let mut over: Vec<u32> = self
+            .ejection
+            .groups
+            .iter()
+            .filter(|(_, r)| r.over_cap)
+            .map(|(g, _)| g + 1)
+            .collect();
+        over.sort();
+        over
+    }
+
+    /// Forgets every ejection and clears the kernel's bits (a fresh agent,
+    /// also on adopted pins: its records start healthy).
+    pub(crate) fn reset_ejection(&mut self) {
+        self.ejection.groups.clear();
+        for g in 0..self.health.len() {
+            let h = self.health.ptr(g);
+            // SAFETY: a field of a live shared element.
+            unsafe { atomic(&raw mut (*h).bits).store(0, Ordering::SeqCst) };
+        }
+    }
+}

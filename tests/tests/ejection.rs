@@ -1,0 +1,199 @@
+//! Outlier ejection end to end (issue 20), with real NSD replicas in
+//! network namespaces, the agent attached to the client, and a DNS client
+//! on a connected socket that counts the answers it gets by rcode. A replica
+//! that answers REFUSED to everything (a small responder of the test's own,
+//! as a replica without its zone would) while the primary stalls: with
+//! ejection the application sees a few error answers, without it many.
+
+use std::{
+    net::SocketAddr,
+    process::Stdio,
+    thread,
+    time::{Duration, Instant},
+};
+
+use selector_testbed::{
+    Testbed,
+    agent::{spawn_agent, status_json},
+    dns::{DNS_PORT, Nsd},
+    topology::{CLIENT_IFACE, replica_addr},
+};
+use selector_user::api::Status;
+
+/// Answers every query with REFUSED (rcode 5), at once.
+const REFUSER: &str = r#"
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 53))
+while True:
+    q, peer = s.recvfrom(4096)
+    if len(q) < 12:
+        continue
+    r = bytearray(q)
+    r[2] = 0x80 | (q[2] & 0x79)
+    r[3] = 0x05
+    s.sendto(bytes(r), peer)
+"#;
+
+/// Sends `n` queries for the zone's apex at `rate` per second, on one
+/// connected socket, to the first member; prints `ok ERRORS lost`.
+const CLIENT: &str = r#"
+import socket, struct, sys, time
+dst, n, rate = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.connect((dst, 53))
+s.setblocking(False)
+name = b"".join(bytes([len(p)]) + p.encode() for p in "example.test".split(".")) + b"\0"
+ok = err = 0
+seen = set()
+def drain():
+    global ok, err
+    while True:
+        try:
+            r = s.recv(4096)
+        except BlockingIOError:
+            return
+        i = struct.unpack(">H", r[:2])[0]
+        if i in seen:
+            continue
+        seen.add(i)
+        if r[3] & 0x0f in (0, 3):
+            ok += 1
+        else:
+            err += 1
+start = time.monotonic()
+for i in range(n):
+    while time.monotonic() < start + i / rate:
+        drain()
+        time.sleep(0.0002)
+    s.send(struct.pack(">HHHHHH", i, 0x0100, 1, 0, 0, 0) + name + b"\0\x01\0\x01")
+end = time.monotonic() + 1.5
+while time.monotonic() < end:
+    drain()
+    time.sleep(0.001)
+print(ok, err, n - ok - err)
+"#;
+
+struct Run {
+    ok: u64,
+    errors: u64,
+    lost: u64,
+    status: Status,
+}
+
+/// Three members: NSD on 0 and 1, the refuser on 2; the primary stalls
+/// 50 ms every 400 ms while 3000 queries go out at 1000/s.
+fn refused_replica_while_the_primary_stalls(prefix: &str, eject_after: &str) -> Run {
+    let tb = Testbed::new(prefix, 3).unwrap();
+    let servers: Vec<Nsd> = (0..2)
+        .map(|i| {
+            let nsd = Nsd::start(&tb.replica_ns[i], (replica_addr(i), DNS_PORT)).unwrap();
+            nsd.wait_ready(&tb.replica_ns[i]).unwrap();
+            nsd
+        })
+        .collect();
+    let mut refuser = tb.replica_ns[2]
+        .command("python3")
+        .args(["-c", REFUSER, &replica_addr(2).to_string()])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let group: Vec<String> = (0..3)
+        .map(|i| SocketAddr::from((replica_addr(i), DNS_PORT)).to_string())
+        .collect();
+    let (mut agent, _lines) = spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--proto",
+            "dns",
+            "--group",
+            &group.join(","),
+            "--eject-after",
+            eject_after,
+            "--quiet",
+        ],
+    );
+    let client = tb
+        .client
+        .command("python3")
+        .args(["-c", CLIENT, &replica_addr(0).to_string(), "3000", "1000"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(3);
+    thread::sleep(Duration::from_millis(200));
+    while Instant::now() < until {
+        servers[0].stop();
+        thread::sleep(Duration::from_millis(50));
+        servers[0].resume();
+        thread::sleep(Duration::from_millis(350));
+    }
+    let out = client.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let n: Vec<u64> = text
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let status: Status = status_json(&tb.client, CLIENT_IFACE);
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    let _ = refuser.kill();
+    let _ = refuser.wait();
+    Run {
+        ok: n[0],
+        errors: n[1],
+        lost: n[2],
+        status,
+    }
+}
+
+#[test]
+fn a_refusing_replica_is_ejected_and_the_application_sees_few_errors() {
+    let on = refused_replica_while_the_primary_stalls("ejon", "5");
+    let off = refused_replica_while_the_primary_stalls("ejoff", "0");
+    println!(
+        "ejection on: {} ok, {} errors, {} lost; off: {} ok, {} errors, {} lost",
+        on.ok, on.errors, on.lost, off.ok, off.errors, off.lost
+    );
+    let b = &on.status.backends;
+    println!(
+        "on: refuser {:?}, errors {} (moved {}); off: errors {}",
+        b[2].ejection,
+        b[2].stats.error_replies,
+        b[2].stats.error_replies_moved,
+        off.status.backends[2].stats.error_replies
+    );
+    // Reads left the stalling primary in both runs.
+    assert!(b[0].stats.redirected_away > 0, "{b:#?}");
+    assert!(off.status.backends[0].stats.redirected_away > 0);
+    // Ejected: few errors reached the application, and what the kernel
+    // counted is what the application saw.
+    // Ejected, or half-open once its first ejection ran out (no timing
+    // is asserted): never healthy, since it refuses everything.
+    assert_ne!(b[2].ejection.ejection_state, "healthy", "{:?}", b[2]);
+    assert!(b[2].ejection.ejections >= 1);
+    assert!(
+        on.errors <= 15,
+        "{} error answers with ejection on",
+        on.errors
+    );
+    assert_eq!(b[2].stats.error_replies_moved, on.errors);
+    // Without ejection, every stall sends reads to the refuser.
+    assert!(
+        off.errors >= 3 * on.errors.max(10),
+        "off {} vs on {}",
+        off.errors,
+        on.errors
+    );
+    assert_eq!(off.status.backends[2].ejection.ejection_state, "healthy");
+    // The healthy replica and the primary were never ejected.
+    assert_eq!(b[0].ejection.ejections + b[1].ejection.ejections, 0);
+    assert!(
+        on.lost <= 5 && off.lost <= 5,
+        "lost {} / {}",
+        on.lost,
+        off.lost
+    );
+}

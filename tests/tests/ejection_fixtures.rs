@@ -1,0 +1,263 @@
+//! Outlier ejection and error replies through BPF_PROG_TEST_RUN (issue 20):
+//! the reply path classifies replies by protocol and counts failures in a
+//! row; egress never moves a read to an ejected member, moves reads off an
+//! ejected primary at once, and sends one read, not two, to a half-open
+//! member. Programs are loaded, not attached; the agent's step
+//! (`check_ejection`) is called by hand.
+
+use std::time::Duration;
+
+use selector_common::InflightKey;
+use selector_common::{Descriptor, programs};
+use selector_testbed::frames::{
+    CLIENT, CLIENT_PORT, DNS_QUERY, TC_ACT_PIPE, TC_ACT_REDIRECT, XDP_PASS, dns_server, egress,
+    replica, request, run_tc, run_xdp, set_issued, settings_for, stats, udp, verified_endpoints,
+};
+use selector_user::{Selector, Settings, host::sys};
+
+fn memcached() -> Selector {
+    Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load")
+}
+
+/// A memcached reply with request id `id` and `body` after the frame header.
+fn mc_reply(id: u16, body: &[u8]) -> Vec<u8> {
+    let mut p = id.to_be_bytes().to_vec();
+    p.extend_from_slice(b"\x00\x00\x00\x01\x00\x00");
+    p.extend_from_slice(body);
+    p
+}
+
+fn mc_get(id: u16) -> Vec<u8> {
+    mc_reply(id, b"get foo\r\n")
+}
+
+/// Plants request `id` from the client, addressed to member `primary`, sent
+/// to `chosen`, and answers it from `chosen` with `payload` through XDP or
+/// TC ingress.
+fn answer(sel: &mut Selector, tc: bool, id: u16, primary: u32, chosen: u32, payload: &[u8]) {
+    let key = InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, u64::from(id));
+    assert!(sel.plant_inflight(&key, primary, chosen, sys::monotonic_ns() - 1_000_000));
+    let from = if sel.settings.descriptor == Descriptor::dns() {
+        dns_server(chosen as usize)
+    } else {
+        replica(chosen as usize)
+    };
+    let frame = udp(from, (CLIENT, CLIENT_PORT), payload);
+    let verdict = if tc {
+        run_tc(sel, programs::INGRESS_TC, &frame).0
+    } else {
+        run_xdp(sel, &frame).0
+    };
+    assert_eq!(verdict, if tc { TC_ACT_PIPE } else { XDP_PASS });
+}
+
+fn failures(sel: &Selector) -> Vec<u64> {
+    sel.ejection_states(sys::monotonic_ns())
+        .iter()
+        .map(|e| e.failures_in_a_row)
+        .collect()
+}
+
+fn states(sel: &Selector) -> Vec<String> {
+    sel.ejection_states(sys::monotonic_ns())
+        .into_iter()
+        .map(|e| e.ejection_state)
+        .collect()
+}
+
+#[test]
+fn memcached_server_error_is_a_failure_and_a_good_reply_ends_the_run() {
+    for tc in [false, true] {
+        let mut sel = memcached();
+        // Moved to replica 1: an error the selector caused.
+        answer(
+            &mut sel,
+            tc,
+            1,
+            0,
+            1,
+            &mc_reply(1, b"SERVER_ERROR out of memory\r\n"),
+        );
+        answer(
+            &mut sel,
+            tc,
+            2,
+            1,
+            1,
+            &mc_reply(2, b"SERVER_ERROR busy\r\n"),
+        );
+        // The client's own fault: not the replica's.
+        answer(
+            &mut sel,
+            tc,
+            3,
+            1,
+            1,
+            &mc_reply(3, b"CLIENT_ERROR bad data chunk\r\n"),
+        );
+        answer(&mut sel, tc, 4, 1, 1, &mc_reply(4, b"ERROR\r\n"));
+        let s = stats(&sel);
+        assert_eq!(
+            (s[1].responses, s[1].error_replies, s[1].error_replies_moved),
+            (4, 2, 1),
+            "tc {tc}"
+        );
+        // The two errors made a run of two; the client errors, good
+        // replies, ended it.
+        assert_eq!(failures(&sel), [0, 0, 0], "tc {tc}");
+        answer(&mut sel, tc, 5, 1, 1, &mc_reply(5, b"SERVER_ERROR x\r\n"));
+        answer(&mut sel, tc, 6, 1, 1, &mc_reply(6, b"SERVER_ERROR x\r\n"));
+        answer(&mut sel, tc, 7, 1, 1, &mc_reply(7, b"SERVER_ERROR x\r\n"));
+        assert_eq!(failures(&sel), [0, 3, 0], "tc {tc}");
+        answer(
+            &mut sel,
+            tc,
+            8,
+            1,
+            1,
+            &mc_reply(8, b"VALUE foo 0 1\r\nx\r\nEND\r\n"),
+        );
+        assert_eq!(failures(&sel), [0, 0, 0], "tc {tc}");
+        assert_eq!(sel.pending().unwrap(), [0, 0, 0]);
+    }
+}
+
+#[test]
+fn dns_refused_servfail_notimp_formerr_are_failures_and_nxdomain_is_not() {
+    for tc in [false, true] {
+        let mut sel = Selector::load(&settings_for(Descriptor::dns(), dns_server)).expect("load");
+        let reply = |id: u16, rcode: u8| {
+            let mut r = DNS_QUERY.to_vec();
+            r[..2].copy_from_slice(&id.to_be_bytes());
+            r[2] |= 0x80;
+            r[3] = 0x80 | rcode;
+            r
+        };
+        for (id, rcode) in [(1u16, 5u8), (2, 2), (3, 4), (4, 1)] {
+            answer(&mut sel, tc, id, 0, 2, &reply(id, rcode));
+        }
+        assert_eq!(failures(&sel), [0, 0, 4], "tc {tc}");
+        let s = stats(&sel);
+        assert_eq!((s[2].error_replies, s[2].error_replies_moved), (4, 4));
+        // NXDOMAIN is an answer.
+        answer(&mut sel, tc, 5, 2, 2, &reply(5, 3));
+        assert_eq!(failures(&sel), [0, 0, 0], "tc {tc}");
+        assert_eq!(stats(&sel)[2].error_replies, 4);
+    }
+}
+
+#[test]
+fn a_custom_error_marker_marks_error_replies() {
+    let d = Descriptor::custom(0, 2, 0, b"")
+        .unwrap()
+        .with_error_marker(2, b"ERR")
+        .unwrap();
+    let mut sel = Selector::load(&settings_for(d, replica)).expect("load");
+    answer(&mut sel, false, 1, 0, 1, b"\x00\x01ERR: disk gone");
+    answer(&mut sel, false, 2, 0, 1, b"\x00\x02OK. all good...");
+    let s = stats(&sel);
+    assert_eq!((s[1].responses, s[1].error_replies), (2, 1));
+}
+
+/// Five error replies from `member`, then the agent's step.
+fn fail(sel: &mut Selector, member: u32, first_id: u16) {
+    for id in first_id..first_id + 5 {
+        answer(
+            sel,
+            false,
+            id,
+            member,
+            member,
+            &mc_reply(id, b"SERVER_ERROR x\r\n"),
+        );
+    }
+    sel.check_ejection(sys::monotonic_ns());
+}
+
+#[test]
+fn an_ejected_replica_is_never_chosen_and_an_ejected_primary_is_left_at_once() {
+    let mut sel = memcached();
+    fail(&mut sel, 1, 100);
+    assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
+    // The primary over the threshold: the read goes to replica 2, not to
+    // the ejected (and least loaded) replica 1.
+    set_issued(&mut sel, 0, 5);
+    set_issued(&mut sel, 2, 1);
+    let (verdict, out) = egress(&mut sel, &request(&mc_get(0x10)));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(2));
+
+    // An ejected primary: its reads leave at once, below any threshold.
+    let mut sel = memcached();
+    fail(&mut sel, 0, 100);
+    assert_eq!(states(&sel), ["ejected", "healthy", "healthy"]);
+    let (verdict, out) = egress(&mut sel, &request(&mc_get(0x11)));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(1));
+    assert_eq!(sel.ejection_states(sys::monotonic_ns())[0].ejections, 1);
+}
+
+#[test]
+fn a_half_open_member_gets_one_probe_and_a_good_reply_restores_it() {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    settings.ejection.base = Duration::from_millis(1);
+    settings.ejection.max = Duration::from_millis(1);
+    let mut sel = Selector::load(&Settings { ..settings }).expect("load");
+    fail(&mut sel, 0, 100);
+    assert_eq!(states(&sel)[0], "ejected");
+    std::thread::sleep(Duration::from_millis(2));
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[0], "half_open");
+    // The first read to the primary probes it; the next ones leave.
+    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x20)));
+    assert_eq!(verdict, TC_ACT_PIPE, "the probe goes to the primary");
+    for id in 0x21..0x24 {
+        let (verdict, out) = egress(&mut sel, &request(&mc_get(id)));
+        assert_eq!(verdict, TC_ACT_REDIRECT, "one probe only");
+        assert_ne!(verified_endpoints(&out).1, replica(0));
+    }
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[0], "half_open", "no result yet");
+    // The probe's good reply restores it.
+    let reply = udp(
+        replica(0),
+        (CLIENT, CLIENT_PORT),
+        &mc_reply(0x20, b"END\r\n"),
+    );
+    assert_eq!(run_xdp(&mut sel, &reply).0, XDP_PASS);
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[0], "healthy");
+    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x30)));
+    assert_eq!(verdict, TC_ACT_PIPE);
+}
+
+#[test]
+fn a_failed_probe_ejects_again_for_longer() {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    settings.ejection.base = Duration::from_millis(1);
+    settings.ejection.max = Duration::from_secs(60);
+    let mut sel = Selector::load(&settings).expect("load");
+    fail(&mut sel, 0, 100);
+    std::thread::sleep(Duration::from_millis(2));
+    sel.check_ejection(sys::monotonic_ns());
+    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x40)));
+    assert_eq!(verdict, TC_ACT_PIPE, "the probe");
+    let reply = udp(
+        replica(0),
+        (CLIENT, CLIENT_PORT),
+        &mc_reply(0x40, b"SERVER_ERROR x\r\n"),
+    );
+    assert_eq!(run_xdp(&mut sel, &reply).0, XDP_PASS);
+    sel.check_ejection(sys::monotonic_ns());
+    let e = &sel.ejection_states(sys::monotonic_ns())[0];
+    assert_eq!((e.ejection_state.as_str(), e.ejections), ("ejected", 2));
+}
+
+#[test]
+fn with_ejection_off_nothing_is_ejected() {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    settings.ejection.eject_after = 0;
+    let mut sel = Selector::load(&settings).expect("load");
+    fail(&mut sel, 1, 100);
+    assert_eq!(states(&sel), ["healthy"; 3]);
+}
