@@ -10,12 +10,16 @@
 //! source is counted instead of being dropped by the kernel. Each test
 //! prints one figure line (`--nocapture` shows them).
 
-use std::{thread, time::Duration};
+use std::{
+    thread,
+    time::{Duration, Instant},
+};
 
 use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, Testbed,
     agent::{self, Settled, SweptSelector, TotalsRow},
     faults::{WireFault, install_wire_fault, start_delayed_replicas, wire_fault_hits},
+    memcached::gets_served,
     preload, run_load_on,
     topology::CLIENT_IFACE,
 };
@@ -369,11 +373,39 @@ fn agent_restarted_mid_load() {
     assert_none_broken("agent-restart", &broken);
 }
 
+/// Reads the replicas other than the primary served so far: the load only
+/// targets the primary, so these are exactly the reads the selector moved.
+fn reads_moved(tb: &Testbed) -> u64 {
+    tb.replica_ns[1..]
+        .iter()
+        .zip(&tb.replica_endpoints()[1..])
+        .map(|(ns, &addr)| gets_served(ns, addr).expect("memcached stats"))
+        .sum()
+}
+
+/// Polls `condition` every 10 ms until it holds or `within` passed.
+fn wait_for(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if condition() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// SIGKILL fails open: the kernel detaches both programs and reads go to
 /// their primary again. The only replies the application can miss are
 /// those to reads redirected just before the kill that come back after the
-/// reply path is gone, from the replica's address (README Limits). Every
-/// read is answered; the figure reports how many came from a wrong source.
+/// reply path is gone, from the replica's address (README Limits).
+///
+/// The kill comes while the primary is stopped and once the other replicas
+/// have served moved reads; afterwards nothing may be attached, a second
+/// stall may move no read, every read is answered, and the replies from a
+/// wrong source can only be replies to reads moved before the kill.
 #[test]
 fn agent_killed_mid_load_fails_open() {
     let tb = testbed("fk");
@@ -388,28 +420,52 @@ fn agent_killed_mid_load_fails_open() {
         "--quiet",
     ];
     let (mut agent, _output) = agent::spawn_agent(&tb.client, &args);
+    let moved_at_start = reads_moved(&tb);
     let load = start_load(&tb);
     thread::sleep(LOAD / 3);
-    // Kill it in the middle of a stall, while reads are being redirected.
+    // Kill it in the middle of a stall, once reads are being redirected.
     tb.replicas[0].stop();
-    thread::sleep(STALL / 2);
+    let moving = wait_for(Duration::from_secs(2), || reads_moved(&tb) > moved_at_start);
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
     let _ = agent.wait();
-    thread::sleep(STALL / 2);
+    let detached = wait_for(Duration::from_secs(2), || {
+        agent::attached(&tb.client, CLIENT_IFACE) == agent::Attached::NOTHING
+    });
+    let left_attached = agent::attached(&tb.client, CLIENT_IFACE);
     tb.replicas[0].resume();
+    // Replies to reads moved before the kill have come back by now.
+    thread::sleep(TIMEOUT);
+    let moved_at_kill = reads_moved(&tb) - moved_at_start;
+    // A second stall after the kill: nothing may steer any more.
+    stall_primary(&tb);
     let report = finish_load(load);
+    let moved_after_kill = reads_moved(&tb) - moved_at_start - moved_at_kill;
     println!(
-        "fault agent-kill: {} reads sent, {} answered from the primary's address, {} from a replica's (the kill window), {} unanswered",
+        "fault agent-kill: {} reads sent, {moved_at_kill} moved before the kill, {moved_after_kill} after; {} answered from the primary's address, {} from a replica's (the kill window), {} unanswered",
         report.sent,
         report.received,
         report.wrong_source,
         report.lost() - report.wrong_source.min(report.lost()),
     );
+    assert!(moving, "no read was moved during the stall before the kill");
+    assert!(
+        detached,
+        "the killed agent left programs attached: {left_attached:?}"
+    );
+    assert_eq!(
+        moved_after_kill, 0,
+        "reads were moved after the agent was killed"
+    );
     assert_eq!(
         report.lost(),
         report.wrong_source,
         "every read is answered: only the kill window's replies come from a replica"
+    );
+    assert!(
+        report.wrong_source <= moved_at_kill,
+        "{} replies from a wrong source, but only {moved_at_kill} reads were moved",
+        report.wrong_source
     );
     assert_eq!(report.wrong_values, 0);
     assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
