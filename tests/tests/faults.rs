@@ -10,10 +10,7 @@
 //! source is counted instead of being dropped by the kernel. Each test
 //! prints one figure line (`--nocapture` shows them).
 
-use std::{
-    thread,
-    time::{Duration, Instant},
-};
+use std::{thread, time::Duration};
 
 use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, Testbed,
@@ -22,6 +19,7 @@ use selector_testbed::{
     memcached::gets_served,
     preload, run_load_on,
     topology::CLIENT_IFACE,
+    wait_for,
 };
 use selector_user::Settings;
 
@@ -381,20 +379,6 @@ fn reads_moved(tb: &Testbed) -> u64 {
         .zip(&tb.replica_endpoints()[1..])
         .map(|(ns, &addr)| gets_served(ns, addr).expect("memcached stats"))
         .sum()
-}
-
-/// Polls `condition` every 10 ms until it holds or `within` passed.
-fn wait_for(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    loop {
-        if condition() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// SIGKILL fails open: the kernel detaches both programs and reads go to
