@@ -156,6 +156,11 @@ fn stalled_ipv6_primary(ingress: IngressMode, next_hop: NextHop, prefix: &str) {
     let stats = running.selector.lock().unwrap().stats().unwrap();
     assert_every_reply_arrived(&reports[0], "IPv6");
     assert_left_the_primary(&stats, 0, "IPv6");
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     let direct: u64 = stats[1..].iter().map(|s| s.redirected_direct).sum();
     let redirected: u64 = stats[1..].iter().map(|s| s.redirected_to).sum();
     let expected = match next_hop {
@@ -196,6 +201,12 @@ fn both_families_leave_a_stalled_primary(tb: &Testbed) {
     assert_every_reply_arrived(&reports[1], "IPv6 group");
     assert_left_the_primary(&stats, 0, "IPv4 group");
     assert_left_the_primary(&stats, 3, "IPv6 group");
+    // The replicas serve both groups from one process each.
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away + stats[3].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     let responses = |g: &[BackendStats]| g.iter().map(|s| s.responses).sum::<u64>();
     assert_eq!(responses(&stats[..3]), reports[0].sent);
     assert_eq!(responses(&stats[3..]), reports[1].sent);
