@@ -116,7 +116,7 @@ fn quick_bench_produces_every_row_and_cleans_up() {
     let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
-        .filter(|l| l.starts_with(&format!("bench-{pid}")))
+        .filter(|l| l.starts_with(&format!("bench-{pid}-")))
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
