@@ -396,11 +396,15 @@ fn a_second_signal_cuts_the_wait_short() {
         .unwrap();
     // Every replica stalls: redirected reads stay in flight, and the agent
     // would wait for them (up to timeout + grace) after the first signal.
-    std::thread::sleep(Duration::from_millis(100));
     for replica in &tb.replicas {
         replica.stop();
     }
-    std::thread::sleep(Duration::from_millis(100));
+    let moved = wait_for(Duration::from_secs(2), || {
+        agent::status(&tb.client, CLIENT_IFACE)
+            .first()
+            .is_some_and(|primary| primary.away > 0)
+    });
+    assert!(moved, "no read left the stalled primary");
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     let stopping = lines.next().unwrap().unwrap();
     assert!(stopping.starts_with("selector: stopping: "), "{stopping}");
@@ -721,6 +725,8 @@ fn run_ctl(tb: &Testbed, args: &[&str]) -> (i32, String) {
 }
 
 fn stalled_load(tb: &Testbed) {
+    let primary = tb.replica_endpoints()[0].to_string();
+    let counted_before = status_row(tb, &primary).requests;
     let spec = selector_testbed::LoadSpec {
         target: tb.replica_endpoints()[0].into(),
         rate: 2000,
@@ -732,7 +738,11 @@ fn stalled_load(tb: &Testbed) {
         .client
         .spawn(move || selector_testbed::run_load(&spec))
         .unwrap();
-    std::thread::sleep(Duration::from_millis(250));
+    // The stall once the load runs.
+    let running = wait_for(Duration::from_secs(2), || {
+        status_row(tb, &primary).requests > counted_before
+    });
+    assert!(running, "the agent counted no read of the load");
     tb.replicas[0].stop();
     std::thread::sleep(Duration::from_millis(50));
     tb.replicas[0].resume();

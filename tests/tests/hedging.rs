@@ -22,6 +22,7 @@ use selector_testbed::{
     memcached::{MemcachedClient, key_for, parse_get_response, value_for},
     preload, run_load,
     topology::CLIENT_IFACE,
+    wait_for,
 };
 use selector_user::{
     IngressMode, Settings,
@@ -151,7 +152,11 @@ fn stalled_read_is_hedged_and_the_late_reply_dropped(tb: Testbed, ingress: Ingre
         first >= Duration::from_millis(20) && first < Duration::from_millis(120),
         "answered by the hedge, after the delay: {first:?}"
     );
-    thread::sleep(Duration::from_millis(100));
+    // Until the primary's late reply has come and been dropped.
+    wait_for(Duration::from_secs(2), || {
+        let sel = running.selector.lock().unwrap();
+        sel.hedge_counts().unwrap()[0].hedge_replies_dropped > 0
+    });
     let sel = running.selector.lock().unwrap();
     let h = sel.hedge_counts().unwrap();
     assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
@@ -253,7 +258,11 @@ fn auto_hedges_a_stall_right_after_it_begins() {
         first < Duration::from_millis(25),
         "answered by the hedge at the estimated delay: {first:?}"
     );
-    thread::sleep(Duration::from_millis(100));
+    // Until the primary's late reply has come and been dropped.
+    wait_for(Duration::from_secs(2), || {
+        let h = running.selector.lock().unwrap().hedge_counts().unwrap();
+        h[0].hedge_replies_dropped > before[0].hedge_replies_dropped
+    });
     let h = running.selector.lock().unwrap().hedge_counts().unwrap();
     assert_eq!(
         (
@@ -391,7 +400,11 @@ fn hedging_off_sends_no_copies() {
     let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));
     tb.replicas[0].resume();
     assert!(replies.is_empty(), "nobody answers a stopped primary");
-    thread::sleep(Duration::from_millis(100));
+    // Until the resumed primary's reply has completed the read: a hedge
+    // would have been sent long before.
+    wait_for(Duration::from_secs(2), || {
+        running.selector.lock().unwrap().accounting().unwrap()[0].1 == 1
+    });
     let sel = running.selector.lock().unwrap();
     let h = sel.hedge_counts().unwrap();
     assert!(h.iter().all(|c| c.hedges_sent == 0), "{h:?}");
