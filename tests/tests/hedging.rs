@@ -18,7 +18,7 @@ use selector_common::{
 };
 use selector_testbed::{
     LoadSpec, Testbed,
-    agent::SweptSelector,
+    agent::{self, SweptSelector},
     memcached::{MemcachedClient, key_for, parse_get_response, value_for},
     preload, run_load,
     topology::CLIENT_IFACE,
@@ -412,4 +412,58 @@ fn hedging_off_sends_no_copies() {
     assert_eq!((acc[1].0, acc[2].0), (0, 0), "no copy reached a replica");
     drop(sel);
     assert_balanced(&running);
+}
+
+/// The agent itself (not a test's sweeper) keeps `--hedge-after auto`'s
+/// delays up to date: it begins at the ceiling, and once the primary has
+/// answered a few reads the delay the agent reports falls to an estimate
+/// of them, with nothing but the agent's own loop to refresh it.
+#[test]
+fn the_running_agent_refreshes_its_auto_hedge_delay() {
+    let tb = testbed("hgr");
+    let group = tb.group_arg();
+    let timeout = TIMEOUT.as_millis().to_string();
+    let (mut agent, _lines) = agent::spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--timeout",
+            &timeout,
+            "--hedge-after",
+            "auto",
+            "--quiet",
+        ],
+    );
+    let ceiling = auto_ceiling_ns(TIMEOUT.as_nanos() as u64);
+    let delay = || -> Option<u64> {
+        let status: serde_json::Value = agent::status_json(&tb.client, CLIENT_IFACE);
+        status["backends"][0]["hedge_delay_ns"].as_u64()
+    };
+    assert_eq!(delay(), Some(ceiling), "auto begins at the ceiling");
+    let primary = tb.replica_endpoints()[0];
+    let estimated = wait_for(Duration::from_secs(5), || {
+        tb.client
+            .run(move || {
+                let client = MemcachedClient::connect(primary).unwrap();
+                for i in 0..5 {
+                    assert_eq!(
+                        client.get(&key_for(i)).unwrap(),
+                        Some(value_for(i).into_bytes())
+                    );
+                }
+            })
+            .unwrap();
+        delay().is_some_and(|d| d < ceiling / 10)
+    });
+    assert!(
+        estimated,
+        "the agent's delay stayed {:?} (ceiling {ceiling}) while the primary answered",
+        delay()
+    );
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
 }
