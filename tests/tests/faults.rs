@@ -412,20 +412,30 @@ fn agent_killed_mid_load_fails_open() {
     let moved_at_start = reads_moved(&tb);
     let load = start_load(&tb);
     thread::sleep(LOAD / 3);
-    // Kill it in the middle of a stall, once reads are being redirected.
+    // Kill it in the middle of a stall, once the stall has moved reads.
+    let moved_before_stall = reads_moved(&tb);
     tb.replicas[0].stop();
-    let moving = wait_for(Duration::from_secs(2), || reads_moved(&tb) > moved_at_start);
+    let moving = wait_for(Duration::from_secs(2), || {
+        reads_moved(&tb) > moved_before_stall
+    });
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
     let _ = agent.wait();
+    // Soon: reads queue at the stopped primary, whose socket buffer holds
+    // only a few hundred.
+    tb.replicas[0].resume();
     let detached = wait_for(Duration::from_secs(2), || {
         agent::attached(&tb.client, CLIENT_IFACE) == agent::Attached::NOTHING
     });
     let left_attached = agent::attached(&tb.client, CLIENT_IFACE);
-    tb.replicas[0].resume();
-    // Replies to reads moved before the kill have come back by now.
-    thread::sleep(TIMEOUT);
-    let moved_at_kill = reads_moved(&tb) - moved_at_start;
+    // Until the replicas have served every read moved before the kill (the
+    // count holds still).
+    let mut last = reads_moved(&tb);
+    wait_for(Duration::from_secs(2), || {
+        let now = reads_moved(&tb);
+        std::mem::replace(&mut last, now) == now
+    });
+    let moved_at_kill = last - moved_at_start;
     // A second stall after the kill: nothing may steer any more.
     stall_primary(&tb);
     let report = finish_load(load);
