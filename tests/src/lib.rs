@@ -21,3 +21,18 @@ pub use memcached::{
 };
 pub use netns::{Namespace, sh};
 pub use topology::Testbed;
+
+/// Polls `condition` every 10 ms until it holds (true) or `within` has
+/// passed (false): a test waits for what it needs, not for a guessed time.
+pub fn wait_for(within: std::time::Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if condition() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}

@@ -68,9 +68,17 @@ impl Replica {
     /// SIGSTOP: the replica stalls, as in a GC pause. Returns once every
     /// thread is stopped: a busy machine can let a signalled process run
     /// (and answer) for a moment after kill(2) returns.
+    /// Panics if it has not stopped within the wait: a stall that did not
+    /// take effect would make the test that asked for it meaningless.
     pub fn stop(&self) {
         unsafe { libc::kill(self.pid(), libc::SIGSTOP) };
-        crate::netns::wait_stopped(self.pid());
+        assert!(
+            crate::netns::wait_stopped(self.pid()),
+            "memcached {} (pid {}) did not stop: thread states {:?}",
+            self.addr,
+            self.pid(),
+            crate::netns::thread_states(self.pid())
+        );
     }
 
     /// SIGKILL: the replica crashes; what it had queued is lost.
@@ -83,6 +91,25 @@ impl Replica {
     pub fn resume(&self) {
         unsafe { libc::kill(self.pid(), libc::SIGCONT) };
     }
+}
+
+/// How many `get` keys the memcached at `addr` has served (`STAT cmd_get`),
+/// asked from `ns` (the replica's own namespace, so that no selector sees
+/// the request). A replica that no client targets directly only serves the
+/// reads a selector moved to it.
+pub fn gets_served(ns: &Namespace, addr: SocketAddrV4) -> Result<u64> {
+    ns.run(move || -> Result<u64> {
+        let c = MemcachedClient::connect(addr)?;
+        // The first datagram of the reply holds the early STAT lines.
+        let body = c.request(b"stats\r\n", Duration::from_secs(1))?;
+        let text = String::from_utf8_lossy(&body);
+        text.lines()
+            .find_map(|l| l.strip_prefix("STAT cmd_get "))
+            .with_context(|| format!("no cmd_get in the stats of {addr}: {text}"))?
+            .trim()
+            .parse()
+            .context("cmd_get")
+    })?
 }
 
 /// Waits until a memcached (or anything speaking for one) answers at `addr`

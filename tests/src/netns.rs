@@ -4,7 +4,10 @@ use std::{
     fs::File,
     os::fd::AsRawFd as _,
     process::{Command, Output},
-    sync::atomic::{AtomicU32, Ordering},
+    sync::{
+        OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -26,14 +29,31 @@ pub fn sh(program: &str, args: &[&str]) -> Result<Output> {
     Ok(out)
 }
 
-/// A unique short tag for namespace names: pid plus a counter.
+/// A tag for namespace names and temporary paths, unique on this machine
+/// until it reboots: this process's id and start time (a later process
+/// given the same id starts later) and a counter that does not wrap.
 pub fn unique_tag() -> String {
-    static NEXT: AtomicU32 = AtomicU32::new(0);
+    static NEXT: AtomicU64 = AtomicU64::new(0);
     format!(
-        "{}{}",
+        "{}-{}-{}",
         std::process::id(),
-        char::from(b'a' + (NEXT.fetch_add(1, Ordering::Relaxed) % 26) as u8)
+        process_start_ticks(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// When this process started, in clock ticks since boot (/proc/self/stat
+/// field 22).
+fn process_start_ticks() -> u64 {
+    static TICKS: OnceLock<u64> = OnceLock::new();
+    *TICKS.get_or_init(|| {
+        let stat = std::fs::read_to_string("/proc/self/stat").expect("/proc/self/stat");
+        // Fields after the command (which may hold spaces) start at field 3.
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split_whitespace().nth(22 - 3))
+            .and_then(|t| t.parse().ok())
+            .expect("the start time in /proc/self/stat")
+    })
 }
 
 /// A named network namespace, deleted on drop.
@@ -43,9 +63,13 @@ pub struct Namespace {
 }
 
 impl Namespace {
+    /// Creates the namespace `name`, refusing one that exists already: it
+    /// belongs to someone else (names carry `unique_tag`), and is left as
+    /// it is.
     pub fn create(name: &str) -> Result<Self> {
-        // A leftover from a killed run would make `add` fail.
-        let _ = Command::new("ip").args(["netns", "del", name]).output();
+        if std::path::Path::new(&format!("/run/netns/{name}")).exists() {
+            bail!("network namespace {name} exists already; not ours, left alone");
+        }
         sh("ip", &["netns", "add", name])?;
         let ns = Self {
             name: name.to_string(),
@@ -185,5 +209,32 @@ pub fn wait_stopped(pid: i32) -> bool {
             return false;
         }
         std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_do_not_repeat() {
+        let tags: std::collections::HashSet<String> = (0..1000).map(|_| unique_tag()).collect();
+        assert_eq!(tags.len(), 1000);
+    }
+
+    #[test]
+    fn an_existing_namespace_is_refused_and_kept() {
+        let first = Namespace::create(&format!("ut-{}", unique_tag())).unwrap();
+        // A mark in it, to see it is the same namespace afterwards.
+        first
+            .ip(&[
+                "link", "add", "mark0", "type", "veth", "peer", "name", "mark1",
+            ])
+            .unwrap();
+        let second = Namespace::create(&first.name);
+        assert!(second.is_err(), "created {} twice", first.name);
+        first
+            .ip(&["link", "show", "mark0"])
+            .expect("the first one kept");
     }
 }

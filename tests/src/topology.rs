@@ -212,6 +212,19 @@ impl Testbed {
             .collect()
     }
 
+    /// The `get` keys replica `i` has served (memcached's `cmd_get`),
+    /// asked from its own namespace so that no selector sees the request.
+    pub fn gets_served(&self, i: usize) -> Result<u64> {
+        crate::memcached::gets_served(&self.replica_ns[i], self.replicas[i].addr)
+    }
+
+    /// The reads every replica but replica 0 has served: with a load that
+    /// only asks replica 0 (the primary), exactly the reads a selector
+    /// moved, counted by the replicas themselves, not by the selector.
+    pub fn reads_moved(&self) -> Result<u64> {
+        (1..self.replicas.len()).map(|i| self.gets_served(i)).sum()
+    }
+
     /// UDP checksum errors (over IPv4 and IPv6) seen by every host so far.
     pub fn udp_checksum_errors(&self) -> Result<u64> {
         let mut total = 0;

@@ -90,23 +90,33 @@ fn quick_bench_produces_every_row_and_cleans_up() {
     }
     let costs = read("packet_cost.csv");
     assert_eq!(costs.lines().count(), 1 + 11, "{costs}");
-    let font = selector_testbed::bench::plots::FONT_FILES
-        .iter()
-        .any(|f| std::path::Path::new(f).exists());
+    // The plots need a font, which `cargo xtask setup` installs
+    // (fonts-dejavu-core): without one they would go unchecked.
+    let fonts = selector_testbed::bench::plots::FONT_FILES;
+    assert!(
+        fonts.iter().any(|f| std::path::Path::new(f).exists()),
+        "no font for the plots among {fonts:?}: run `cargo xtask setup` (fonts-dejavu-core)"
+    );
     let plots = [
         "replica_rates.png",
         "replica_rates_full.png",
         "latency_cdf.png",
     ];
-    for plot in plots.iter().filter(|_| font) {
+    for plot in plots {
         let bytes = std::fs::read(out.join(plot)).unwrap_or_else(|e| panic!("{plot}: {e}"));
-        assert!(bytes.starts_with(b"\x89PNG"), "{plot} is not a PNG");
+        assert!(
+            bytes.starts_with(b"\x89PNG\r\n\x1a\n"),
+            "{plot} is not a PNG"
+        );
+        // The IHDR chunk's width and height.
+        let size = |at: usize| u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap());
+        assert!(size(16) > 0 && size(20) > 0, "{plot} is empty");
     }
 
     let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
-        .filter(|l| l.starts_with(&format!("bench-{pid}")))
+        .filter(|l| l.starts_with(&format!("bench-{pid}-")))
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");

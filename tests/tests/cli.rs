@@ -13,6 +13,7 @@ use selector_testbed::{
     Testbed,
     agent::{self, Agent, TotalsRow, selector_binary},
     topology::CLIENT_IFACE,
+    wait_for,
 };
 use selector_user::{Selector, Settings};
 
@@ -36,6 +37,12 @@ fn has_xdp(tb: &Testbed) -> bool {
 
 fn has_xdp_on(tb: &Testbed, iface: &str) -> bool {
     agent::attached(&tb.client, iface).xdp
+}
+
+/// Neither TCX chain of `iface` holds a program, nor has it an XDP program.
+#[track_caller]
+fn assert_nothing_attached(tb: &Testbed, iface: &str) {
+    assert_eq!(agent::attached(&tb.client, iface), agent::Attached::NOTHING);
 }
 
 #[test]
@@ -127,8 +134,7 @@ fn bad_input_is_one_error_line_and_nothing_is_attached() {
             "{args:?}: expected '{expect}' in: {stderr}"
         );
     }
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
-    assert!(!has_xdp(&tb));
+    assert_nothing_attached(&tb, CLIENT_IFACE);
 }
 
 /// A `--duration` beyond what a timer can hold (it panicked once attached),
@@ -209,8 +215,7 @@ fn an_interface_without_ipv4_is_refused_with_nothing_attached() {
         stderr.trim_end(),
         "error: interface 'v4less0' has no IPv4 address"
     );
-    assert_eq!(tcx_programs_on(&tb, "v4less0", TcAttachType::Egress), 0);
-    assert!(!has_xdp_on(&tb, "v4less0"));
+    assert_nothing_attached(&tb, "v4less0");
 }
 
 #[test]
@@ -257,7 +262,7 @@ fn failed_attach_detaches_what_it_attached() {
     assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0, "no egress left");
     assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
     drop(holder);
-    assert!(!has_xdp(&tb));
+    assert_nothing_attached(&tb, CLIENT_IFACE);
 }
 
 #[test]
@@ -297,8 +302,7 @@ fn sigterm_detaches_cleanly_and_prints_totals() {
             "{rest:#?}"
         );
     }
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
-    assert!(!has_xdp(&tb));
+    assert_nothing_attached(&tb, CLIENT_IFACE);
 }
 
 #[test]
@@ -307,7 +311,7 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
     // `first`: every read leaving the primary goes to replica 1, stalled below.
-    let (mut agent, lines) = spawn_agent(
+    let (mut agent, mut lines) = spawn_agent(
         &tb,
         &["--threshold", "1", "--tie-break", "first", "--quiet"],
     );
@@ -327,19 +331,35 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     // there. The agent is told to stop while it waits; if it detached at
     // once, the replica's late reply would not be rewritten and the
     // client's connected socket would drop it.
-    std::thread::sleep(Duration::from_millis(250));
     tb.replicas[1].stop();
     tb.replicas[0].stop();
-    std::thread::sleep(Duration::from_millis(100));
+    let moved = wait_for(Duration::from_secs(2), || {
+        agent::status(&tb.client, CLIENT_IFACE)
+            .first()
+            .is_some_and(|primary| primary.away > 0)
+    });
+    assert!(moved, "no read left the stalled primary");
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
-    // Not much longer: the stalled primary's socket buffer holds only a
-    // few hundred reads, and those sent to it meanwhile must not overflow it.
-    std::thread::sleep(Duration::from_millis(50));
+    // The agent says how many redirected reads it waits for as it stops:
+    // the stalled replica holds at least one.
+    let mut out: Vec<String> = Vec::new();
+    let in_flight = loop {
+        let line = lines
+            .next()
+            .expect("the agent ended without a stopping line")
+            .unwrap();
+        out.push(line.clone());
+        if let Some(rest) = line.strip_prefix("selector: stopping: ") {
+            let n = rest.split_whitespace().next().unwrap_or_default();
+            break n.parse::<u64>().unwrap_or_else(|e| panic!("{e}: {line}"));
+        }
+    };
     tb.replicas[0].resume();
     tb.replicas[1].resume();
+    assert!(in_flight > 0, "stopped with nothing in flight: {out:#?}");
     let report = load.join().unwrap().unwrap();
     assert!(agent.wait().unwrap().success());
-    let out: Vec<String> = lines.map(Result::unwrap).collect();
+    out.extend(lines.map(Result::unwrap));
     let stopping = line_index(&out, |l| l.starts_with("selector: stopping:"));
     let detaching = line_index(&out, |l| l.contains("detaching from eth0; totals:"));
     assert!(stopping < detaching, "{out:#?}");
@@ -353,7 +373,7 @@ fn sigterm_under_load_waits_for_redirected_reads_and_loses_no_reply() {
     assert!(report.sent > 1000, "{}", report.sent);
     assert_eq!(report.lost(), 0, "{out:#?}");
     assert_eq!(report.wrong_values, 0);
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
+    assert_nothing_attached(&tb, CLIENT_IFACE);
     tb.replicas.clear();
 }
 
@@ -376,11 +396,15 @@ fn a_second_signal_cuts_the_wait_short() {
         .unwrap();
     // Every replica stalls: redirected reads stay in flight, and the agent
     // would wait for them (up to timeout + grace) after the first signal.
-    std::thread::sleep(Duration::from_millis(100));
     for replica in &tb.replicas {
         replica.stop();
     }
-    std::thread::sleep(Duration::from_millis(100));
+    let moved = wait_for(Duration::from_secs(2), || {
+        agent::status(&tb.client, CLIENT_IFACE)
+            .first()
+            .is_some_and(|primary| primary.away > 0)
+    });
+    assert!(moved, "no read left the stalled primary");
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     let stopping = lines.next().unwrap().unwrap();
     assert!(stopping.starts_with("selector: stopping: "), "{stopping}");
@@ -396,8 +420,7 @@ fn a_second_signal_cuts_the_wait_short() {
     });
     let detaching = line_index(&rest, |l| l.contains("detaching from eth0; totals:"));
     assert!(second < detaching, "{rest:#?}");
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
-    assert!(!has_xdp(&tb));
+    assert_nothing_attached(&tb, CLIENT_IFACE);
     for replica in &tb.replicas {
         replica.resume();
     }
@@ -670,8 +693,7 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
     let err = format!("{err:#}");
     assert!(err.contains("hedge thread"), "{err}");
     assert!(err.contains("planted"), "the panic's message: {err}");
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
-    assert_eq!(tcx_programs(&tb, TcAttachType::Ingress), 0);
+    assert_nothing_attached(&tb, CLIENT_IFACE);
     // Gone as after SIGTERM: its managed neighbour entries too.
     let neighbours = tb
         .client
@@ -703,6 +725,8 @@ fn run_ctl(tb: &Testbed, args: &[&str]) -> (i32, String) {
 }
 
 fn stalled_load(tb: &Testbed) {
+    let primary = tb.replica_endpoints()[0].to_string();
+    let counted_before = status_row(tb, &primary).requests;
     let spec = selector_testbed::LoadSpec {
         target: tb.replica_endpoints()[0].into(),
         rate: 2000,
@@ -714,7 +738,11 @@ fn stalled_load(tb: &Testbed) {
         .client
         .spawn(move || selector_testbed::run_load(&spec))
         .unwrap();
-    std::thread::sleep(Duration::from_millis(250));
+    // The stall once the load runs.
+    let running = wait_for(Duration::from_secs(2), || {
+        status_row(tb, &primary).requests > counted_before
+    });
+    assert!(running, "the agent counted no read of the load");
     tb.replicas[0].stop();
     std::thread::sleep(Duration::from_millis(50));
     tb.replicas[0].resume();
@@ -848,8 +876,7 @@ fn duration_ends_the_run_with_totals_and_nothing_attached() {
     let mut out = String::new();
     std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
     assert!(out.contains("detaching from eth0; totals:"), "{out}");
-    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 0);
-    assert!(!has_xdp(&tb));
+    assert_nothing_attached(&tb, CLIENT_IFACE);
 }
 
 /// Index of the first of `lines` that `wanted` accepts; fails the test,

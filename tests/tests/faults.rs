@@ -18,6 +18,7 @@ use selector_testbed::{
     faults::{WireFault, install_wire_fault, start_delayed_replicas, wire_fault_hits},
     preload, run_load_on,
     topology::CLIENT_IFACE,
+    wait_for,
 };
 use selector_user::Settings;
 
@@ -256,6 +257,7 @@ fn replies_delayed_and_reordered() {
     let report = finish_load(start_load(&tb));
     let stats = selector.selector.lock().unwrap().stats().unwrap();
     let redirected = stats[0].redirected_away;
+    let moved = reads_moved(&tb);
     let settled = selector.settle(TIMEOUT);
 
     let mut broken = figure_and_broken_invariants(
@@ -264,10 +266,20 @@ fn replies_delayed_and_reordered() {
         &report,
         &tb,
         Data::Kept,
-        &format!("; {redirected} redirected"),
+        &format!("; {redirected} redirected, {moved} served by the other replicas"),
     );
     if report.out_of_order == 0 {
         broken.push("no reply overtook another".into());
+    }
+    // Slow replies keep the primary's count above the threshold: reads
+    // must really reach the other replicas, each one it says it moved.
+    if moved == 0 || moved != redirected {
+        broken.push(format!(
+            "the other replicas served {moved} reads, the selector moved {redirected}"
+        ));
+    }
+    if report.lost() != 0 {
+        broken.push(format!("{} replies lost without loss", report.lost()));
     }
     assert_none_broken("delay-reorder", &broken);
 }
@@ -369,11 +381,20 @@ fn agent_restarted_mid_load() {
     assert_none_broken("agent-restart", &broken);
 }
 
+/// The reads the other replicas served: the load only asks the primary.
+fn reads_moved(tb: &Testbed) -> u64 {
+    tb.reads_moved().expect("memcached stats")
+}
+
 /// SIGKILL fails open: the kernel detaches both programs and reads go to
 /// their primary again. The only replies the application can miss are
 /// those to reads redirected just before the kill that come back after the
-/// reply path is gone, from the replica's address (README Limits). Every
-/// read is answered; the figure reports how many came from a wrong source.
+/// reply path is gone, from the replica's address (README Limits).
+///
+/// The kill comes while the primary is stopped and once the other replicas
+/// have served moved reads; afterwards nothing may be attached, a second
+/// stall may move no read, every read is answered, and the replies from a
+/// wrong source can only be replies to reads moved before the kill.
 #[test]
 fn agent_killed_mid_load_fails_open() {
     let tb = testbed("fk");
@@ -388,28 +409,62 @@ fn agent_killed_mid_load_fails_open() {
         "--quiet",
     ];
     let (mut agent, _output) = agent::spawn_agent(&tb.client, &args);
+    let moved_at_start = reads_moved(&tb);
     let load = start_load(&tb);
     thread::sleep(LOAD / 3);
-    // Kill it in the middle of a stall, while reads are being redirected.
+    // Kill it in the middle of a stall, once the stall has moved reads.
+    let moved_before_stall = reads_moved(&tb);
     tb.replicas[0].stop();
-    thread::sleep(STALL / 2);
+    let moving = wait_for(Duration::from_secs(2), || {
+        reads_moved(&tb) > moved_before_stall
+    });
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(agent.id() as i32, libc::SIGKILL) };
     let _ = agent.wait();
-    thread::sleep(STALL / 2);
+    // Soon: reads queue at the stopped primary, whose socket buffer holds
+    // only a few hundred.
     tb.replicas[0].resume();
+    let detached = wait_for(Duration::from_secs(2), || {
+        agent::attached(&tb.client, CLIENT_IFACE) == agent::Attached::NOTHING
+    });
+    let left_attached = agent::attached(&tb.client, CLIENT_IFACE);
+    // Until the replicas have served every read moved before the kill (the
+    // count holds still).
+    let mut last = reads_moved(&tb);
+    wait_for(Duration::from_secs(2), || {
+        let now = reads_moved(&tb);
+        std::mem::replace(&mut last, now) == now
+    });
+    let moved_at_kill = last - moved_at_start;
+    // A second stall after the kill: nothing may steer any more.
+    stall_primary(&tb);
     let report = finish_load(load);
+    let moved_after_kill = reads_moved(&tb) - moved_at_start - moved_at_kill;
     println!(
-        "fault agent-kill: {} reads sent, {} answered from the primary's address, {} from a replica's (the kill window), {} unanswered",
+        "fault agent-kill: {} reads sent, {moved_at_kill} moved before the kill, {moved_after_kill} after; {} answered from the primary's address, {} from a replica's (the kill window), {} unanswered",
         report.sent,
         report.received,
         report.wrong_source,
         report.lost() - report.wrong_source.min(report.lost()),
     );
+    assert!(moving, "no read was moved during the stall before the kill");
+    assert!(
+        detached,
+        "the killed agent left programs attached: {left_attached:?}"
+    );
+    assert_eq!(
+        moved_after_kill, 0,
+        "reads were moved after the agent was killed"
+    );
     assert_eq!(
         report.lost(),
         report.wrong_source,
         "every read is answered: only the kill window's replies come from a replica"
+    );
+    assert!(
+        report.wrong_source <= moved_at_kill,
+        "{} replies from a wrong source, but only {moved_at_kill} reads were moved",
+        report.wrong_source
     );
     assert_eq!(report.wrong_values, 0);
     assert_eq!(tb.udp_checksum_errors().unwrap(), 0);

@@ -8,12 +8,18 @@
 //! kernel code, says whether the selector owns a frame and if not, why. A
 //! frame it does not own must pass byte-identical with the pass verdict and
 //! change no counter but the "passed untouched" one of its reason; an owned
-//! frame must only get a sane verdict, and an owned IPv6 datagram the
+//! frame must only get a sane verdict, an owned IPv6 datagram the
 //! selector rewrites must leave with a UDP checksum that verifies and is
-//! not zero. Failures are collected and
+//! not zero, and an owned IPv4 datagram it rewrites (read back with
+//! etherparse) with checksums that verify, only the moved endpoint changed
+//! and that to a member of the group. Every frame the oracle owns is read
+//! by etherparse too, which must find the same IP and UDP headers (the
+//! selector's own limits, such as which extension headers it walks, are
+//! the oracle's alone). Failures are collected and
 //! summarised at the end instead of stopping at the first.
 //!
-//! `FUZZ_SEED=<u64>` reproduces a run; the seed is printed at the start.
+//! Each run draws a fresh seed and prints it at the start;
+//! `SELECTOR_FUZZ_SEED=<u64>` replays a run.
 
 use std::{
     collections::{BTreeMap, VecDeque},
@@ -39,7 +45,8 @@ const ROUND_FRAMES: usize = 1_000;
 /// Well-formed gets sent through egress before each round, so replies find
 /// requests in flight.
 const PRIMED_PER_ROUND: usize = 32;
-const DEFAULT_SEED: u64 = 0x5e1e_c70f_0220_2024;
+/// The environment variable that replays a run's seed.
+const SEED_VARIABLE: &str = "SELECTOR_FUZZ_SEED";
 /// The memcached descriptor's request id: 2 bytes at payload offset 0.
 const MEMCACHED_ID_SPAN: usize = 2;
 /// Its UDP frame header: id, sequence, datagram count, reserved.
@@ -108,19 +115,21 @@ fn replica6(i: usize) -> ([u8; 16], u16) {
 
 /// Per-CPU array of "passed untouched" counts, indexed by
 /// `direction * PASS_REASONS + reason` (direction 0 egress, 1 ingress).
-/// Absent from kernels that do not count passes yet.
 const PASSED_MAP: &str = "PASSED";
 const PASS_REASONS: usize = selector_common::PASS_REASONS as usize;
 
-/// The "passed untouched" counters summed over CPUs, if the kernel has them.
-fn passed_counters(sel: &Selector) -> Option<Vec<u64>> {
-    let map = sel.ebpf().map(PASSED_MAP)?;
+/// The "passed untouched" counters summed over CPUs. A program object
+/// without them fails the test: its pass counts would go unchecked.
+fn passed_counters(sel: &Selector) -> Vec<u64> {
+    let map = sel
+        .ebpf()
+        .map(PASSED_MAP)
+        .expect("the programs have no PASSED map: pass counts cannot be checked");
     let passed: PerCpuArray<_, u64> =
         PerCpuArray::try_from(map).expect("PASSED is a per-CPU array of u64");
-    let counts = (0..passed.len())
+    (0..passed.len())
         .map(|i| passed.get(&i, 0).expect("read PASSED").iter().sum())
-        .collect();
-    Some(counts)
+        .collect()
 }
 
 /// Requests in flight now, however the table is laid out.
@@ -1718,7 +1727,7 @@ fn describe_chain(extensions: &[(u8, usize)]) -> String {
 struct FrameCounters {
     stats: Vec<BackendStats>,
     accounting: Vec<(u64, u64, u64)>,
-    passed: Option<Vec<u64>>,
+    passed: Vec<u64>,
 }
 
 impl FrameCounters {
@@ -1794,9 +1803,12 @@ fn forbidden_changes(
             }
         }
     }
-    if let (Some(b), Some(a)) = (&before.passed, &after.passed) {
-        changes.extend(pass_count_errors(b, a, direction, reason));
-    }
+    changes.extend(pass_count_errors(
+        &before.passed,
+        &after.passed,
+        direction,
+        reason,
+    ));
     changes
 }
 
@@ -1871,6 +1883,9 @@ struct Tally {
     primed: usize,
     /// Owned IPv6 datagrams rewritten whose output checksum was checked.
     ipv6_rewrites_checked: usize,
+    /// Owned IPv4 datagrams rewritten whose checksums and endpoints were
+    /// checked.
+    ipv4_rewrites_checked: usize,
 }
 
 impl Tally {
@@ -1932,9 +1947,10 @@ impl Tally {
         }
         let _ = writeln!(
             out,
-            "  {} in flight at the end; {} rewritten IPv6 datagrams' checksums checked",
+            "  {} in flight at the end; {} rewritten IPv6 datagrams' checksums checked, {} rewritten IPv4 datagrams' checksums and endpoints",
             inflight_count(sel),
-            self.ipv6_rewrites_checked
+            self.ipv6_rewrites_checked,
+            self.ipv4_rewrites_checked
         );
         if self.failures == 0 && self.batch_failures.is_empty() {
             let _ = writeln!(out, "  no failures");
@@ -2024,6 +2040,16 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
         .frames
         .entry((case.program, case.family, None))
         .or_default() += 1;
+    if let Some(problem) = etherparse_disagrees(&case.frame) {
+        let failure = Failure {
+            program: case.program,
+            reason: None,
+            label: case.label.clone(),
+            problems: vec![format!("the oracle owns it, but {problem}")],
+            frame: case.frame.clone(),
+        };
+        tally.record(failure, &["oracle against etherparse"]);
+    }
     let problem = match case.program.run(sel, &case.frame) {
         Err(e) => Some(("test run failed", format!("BPF_PROG_TEST_RUN: {e}"))),
         Ok((verdict, _)) if !case.program.sane_verdicts().contains(&verdict) => {
@@ -2037,6 +2063,10 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
             tally.ipv6_rewrites_checked += 1;
             rewritten_udp6_problem(&case.frame, &out)
         }
+        Ok((_, out)) if out != case.frame && family_of(&case.frame) == Some(Family::V4) => {
+            tally.ipv4_rewrites_checked += 1;
+            rewritten_udp4_problem(case.program.direction(), &case.frame, &out)
+        }
         Ok(_) => None,
     };
     if let Some((kind, problem)) = problem {
@@ -2049,6 +2079,87 @@ fn run_owned(sel: &mut Selector, case: Case, tally: &mut Tally) {
         };
         tally.record(failure, &[kind]);
     }
+}
+
+/// What etherparse, a parser written elsewhere, reads differently in a
+/// frame the oracle owns: it must find Ethernet (with at most one VLAN
+/// tag), IPv4 with a header checksum that verifies or IPv6, and (unless
+/// the IP payload is a fragment) a UDP header whose length fits the IP
+/// payload. The oracle's own limits (which extension headers, how many)
+/// are the selector's policy, not a parser's: they are not cross-checked.
+/// Nor is a hop-by-hop header after another extension header (RFC 8200
+/// forbids it and etherparse refuses it, while the selector, and so the
+/// oracle, walks it like any other), nor an IPv6 fragment (etherparse
+/// reads on past a fragment header as if the datagram were whole).
+fn etherparse_disagrees(frame: &[u8]) -> Option<String> {
+    use etherparse::{
+        NetSlice, SlicedPacket, TransportSlice,
+        err::{ipv6_exts::HeaderError::HopByHopNotAtStart, packet::SliceError},
+    };
+    if is_fragment6(frame) {
+        return None;
+    }
+    let parsed = match SlicedPacket::from_ethernet(frame) {
+        Ok(parsed) => parsed,
+        Err(SliceError::Ipv6Exts(HopByHopNotAtStart)) => return None,
+        Err(e) => return Some(format!("etherparse refuses it: {e}")),
+    };
+    let payload = match &parsed.net {
+        Some(NetSlice::Ipv4(ip)) => {
+            let sum = raw_header_sum(ip.header().slice());
+            if sum != 0xffff {
+                return Some(format!(
+                    "the IPv4 header etherparse finds sums to {sum:#06x}, not 0xffff"
+                ));
+            }
+            ip.payload()
+        }
+        Some(NetSlice::Ipv6(ip)) => ip.payload(),
+        _ => return Some("etherparse finds no IP header".into()),
+    };
+    if payload.fragmented {
+        return None;
+    }
+    match &parsed.transport {
+        Some(TransportSlice::Udp(udp)) if usize::from(udp.length()) <= payload.payload.len() => {
+            None
+        }
+        Some(TransportSlice::Udp(udp)) => Some(format!(
+            "etherparse finds UDP length {} beyond the IP payload ({})",
+            udp.length(),
+            payload.payload.len()
+        )),
+        _ => Some("etherparse finds no UDP header".into()),
+    }
+}
+
+/// The ones' complement sum of an IPv4 header as it is (0xffff: its
+/// checksum verifies), over the raw bytes: etherparse's header type drops
+/// the reserved flag bit, so its own checksum would differ.
+fn raw_header_sum(header: &[u8]) -> u32 {
+    let mut sum: u32 = header
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)])))
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    sum
+}
+
+/// An IPv6 frame with a fragment header among its extension headers.
+fn is_fragment6(frame: &[u8]) -> bool {
+    if family_of(frame) != Some(Family::V6) {
+        return false;
+    }
+    let mut next = frame[l3_offset(frame) + IP6_NEXT_HEADER];
+    for (at, _) in ipv6_chain(frame).headers {
+        if next == IPPROTO_FRAGMENT {
+            return true;
+        }
+        next = frame[at];
+    }
+    false
 }
 
 /// An IPv6 frame whose fragment header has an offset: a later fragment,
@@ -2085,6 +2196,128 @@ fn rewritten_fragment6_problem(input: &[u8], out: &[u8]) -> Option<(&'static str
         return Some((
             "rewritten badly",
             "a later fragment's new source is no member".into(),
+        ));
+    }
+    None
+}
+
+/// What is wrong with `out`, an IPv4 datagram the selector rewrote from
+/// `input`, read with etherparse: the same length and payload; the IPv4
+/// header unchanged but for the addresses and a checksum that verifies; on
+/// egress the same source and a member of the group as the destination, on
+/// ingress the same destination and a member as the source (a later
+/// fragment has no ports); a UDP checksum that verifies unless it was 0
+/// and stayed 0 (a fragment's covers the whole datagram: not checked).
+fn rewritten_udp4_problem(
+    direction: Direction,
+    input: &[u8],
+    out: &[u8],
+) -> Option<(&'static str, String)> {
+    use etherparse::{Ipv4HeaderSlice, UdpHeaderSlice};
+    let bad = |what: String| Some(("rewritten badly", what));
+    if input.len() != out.len() {
+        return bad(format!("length {} became {}", input.len(), out.len()));
+    }
+    let l3 = l3_offset(input);
+    let (Ok(ip_in), Ok(ip_out)) = (
+        Ipv4HeaderSlice::from_slice(&input[l3..]),
+        Ipv4HeaderSlice::from_slice(&out[l3..]),
+    ) else {
+        return bad("no IPv4 header left".into());
+    };
+    let ip_sum = raw_header_sum(ip_out.slice());
+    if ip_sum != 0xffff {
+        return Some((
+            "bad checksum",
+            format!(
+                "IPv4 header checksum {:#06x} does not verify (sum {ip_sum:#06x})",
+                ip_out.header_checksum()
+            ),
+        ));
+    }
+    let ip_len = ip_in.slice().len();
+    // Bytes 10..20: checksum, source, destination.
+    if ip_in.slice()[..10] != ip_out.slice()[..10] || ip_in.slice()[20..] != ip_out.slice()[20..] {
+        return bad("the IPv4 header changed beyond its addresses".into());
+    }
+    let later_fragment = ip_in.fragments_offset().value() != 0;
+    let l4 = l3 + ip_len;
+    let ports = |frame: &[u8]| -> Option<(u16, u16)> {
+        let udp = UdpHeaderSlice::from_slice(frame.get(l4..)?).ok()?;
+        Some((udp.source_port(), udp.destination_port()))
+    };
+    let (moved, kept, moved_port, kept_port) = match direction {
+        Direction::Egress => (
+            (ip_out.destination(), ip_in.destination()),
+            (ip_out.source(), ip_in.source()),
+            1,
+            0,
+        ),
+        Direction::Ingress => (
+            (ip_out.source(), ip_in.source()),
+            (ip_out.destination(), ip_in.destination()),
+            0,
+            1,
+        ),
+    };
+    if kept.0 != kept.1 {
+        return bad(format!("{direction:?} changed the other address"));
+    }
+    let payload_from = if later_fragment {
+        l4
+    } else {
+        l4 + UDP_HEADER_LEN
+    };
+    if input.get(payload_from..) != out.get(payload_from..) {
+        return bad("the payload changed".into());
+    }
+    let members: Vec<([u8; 4], u16)> = (0..REPLICAS).map(replica).collect();
+    if later_fragment {
+        if !members.iter().any(|(addr, _)| *addr == moved.0) {
+            return bad(format!(
+                "a later fragment's new address {:?} is no member",
+                moved.0
+            ));
+        }
+        return None;
+    }
+    let (Some(ports_in), Some(ports_out)) = (ports(input), ports(out)) else {
+        return bad("no UDP header".into());
+    };
+    let pick = |p: (u16, u16), which: usize| if which == 0 { p.0 } else { p.1 };
+    if pick(ports_in, kept_port) != pick(ports_out, kept_port) {
+        return bad(format!("{direction:?} changed the other port"));
+    }
+    let endpoint = (moved.0, pick(ports_out, moved_port));
+    if !members.contains(&endpoint) {
+        return bad(format!("the new endpoint {endpoint:?} is no member"));
+    }
+    if ip_in.more_fragments() {
+        return None;
+    }
+    let udp_sum = |frame: &[u8], ip: &Ipv4HeaderSlice| -> Option<(u16, u16)> {
+        let udp = UdpHeaderSlice::from_slice(frame.get(l4..)?).ok()?;
+        let end = (l4 + usize::from(udp.length())).min(frame.len());
+        let payload = frame.get(l4 + UDP_HEADER_LEN..end)?;
+        let should = udp
+            .to_header()
+            .calc_checksum_ipv4_raw(ip.source(), ip.destination(), payload)
+            .ok()?;
+        Some((udp.checksum(), should))
+    };
+    let (Some((sum_in, should_in)), Some((sum_out, should_out))) =
+        (udp_sum(input, &ip_in), udp_sum(out, &ip_out))
+    else {
+        return bad("no UDP datagram to sum".into());
+    };
+    let input_verified = sum_in != 0 && sum_in == should_in;
+    if sum_out == 0 && sum_in != 0 {
+        return Some(("zero checksum", "rewritten with UDP checksum 0".into()));
+    }
+    if input_verified && sum_out != should_out {
+        return Some((
+            "bad checksum",
+            format!("rewritten UDP checksum {sum_out:#06x}, should be {should_out:#06x}"),
         ));
     }
     None
@@ -2212,20 +2445,26 @@ fn run_unowned_batch(
     }
 }
 
+/// `SELECTOR_FUZZ_SEED`, or a fresh seed: each run tries other frames.
 fn seed() -> u64 {
-    match std::env::var("FUZZ_SEED") {
+    match std::env::var(SEED_VARIABLE) {
         Ok(s) => s
             .trim()
             .parse()
-            .unwrap_or_else(|_| panic!("FUZZ_SEED must be a u64, not {s:?}")),
-        Err(_) => DEFAULT_SEED,
+            .unwrap_or_else(|_| panic!("{SEED_VARIABLE} must be a u64, not {s:?}")),
+        Err(_) => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            nanos ^ (u64::from(std::process::id()) << 32)
+        }
     }
 }
 
 #[test]
 fn frames_the_selector_does_not_own_pass_untouched_and_uncounted() {
     let seed = seed();
-    println!("fuzz: seed {seed} (FUZZ_SEED={seed} reproduces this run)");
+    println!("fuzz: seed {seed} ({SEED_VARIABLE}={seed} replays this run)");
     let started = Instant::now();
     let ipv4 = settings_for(Descriptor::memcached(), replica);
     let ipv6_group = (0..REPLICAS).map(|i| member(Family::V6, i)).collect();
@@ -2281,6 +2520,10 @@ fn frames_the_selector_does_not_own_pass_untouched_and_uncounted() {
     assert!(
         tally.ipv6_rewrites_checked > 100,
         "too few rewritten IPv6 datagrams checked:\n{summary}"
+    );
+    assert!(
+        tally.ipv4_rewrites_checked > 100,
+        "too few rewritten IPv4 datagrams checked:\n{summary}"
     );
 }
 

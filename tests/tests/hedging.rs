@@ -18,10 +18,11 @@ use selector_common::{
 };
 use selector_testbed::{
     LoadSpec, Testbed,
-    agent::SweptSelector,
+    agent::{self, SweptSelector},
     memcached::{MemcachedClient, key_for, parse_get_response, value_for},
     preload, run_load,
     topology::CLIENT_IFACE,
+    wait_for,
 };
 use selector_user::{
     IngressMode, Settings,
@@ -151,7 +152,11 @@ fn stalled_read_is_hedged_and_the_late_reply_dropped(tb: Testbed, ingress: Ingre
         first >= Duration::from_millis(20) && first < Duration::from_millis(120),
         "answered by the hedge, after the delay: {first:?}"
     );
-    thread::sleep(Duration::from_millis(100));
+    // Until the primary's late reply has come and been dropped.
+    wait_for(Duration::from_secs(2), || {
+        let sel = running.selector.lock().unwrap();
+        sel.hedge_counts().unwrap()[0].hedge_replies_dropped > 0
+    });
     let sel = running.selector.lock().unwrap();
     let h = sel.hedge_counts().unwrap();
     assert_eq!((h[1].hedges_sent, h[1].hedges_won), (1, 1), "{h:?}");
@@ -253,7 +258,11 @@ fn auto_hedges_a_stall_right_after_it_begins() {
         first < Duration::from_millis(25),
         "answered by the hedge at the estimated delay: {first:?}"
     );
-    thread::sleep(Duration::from_millis(100));
+    // Until the primary's late reply has come and been dropped.
+    wait_for(Duration::from_secs(2), || {
+        let h = running.selector.lock().unwrap().hedge_counts().unwrap();
+        h[0].hedge_replies_dropped > before[0].hedge_replies_dropped
+    });
     let h = running.selector.lock().unwrap().hedge_counts().unwrap();
     assert_eq!(
         (
@@ -391,7 +400,11 @@ fn hedging_off_sends_no_copies() {
     let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));
     tb.replicas[0].resume();
     assert!(replies.is_empty(), "nobody answers a stopped primary");
-    thread::sleep(Duration::from_millis(100));
+    // Until the resumed primary's reply has completed the read: a hedge
+    // would have been sent long before.
+    wait_for(Duration::from_secs(2), || {
+        running.selector.lock().unwrap().accounting().unwrap()[0].1 == 1
+    });
     let sel = running.selector.lock().unwrap();
     let h = sel.hedge_counts().unwrap();
     assert!(h.iter().all(|c| c.hedges_sent == 0), "{h:?}");
@@ -399,4 +412,58 @@ fn hedging_off_sends_no_copies() {
     assert_eq!((acc[1].0, acc[2].0), (0, 0), "no copy reached a replica");
     drop(sel);
     assert_balanced(&running);
+}
+
+/// The agent itself (not a test's sweeper) keeps `--hedge-after auto`'s
+/// delays up to date: it begins at the ceiling, and once the primary has
+/// answered a few reads the delay the agent reports falls to an estimate
+/// of them, with nothing but the agent's own loop to refresh it.
+#[test]
+fn the_running_agent_refreshes_its_auto_hedge_delay() {
+    let tb = testbed("hgr");
+    let group = tb.group_arg();
+    let timeout = TIMEOUT.as_millis().to_string();
+    let (mut agent, _lines) = agent::spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--timeout",
+            &timeout,
+            "--hedge-after",
+            "auto",
+            "--quiet",
+        ],
+    );
+    let ceiling = auto_ceiling_ns(TIMEOUT.as_nanos() as u64);
+    let delay = || -> Option<u64> {
+        let status: serde_json::Value = agent::status_json(&tb.client, CLIENT_IFACE);
+        status["backends"][0]["hedge_delay_ns"].as_u64()
+    };
+    assert_eq!(delay(), Some(ceiling), "auto begins at the ceiling");
+    let primary = tb.replica_endpoints()[0];
+    let estimated = wait_for(Duration::from_secs(5), || {
+        tb.client
+            .run(move || {
+                let client = MemcachedClient::connect(primary).unwrap();
+                for i in 0..5 {
+                    assert_eq!(
+                        client.get(&key_for(i)).unwrap(),
+                        Some(value_for(i).into_bytes())
+                    );
+                }
+            })
+            .unwrap();
+        delay().is_some_and(|d| d < ceiling / 10)
+    });
+    assert!(
+        estimated,
+        "the agent's delay stayed {:?} (ceiling {ceiling}) while the primary answered",
+        delay()
+    );
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
 }

@@ -19,6 +19,7 @@ use selector_testbed::{
     dns::{self, APEX_A, DNS_PORT, Nsd, ZONE},
     preload, run_load,
     topology::{CLIENT_IFACE, replica_addr6, switch_port},
+    wait_for,
 };
 use selector_user::{IngressMode, Settings};
 
@@ -156,6 +157,11 @@ fn stalled_ipv6_primary(ingress: IngressMode, next_hop: NextHop, prefix: &str) {
     let stats = running.selector.lock().unwrap().stats().unwrap();
     assert_every_reply_arrived(&reports[0], "IPv6");
     assert_left_the_primary(&stats, 0, "IPv6");
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     let direct: u64 = stats[1..].iter().map(|s| s.redirected_direct).sum();
     let redirected: u64 = stats[1..].iter().map(|s| s.redirected_to).sum();
     let expected = match next_hop {
@@ -196,6 +202,12 @@ fn both_families_leave_a_stalled_primary(tb: &Testbed) {
     assert_every_reply_arrived(&reports[1], "IPv6 group");
     assert_left_the_primary(&stats, 0, "IPv4 group");
     assert_left_the_primary(&stats, 3, "IPv6 group");
+    // The replicas serve both groups from one process each.
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away + stats[3].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     let responses = |g: &[BackendStats]| g.iter().map(|s| s.responses).sum::<u64>();
     assert_eq!(responses(&stats[..3]), reports[0].sent);
     assert_eq!(responses(&stats[3..]), reports[1].sent);
@@ -256,15 +268,20 @@ fn dns_over_ipv6_leaves_a_stalled_nsd_and_dig_accepts_every_answer() {
     let at = format!("@{}", replica_addr6(0));
     let args = [at.as_str(), ZONE, "A", "+tries=1", "+time=3"];
     servers[0].stop();
-    let digs: Vec<_> = (0..QUERIES)
-        .map(|_| {
+    let queries_seen = || running.selector.lock().unwrap().stats().unwrap()[0].requests;
+    let digs: Vec<_> = (1..=QUERIES as u64)
+        .map(|n| {
             let d = dns::spawn_dig(&tb.client, &args).expect("dig");
             // One at a time, so each sees the counts the last one left.
-            thread::sleep(Duration::from_millis(30));
+            wait_for(Duration::from_secs(3), || queries_seen() >= n);
             d
         })
         .collect();
-    thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        queries_seen(),
+        QUERIES as u64,
+        "every query left the client"
+    );
     servers[0].resume();
     let answers: Vec<dns::Dig> = digs
         .into_iter()

@@ -12,8 +12,39 @@ use selector_testbed::{
     bpffs::Bpffs,
     preload, run_load,
     topology::{CLIENT_IFACE, replica_addr},
+    wait_for,
 };
 use selector_user::api::Status;
+
+/// The destination Ethernet address the attached egress program has for
+/// backend `backend` in its `NEXT_HOPS` map (what the agent published),
+/// read through the program's own map ids.
+fn published_mac(tb: &Testbed, backend: u32) -> Option<[u8; 6]> {
+    use aya::{
+        maps::{Array, Map, MapData, MapInfo},
+        programs::{SchedClassifier, TcAttachType},
+    };
+    use selector_common::{NextHopMac, names};
+    tb.client
+        .run(move || {
+            let (_, programs) =
+                SchedClassifier::query_tcx(CLIENT_IFACE, TcAttachType::Egress).ok()?;
+            let ids = programs
+                .iter()
+                .filter_map(|p| p.map_ids().ok().flatten())
+                .flatten();
+            for id in ids {
+                if MapInfo::from_id(id).ok()?.name_as_str() != Some(names::NEXT_HOPS) {
+                    continue;
+                }
+                let map: Array<_, NextHopMac> =
+                    Array::try_from(Map::Array(MapData::from_id(id).ok()?)).ok()?;
+                return map.get(&backend, 0).ok().map(|hop| hop.dst);
+            }
+            None
+        })
+        .unwrap()
+}
 
 /// `ip neigh show` in the client namespace, one line per entry.
 fn neighbours(tb: &Testbed) -> Vec<String> {
@@ -290,8 +321,16 @@ fn redirects_go_straight_to_the_next_hop_and_follow_its_change() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // One refresh period (100 ms) and some slack.
-    std::thread::sleep(Duration::from_millis(300));
+    // Until the agent has published the new address (it looks every 100 ms).
+    let mac: [u8; 6] = [0x02, 0x77, 0x00, 0x00, 0x01, 0x01];
+    let published = wait_for(Duration::from_secs(3), || {
+        published_mac(&tb, 1) == Some(mac)
+    });
+    assert!(
+        published,
+        "the agent never published {new_mac}: {:02x?}",
+        published_mac(&tb, 1)
+    );
     assert_eq!(
         stalled_load(&tb, 1.0),
         0,

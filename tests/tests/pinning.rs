@@ -25,7 +25,7 @@ use aya::maps::{Array, Map, MapData, PerCpuArray};
 use selector_common::{BackendStats, GroupCounters, names, pending};
 use selector_testbed::{
     ClientSocket, LoadReport, LoadSpec, MemcachedClient, Testbed, agent, bpffs::Bpffs, run_load_on,
-    topology::CLIENT_IFACE,
+    topology::CLIENT_IFACE, wait_for,
 };
 use selector_user::api::Status;
 
@@ -190,8 +190,11 @@ fn agent_killed_and_restarted_with_pins_loses_nothing() {
     thread::sleep(LOAD / 3);
     let before_kill = status(&tb);
     first.signal(libc::SIGKILL);
-    // No agent for a while, stalls going on: the pinned programs steer.
-    thread::sleep(Duration::from_millis(400));
+    // No agent, stalls going on: until the pinned programs have moved reads.
+    let moved_before_kill = sum(&before_kill, |b| b.stats.redirected_away);
+    let members = tb.replicas.len();
+    let moved = || -> u64 { pinned_counts(&bpffs, members).iter().map(|c| c.1).sum() };
+    wait_for(Duration::from_secs(3), || moved() > moved_before_kill);
     assert_eq!(attached(&tb), 2, "the pinned programs stay attached");
     let (_second, line) = spawn(&tb, &args);
     assert!(line.contains("adopted the pins"), "{line}");

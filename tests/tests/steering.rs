@@ -108,6 +108,13 @@ fn stall_redirects_and_every_reply_arrives(ingress: IngressMode, prefix: &str, p
         replica_responses > 0,
         "replicas must have answered: {stats:?}"
     );
+    // Counted by the replicas themselves: every read the selector says it
+    // moved reached one of them.
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     assert_eq!(
         tb.udp_checksum_errors().unwrap(),
         0,
@@ -151,6 +158,7 @@ fn observe_mode_counts_but_never_rewrites() {
         assert_eq!((s.redirected_away, s.redirected_to), (0, 0), "{stats:?}");
     }
     assert_eq!(stats[1].responses + stats[2].responses, 0);
+    assert_eq!(tb.reads_moved().unwrap(), 0, "observe moved reads");
     assert_eq!(wait_for_zero_pending(&running, timeout), vec![0, 0, 0]);
 }
 
@@ -324,6 +332,11 @@ fn latency_policy_steers_away_from_a_stalled_primary_and_every_reply_arrives() {
     );
     let redirected_to: u64 = stats[1..].iter().map(|s| s.redirected_to).sum();
     assert_eq!(redirected_to, stats[0].redirected_away);
+    assert_eq!(
+        tb.reads_moved().unwrap(),
+        stats[0].redirected_away,
+        "reads the other replicas served vs. the selector's count: {stats:?}"
+    );
     assert_eq!(
         tb.udp_checksum_errors().unwrap(),
         0,
