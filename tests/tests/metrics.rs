@@ -3,7 +3,9 @@
 //! the client sent, `promtool check metrics` accepts the exposition, and the
 //! tail blame in `selector status --json` falls on a stalled primary when
 //! nothing steers and leaves it when the selector steers. A metrics address
-//! that cannot listen fails the start before anything is attached.
+//! that cannot listen fails the start before anything is attached. Idle
+//! connections by the thousand and a reader that never reads leave the
+//! agent sweeping and answering.
 
 use std::{
     net::SocketAddr,
@@ -458,4 +460,114 @@ fn readyz_fails_when_the_programs_are_detached_under_the_agent() {
         assert_eq!(get(&tb, "/healthz", None).status, 200);
         stop_agent(agent);
     }
+}
+
+/// Thousands of idle connections to both endpoints, past the agent's
+/// descriptor limit, and a scrape whose reader never reads: the agent keeps
+/// sweeping (its heartbeat stays fresh), `selector status` and `set` are
+/// answered, and scrapes are served, while they are all still open.
+#[test]
+fn endpoints_keep_working_under_idle_connections_and_a_slow_reader() {
+    use std::os::unix::net::UnixStream;
+    const IDLE: usize = 1500;
+    let tb = testbed("selab");
+    // The test holds 3000 and more descriptors.
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    limit.rlim_cur = limit.rlim_max;
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) };
+    assert!(
+        limit.rlim_cur as usize > 2 * IDLE + 100,
+        "{}",
+        limit.rlim_cur
+    );
+
+    // The agent with fewer descriptors than the connections (as a unit's
+    // LimitNOFILE would give it).
+    let group = group(&tb);
+    let mut child = tb
+        .client
+        .command("prlimit")
+        .args([
+            "--nofile=512:512",
+            agent::selector_binary().to_str().unwrap(),
+        ])
+        .args(["run", "--iface", CLIENT_IFACE, "--group", &group, "--quiet"])
+        .args(["--metrics-addr", METRICS_ADDR, "--interval", "100"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to"), "{first}");
+
+    let inode = std::os::unix::fs::MetadataExt::ino(
+        &std::fs::metadata(format!("/run/netns/{}", tb.client.name)).unwrap(),
+    );
+    let socket = format!("/run/selector/net-{inode}/{CLIENT_IFACE}.sock");
+    let metrics: SocketAddr = METRICS_ADDR.parse().unwrap();
+    let (idle_tcp, slow) = tb
+        .client
+        .run(move || {
+            let idle: Vec<std::net::TcpStream> = (0..IDLE)
+                .filter_map(|_| std::net::TcpStream::connect(metrics).ok())
+                .collect();
+            // A scrape whose reader never reads.
+            let mut slow = std::net::TcpStream::connect(metrics).unwrap();
+            std::io::Write::write_all(&mut slow, b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+            (idle, slow)
+        })
+        .unwrap();
+    let idle_unix: Vec<UnixStream> = (0..IDLE)
+        .filter_map(|_| UnixStream::connect(&socket).ok())
+        .collect();
+    println!(
+        "held {} idle TCP and {} idle control connections, one slow reader",
+        idle_tcp.len(),
+        idle_unix.len()
+    );
+    assert!(
+        idle_tcp.len() + idle_unix.len() > 512,
+        "past the agent's descriptors"
+    );
+
+    // While they are all open: control, scrapes and sweeps go on.
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            agent::run_selector(&tb.client, &["status", "--iface", CLIENT_IFACE, "--json"]).0 == 0
+        }),
+        "no status while flooded"
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            agent::run_selector(
+                &tb.client,
+                &["set", "--iface", CLIENT_IFACE, "--threshold", "3"],
+            )
+            .0 == 0
+        }),
+        "no set while flooded"
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            tb.client
+                .run(move || http_get(metrics, "/metrics", None))
+                .unwrap()
+                .is_ok_and(|r| r.status == 200 && r.body.contains("selector_requests_total"))
+        }),
+        "no scrape while flooded"
+    );
+    let status = status_json(&tb);
+    assert_eq!(status["settings"]["threshold"], 3, "{status}");
+    assert_eq!(
+        status["heartbeat"]["fresh"], true,
+        "the agent sweeps: {status}"
+    );
+    drop((idle_tcp, idle_unix, slow));
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
 }

@@ -13,6 +13,7 @@ use tokio::{
 };
 
 use crate::{
+    agent::limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
     agent::reload::Reloader,
     api::{MAX_REQUEST_BYTES, Reply, Request, SettingsChange, Status, socket::RunningLock},
     datapath::Selector,
@@ -35,6 +36,7 @@ pub struct ControlServer {
     listener: UnixListener,
     /// Held while the agent runs; removes the socket file when dropped.
     _running: RunningLock,
+    limit: ConnectionLimit,
     calls_tx: mpsc::Sender<ControlCall>,
     calls_rx: mpsc::Receiver<ControlCall>,
 }
@@ -53,6 +55,7 @@ impl ControlServer {
         Ok(Self {
             listener: UnixListener::from_std(listener)?,
             _running: running,
+            limit: ConnectionLimit::default(),
             calls_tx,
             calls_rx,
         })
@@ -62,11 +65,21 @@ impl ControlServer {
     pub async fn next_call(&mut self) -> ControlCall {
         loop {
             tokio::select! {
-                accepted = self.listener.accept() => {
-                    if let Ok((stream, _)) = accepted {
-                        tokio::spawn(read_request(stream, self.calls_tx.clone()));
+                accepted = self.listener.accept() => match accepted {
+                    // Beyond the limit: closed at once (dropped).
+                    Ok((stream, _)) => if let Some(permit) = self.limit.admit() {
+                        let calls = self.calls_tx.clone();
+                        tokio::spawn(async move {
+                            read_request(stream, calls).await;
+                            drop(permit);
+                        });
+                    },
+                    // Out of descriptors, say: wait instead of spinning.
+                    Err(e) => {
+                        log::warn!("control socket: accept failed: {e}");
+                        tokio::time::sleep(ACCEPT_BACKOFF).await;
                     }
-                }
+                },
                 Some(call) = self.calls_rx.recv() => return call,
             }
         }
@@ -209,9 +222,12 @@ async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
     };
     if let Ok(mut text) = serde_json::to_string(&reply) {
         text.push('\n');
-        let _ = write.write_all(text.as_bytes()).await;
+        let _ = tokio::time::timeout(WRITE_WAIT, async {
+            write.write_all(text.as_bytes()).await?;
+            write.shutdown().await
+        })
+        .await;
     }
-    let _ = write.shutdown().await;
 }
 
 /// Passes a request to the main loop and waits for its reply.

@@ -15,6 +15,7 @@ use std::{
     fmt,
     future::Future,
     net::SocketAddr,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -32,7 +33,10 @@ use tokio::{
 };
 
 use crate::{
-    agent::health::{self, Health},
+    agent::{
+        health::{self, Health},
+        limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
+    },
     api::Status,
     telemetry::BackendTotals,
 };
@@ -49,6 +53,34 @@ pub const READINESS_PATH: &str = "/readyz";
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
 /// Longest request head read; a scrape's is a few hundred bytes.
 const MAX_REQUEST_HEAD: usize = 16 * 1024;
+
+/// How long a status built for one scrape serves the next ones: a flood
+/// of scrapes costs the owner loop at most one status per this.
+pub const SCRAPE_REUSE: Duration = Duration::from_millis(200);
+
+/// The status scrapes share (see [`SCRAPE_REUSE`]); scrapes that arrive
+/// while it is being built wait for it.
+#[derive(Clone, Default)]
+pub struct CachedStatus(Arc<tokio::sync::Mutex<Option<(Instant, Status)>>>);
+
+impl CachedStatus {
+    /// The status built less than [`SCRAPE_REUSE`] ago, else `fetch`'s.
+    pub async fn get<F, Fut>(&self, fetch: F) -> Result<Status>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Status>>,
+    {
+        let mut slot = self.0.lock().await;
+        if let Some((at, status)) = slot.as_ref()
+            && at.elapsed() < SCRAPE_REUSE
+        {
+            return Ok(status.clone());
+        }
+        let status = fetch().await?;
+        *slot = Some((Instant::now(), status.clone()));
+        Ok(status)
+    }
+}
 
 /// The listening endpoint.
 pub struct MetricsServer {
@@ -76,15 +108,23 @@ impl MetricsServer {
         F: Fn() -> Fut + Clone + Send + 'static,
         Fut: Future<Output = Result<Status>> + Send + 'static,
     {
+        let limit = ConnectionLimit::default();
         loop {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
-                    tokio::spawn(answer(stream, status.clone(), health.clone()));
+                    // Beyond the limit: closed at once (dropped).
+                    if let Some(permit) = limit.admit() {
+                        let (status, health) = (status.clone(), health.clone());
+                        tokio::spawn(async move {
+                            answer(stream, status, health).await;
+                            drop(permit);
+                        });
+                    }
                 }
                 // Out of descriptors, say: wait instead of spinning.
                 Err(e) => {
                     log::warn!("metrics endpoint: accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
                 }
             }
         }
@@ -115,8 +155,12 @@ where
         Route::MethodNotAllowed => Response::text("405 Method Not Allowed", "only GET\n"),
         Route::BadRequest => Response::text("400 Bad Request", "bad request\n"),
     };
-    let _ = stream.write_all(&response.into_bytes()).await;
-    let _ = stream.shutdown().await;
+    let bytes = response.into_bytes();
+    let _ = tokio::time::timeout(WRITE_WAIT, async {
+        stream.write_all(&bytes).await?;
+        stream.shutdown().await
+    })
+    .await;
 }
 
 /// The request head, up to the blank line (or as much as arrived).
@@ -680,6 +724,33 @@ fn prometheus_buckets(counts: &[u64]) -> (Vec<(f64, u64)>, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn scrapes_in_a_burst_share_one_status() {
+        let cache = CachedStatus::default();
+        let built = std::sync::atomic::AtomicU32::new(0);
+        for _ in 0..5 {
+            let status = cache
+                .get(|| async {
+                    built.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(status())
+                })
+                .await
+                .unwrap();
+            assert_eq!(status, super::tests::status());
+        }
+        assert_eq!(built.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // Older than SCRAPE_REUSE: built again.
+        tokio::time::sleep(SCRAPE_REUSE).await;
+        cache
+            .get(|| async {
+                built.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok(status())
+            })
+            .await
+            .unwrap();
+        assert_eq!(built.load(std::sync::atomic::Ordering::SeqCst), 2);
+    }
     use crate::{
         api::SettingsInForce,
         config::settings::Settings,

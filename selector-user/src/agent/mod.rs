@@ -3,6 +3,7 @@
 
 pub mod control_server;
 pub mod health;
+pub mod limits;
 pub mod metrics;
 pub mod reload;
 pub mod render;

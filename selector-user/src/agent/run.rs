@@ -12,7 +12,7 @@ use tokio::{
 
 use crate::{
     agent::health::Health,
-    agent::metrics::MetricsServer,
+    agent::metrics::{CachedStatus, MetricsServer},
     agent::reload::{Reloader, describe},
     agent::sd_notify::Notifier,
     agent::{
@@ -111,11 +111,13 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
             metrics.local_addr()?
         );
         let caller = control.local_caller();
-        // Scrapes are answered by the main loop, like `selector status`.
+        let cache = CachedStatus::default();
+        // Scrapes are answered by the main loop, like `selector status`,
+        // at most once per `SCRAPE_REUSE` however many arrive.
         tokio::spawn(metrics.serve(
             move || {
-                let caller = caller.clone();
-                async move { caller.status().await }
+                let (caller, cache) = (caller.clone(), cache.clone());
+                async move { cache.get(|| caller.status()).await }
             },
             agent.health.clone(),
         ));
