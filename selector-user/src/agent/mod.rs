@@ -2,6 +2,7 @@
 //! and serves the control socket, reloads, the metrics endpoint and systemd.
 
 pub mod control_server;
+pub mod endpoint;
 pub mod health;
 pub mod limits;
 pub mod metrics;

@@ -11,8 +11,8 @@ use tokio::{
 };
 
 use crate::{
+    agent::endpoint::{CachedStatus, MetricsServer},
     agent::health::Health,
-    agent::metrics::{CachedStatus, MetricsServer},
     agent::reload::{Reloader, describe},
     agent::sd_notify::Notifier,
     agent::{
