@@ -445,7 +445,7 @@ fn readyz_fails_when_the_programs_are_detached_under_the_agent() {
         wait_for_status(&tb, "/readyz", 200);
         let detached = tb
             .client
-            .run(|| selector_user::datapath::pinning::detach_attached(CLIENT_IFACE))
+            .run(|| selector_user::datapath::detach::detach_attached(CLIENT_IFACE))
             .unwrap()
             .unwrap();
         assert_eq!(detached.len(), 2, "{detached:?}");

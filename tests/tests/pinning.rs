@@ -126,7 +126,7 @@ fn status(tb: &Testbed) -> Status {
 /// and ingress: `--ingress auto` on a veth is TC).
 fn attached(tb: &Testbed) -> usize {
     tb.client
-        .run(|| selector_user::datapath::pinning::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
+        .run(|| selector_user::datapath::detach::tcx_programs_on(CLIENT_IFACE).map(|p| p.len()))
         .unwrap()
         .unwrap()
 }

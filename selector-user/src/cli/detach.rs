@@ -8,7 +8,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 
 use crate::{
-    datapath::pinning::{self, DEFAULT_PIN_DIR, PinDir},
+    datapath::pinning::{DEFAULT_PIN_DIR, PinDir},
     host::interface,
     host::neighbours,
 };
@@ -50,10 +50,11 @@ pub fn detach(args: DetachArgs) -> Result<()> {
         .as_ref()
         .map(|dir| PinDir::at(dir, iface))
         .transpose()?;
-    let members = pinning::member_addresses(iface, pins.as_ref());
+    let members = crate::datapath::detach::member_addresses(iface, pins.as_ref());
     match &pins {
         Some(pins) => {
-            let removed = pinning::detach_pinned(pins, Duration::from_millis(args.wait))?;
+            let removed =
+                crate::datapath::detach::detach_pinned(pins, Duration::from_millis(args.wait))?;
             if removed.waited_out > 0 {
                 println!(
                     "selector: {} redirected reads were still unanswered after {} ms",
@@ -69,7 +70,7 @@ pub fn detach(args: DetachArgs) -> Result<()> {
             );
         }
         None => {
-            let detached = pinning::detach_attached(iface)?;
+            let detached = crate::datapath::detach::detach_attached(iface)?;
             if !detached.is_empty() {
                 println!(
                     "selector: detached from {iface}: {} (pins, if any, remain until removed)",

@@ -133,7 +133,7 @@ fn verifier_log_level() -> VerifierLogLevel {
 /// Refuses to attach next to selector programs already on `iface` (left
 /// pinned by an agent with `--pin`, say): both would count and steer.
 fn refuse_if_attached(iface: &str) -> Result<()> {
-    if !pinning::tcx_programs_on(iface)?.is_empty() {
+    if !crate::datapath::detach::tcx_programs_on(iface)?.is_empty() {
         bail!(
             "selector programs are already attached to {iface} (pinned by a `selector run --pin DIR`?): adopt them with the same --pin DIR, or remove them with `selector detach --iface {iface} [--pin DIR]`"
         );
@@ -148,7 +148,7 @@ fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
         LinkSlot::IngressTc => TcAttachType::Ingress,
         LinkSlot::IngressXdp => return Ok(()), // the kernel refuses a second XDP program
     };
-    if !pinning::tcx_programs_at(iface, attach).is_empty() {
+    if !crate::datapath::detach::tcx_programs_at(iface, attach).is_empty() {
         bail!(
             "a selector program is attached to {iface} without a pinned link in the pin directory: run `selector detach --iface {iface}` first"
         );
@@ -251,7 +251,7 @@ impl Selector {
         if fresh.is_err() {
             // Nothing of a failed start stays pinned (the next agent would
             // adopt it).
-            let _ = pins.remove_all(&mut pinning::Removed::default());
+            let _ = pins.remove_all(&mut crate::datapath::detach::Removed::default());
         }
         let table = GroupTable::from_start(&settings.groups, names);
         fresh.map(|s| (s, GroupChanges::none(table)))

@@ -2,6 +2,7 @@
 //! names aya maps, programs and links. [`Selector`] is the handle.
 
 pub mod attachment;
+pub mod detach;
 pub mod ejection;
 pub mod endpoint;
 pub mod hedges;
