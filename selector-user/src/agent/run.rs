@@ -1,6 +1,11 @@
 //! The agent's owner loop (`selector run`): attach, steer until a signal or --duration, stop
 //! gracefully, detach and print the totals. With `--pin` the agent leaves
 //! everything attached and pinned when it exits, for the next agent to adopt.
+//!
+//! Over 500 lines: the owner loop is one `select!` over signals, the
+//! control socket, reloads, sweeps, hedge refreshes, ejection checks and
+//! printing, and its start and stop sequences; each branch calls into the
+//! module that owns the concern.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
