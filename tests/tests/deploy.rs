@@ -516,16 +516,45 @@ fn the_daemonset_agrees_with_the_unit_and_its_config() {
             "{probe}"
         );
     }
+    // The pin directory is the mount of the selector's own directory of
+    // the host's bpffs, and the pod sees nothing else of that bpffs.
     let bpffs = mount_of("bpffs");
-    assert!(config.pin.expect("pin").starts_with(&bpffs));
-    let host_bpffs = spec["volumes"]
+    assert_eq!(config.pin.expect("pin"), Path::new(&bpffs));
+    assert!(!bpffs.starts_with("/sys/"), "no mount point under sysfs");
+    let host_bpffs = &spec["volumes"]
         .as_vec()
         .unwrap()
         .iter()
         .find(|v| v["name"].as_str() == Some("bpffs"))
-        .and_then(|v| v["hostPath"]["path"].as_str())
-        .map(str::to_owned);
-    assert_eq!(host_bpffs.as_deref(), Some("/sys/fs/bpf"));
+        .expect("a bpffs volume")["hostPath"];
+    assert_eq!(host_bpffs["path"].as_str(), Some("/sys/fs/bpf/selector"));
+    assert_eq!(host_bpffs["type"].as_str(), Some("DirectoryOrCreate"));
+    assert_least_privilege(spec);
+}
+
+/// What every pod of the manifests asks for beyond its capabilities: no
+/// service account token (nothing talks to the API server), the runtime's
+/// default seccomp profile, no privilege escalation, a read-only root.
+fn assert_least_privilege(spec: &yaml_rust2::Yaml) {
+    assert_eq!(
+        spec["automountServiceAccountToken"].as_bool(),
+        Some(false),
+        "{spec:?}"
+    );
+    assert_eq!(
+        spec["securityContext"]["seccompProfile"]["type"].as_str(),
+        Some("RuntimeDefault"),
+        "{spec:?}"
+    );
+    let containers = spec["containers"].as_vec().unwrap().iter();
+    for c in containers.chain(spec["initContainers"].as_vec().into_iter().flatten()) {
+        let security = &c["securityContext"];
+        assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
+        assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
+        assert_eq!(strings(&security["capabilities"]["drop"]), vec!["ALL"]);
+        // A container-level profile would override the pod's.
+        assert!(security["seccompProfile"].is_badvalue(), "{c:?}");
+    }
 }
 
 /// Host network and added capabilities are refused by the `baseline` and
@@ -800,6 +829,7 @@ fn the_uninstall_daemonset_detaches_what_the_agents_pinned() {
         (mount, host)
     };
     assert_eq!(host_bpffs(spec, detach), host_bpffs(agents, agent));
+    assert_least_privilege(spec);
 
     let text = manifest("ConfigMap")["data"]["selector.toml"]
         .as_str()
@@ -878,4 +908,108 @@ fn text_of(out: &std::process::Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// `sh -c SCRIPT` in `ns`, in a mount and a PID namespace of its own whose
+/// PID 1 (the shell) shares the agent's mount namespace, as in a
+/// container; `$SELECTOR` is the agent. (success, stdout and stderr)
+fn in_a_mount_namespace(ns: &Namespace, script: &str) -> (bool, String) {
+    let out = ns
+        .command("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("SELECTOR", selector_binary())
+        .output()
+        .unwrap();
+    (out.status.success(), text_of(&out))
+}
+
+/// With nothing mounted at /sys/fs/bpf, `--pin /sys/fs/bpf/selector`
+/// mounts a bpffs there itself: root's alone (mode 0700, as systemd mounts
+/// it), not the kernel's default 1777 that lets any user add pins.
+#[test]
+fn a_bpffs_the_agent_mounts_is_root_only() {
+    let tb = Testbed::new("seldm", 1).unwrap();
+    let script = format!(
+        r#"set -e
+"$SELECTOR" run --iface {CLIENT_IFACE} --group {group} --quiet --pin /sys/fs/bpf/selector --duration 1
+echo "mode=$(stat -c %a /sys/fs/bpf)"
+grep ' /sys/fs/bpf ' /proc/self/mountinfo
+"$SELECTOR" detach --iface {CLIENT_IFACE} --pin /sys/fs/bpf/selector
+"#,
+        group = tb.group_arg()
+    );
+    let (ok, said) = in_a_mount_namespace(&tb.client, &script);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains("selector: mounted a bpf filesystem at /sys/fs/bpf"),
+        "{said}"
+    );
+    let mode = said
+        .lines()
+        .find_map(|l| l.strip_prefix("mode="))
+        .and_then(|m| u32::from_str_radix(m.trim(), 8).ok())
+        .unwrap_or_else(|| panic!("no mode: {said}"));
+    assert_eq!(mode & 0o777, 0o700, "{mode:o}: {said}");
+    assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+/// The DaemonSet mounts only the selector's directory of the host's bpffs
+/// (hostPath /sys/fs/bpf/selector) at the ConfigMap's `pin`: the pin
+/// directory is itself the mount point and nothing is mounted at the
+/// container's /sys/fs/bpf. The agent pins there, on the host's bpffs,
+/// without mounting one of its own; the same with the directory mounted
+/// at /sys/fs/bpf/selector.
+#[test]
+fn the_agent_pins_into_a_bpffs_directory_mounted_as_its_pin_directory() {
+    use selector_user::config::file::{ConfigFile, Options};
+    let text = manifest("ConfigMap")["data"]["selector.toml"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let config = ConfigFile::parse(Path::new("selector.toml"), text)
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .unwrap();
+    let manifest_pin = config.pin.expect("the DaemonSet pins");
+    let tb = Testbed::new("seldb", 1).unwrap();
+    for pin in [manifest_pin.as_path(), Path::new("/sys/fs/bpf/selector")] {
+        let pin = pin.to_str().unwrap();
+        // A tmpfs stands in for the container's own files (the runtime
+        // makes the mount point); another at /sys/fs/bpf holds the
+        // stand-in for the host's bpffs, whose selector directory is
+        // bind-mounted at the pin directory, as the hostPath volume is.
+        let top = Path::new(pin).iter().nth(1).unwrap().to_str().unwrap();
+        let script = format!(
+            r#"set -e
+mount -t tmpfs none /sys/fs/bpf
+mkdir /sys/fs/bpf/host
+mount -t bpf bpf /sys/fs/bpf/host
+mkdir /sys/fs/bpf/host/selector
+case {pin} in /sys/fs/bpf/*) ;; *) mount -t tmpfs none /{top} ;; esac
+mkdir -p {pin}
+mount --bind /sys/fs/bpf/host/selector {pin}
+"$SELECTOR" run --iface {CLIENT_IFACE} --group {group} --quiet --pin {pin} --duration 1
+ls /sys/fs/bpf/host/selector/{CLIENT_IFACE}/maps/CONFIG
+"$SELECTOR" detach --iface {CLIENT_IFACE} --pin {pin}
+"#,
+            group = tb.group_arg()
+        );
+        let (ok, said) = in_a_mount_namespace(&tb.client, &script);
+        assert!(ok, "--pin {pin}: {said}");
+        assert!(!said.contains("mounted a bpf filesystem"), "{said}");
+        assert!(
+            said.contains(&format!("selector: detached from {CLIENT_IFACE}")),
+            "{said}"
+        );
+        assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
 }
