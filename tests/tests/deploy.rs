@@ -1013,3 +1013,112 @@ ls /sys/fs/bpf/host/selector/{CLIENT_IFACE}/maps/CONFIG
         assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
     }
 }
+
+const HEDGING_DROP_IN: &str = include_str!("../../deploy/selector-hedging.conf");
+
+/// The capabilities (setpriv names) of the unit with the hedging drop-in:
+/// systemd merges the drop-in's lines into the unit's.
+fn hedging_unit_capabilities() -> Vec<String> {
+    let setting = |key: &str| -> Vec<String> {
+        let prefix = format!("{key}=");
+        HEDGING_DROP_IN
+            .lines()
+            .filter_map(|l| l.strip_prefix(&prefix))
+            .flat_map(str::split_whitespace)
+            .map(|c| c.strip_prefix("CAP_").unwrap().to_lowercase())
+            .collect()
+    };
+    let added = setting("AmbientCapabilities");
+    assert_eq!(added, setting("CapabilityBoundingSet"));
+    assert_eq!(added, vec!["net_raw"], "the drop-in grants CAP_NET_RAW");
+    let mut caps = unit_capabilities();
+    caps.extend(added);
+    caps
+}
+
+/// A capability set (`CapEff:` ...) of /proc/PID/task/TID/status.
+fn capability_set(status: &str, set: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{set}:")))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or_else(|| panic!("no {set} in {status}"))
+}
+
+/// With the hedging drop-in, the agent (hedging off) opens its raw sockets
+/// at start and then holds CAP_NET_RAW in none of its threads' effective,
+/// permitted or ambient sets; `selector set --hedge-after` turns hedging
+/// on later, and a read whose primary stalls is hedged and answered
+/// through the sockets of the start.
+#[test]
+fn the_agent_drops_cap_net_raw_after_start_and_still_hedges() {
+    const CAP_NET_RAW: u64 = 1 << 13;
+    let mut tb = Testbed::new("seldh", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    let binary = PublicBinary::new();
+    let caps = hedging_unit_capabilities();
+    let mut agent = selector_testbed::agent::AgentProcess(
+        as_the_unit(
+            &tb.client,
+            &binary.path(),
+            &caps,
+            &["run", "--iface", CLIENT_IFACE, "--group", &tb.group_arg()],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to"), "{first}");
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", agent.id())).unwrap();
+    for task in tasks {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
+        for set in ["CapEff", "CapPrm", "CapAmb"] {
+            assert_eq!(
+                capability_set(&status, set) & CAP_NET_RAW,
+                0,
+                "{set} holds CAP_NET_RAW:\n{status}"
+            );
+        }
+        assert_ne!(capability_set(&status, "CapEff"), 0, "{status}");
+    }
+
+    let (code, out) = selector_testbed::agent::run_selector(
+        &tb.client,
+        &["set", "--iface", CLIENT_IFACE, "--hedge-after", "2"],
+    );
+    assert_eq!(code, 0, "hedging turned on after the drop: {out}");
+    tb.replicas[0].stop();
+    let to = r[0];
+    let answered = tb
+        .client
+        .spawn(move || {
+            use selector_testbed::memcached::{key_for, parse_get_response, value_for};
+            let client = selector_testbed::MemcachedClient::connect(to).unwrap();
+            let reply = client.request(
+                format!("get {}\r\n", key_for(1)).as_bytes(),
+                Duration::from_secs(5),
+            );
+            reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(1).as_bytes()))
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    tb.replicas[0].resume();
+    let status: serde_json::Value = selector_testbed::agent::status_json(&tb.client, CLIENT_IFACE);
+    let sent: u64 = status["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["hedges_sent"].as_u64())
+        .sum();
+    assert!(answered && sent >= 1, "{status}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    tb.replicas.clear();
+}
