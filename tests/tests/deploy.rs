@@ -125,6 +125,44 @@ fn the_unit_file_verifies() {
         .expect("systemd-analyze (Debian's systemd package)");
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && text.trim().is_empty(), "{text}");
+    // With the hedging drop-in's lines, merged as systemd merges them
+    // (`verify` of a bare file reads no drop-in directory).
+    let mut merged = std::fs::read_to_string(&unit).unwrap();
+    merged.push('\n');
+    merged.push_str(HEDGING_DROP_IN);
+    std::fs::write(&unit, merged).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", unit.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.trim().is_empty(), "{text}");
+}
+
+/// `systemd-analyze security` rates the unit's exposure 2.5 (4.9 before
+/// `PrivateDevices=`, `ProtectKernelTunables=`, `SystemCallFilter=` and
+/// the rest): a change that loosens it fails here.
+#[test]
+fn the_units_exposure_stays_low() {
+    let dir = std::env::temp_dir().join(format!("selector-security-{}", unique_tag()));
+    std::fs::create_dir(&dir).unwrap();
+    let unit = dir.join("selector.service");
+    std::fs::write(&unit, UNIT).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=yes", unit.to_str().unwrap()])
+        .output()
+        .expect("systemd-analyze 252 or later");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = text_of(&out);
+    let exposure: f64 = text
+        .lines()
+        .find_map(|l| {
+            l.split("Overall exposure level for selector.service:")
+                .nth(1)
+        })
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level: {text}"));
+    assert!(exposure <= 2.5, "exposure {exposure}:\n{text}");
 }
 
 #[test]
@@ -1120,5 +1158,199 @@ fn the_agent_drops_cap_net_raw_after_start_and_still_hedges() {
 
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
+    tb.replicas.clear();
+}
+
+/// The system calls one `systemd-analyze syscall-filter` item names: a
+/// call, or a group expanded (its nested groups too).
+fn syscall_set(item: &str, into: &mut std::collections::BTreeSet<String>) {
+    if !item.starts_with('@') {
+        into.insert(item.to_owned());
+        return;
+    }
+    let out = Command::new("systemd-analyze")
+        .args(["syscall-filter", item])
+        .output()
+        .expect("systemd-analyze");
+    assert!(out.status.success(), "{item}: {}", text_of(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for member in text.lines().skip(1).map(str::trim) {
+        if !member.is_empty() && !member.starts_with('#') {
+            syscall_set(member, into);
+        }
+    }
+}
+
+/// What the unit's `SystemCallFilter=` lines allow: their allow lists
+/// (with `@default`, which systemd adds to any) less their `~` lists.
+fn unit_syscall_filter() -> std::collections::BTreeSet<String> {
+    let lines: Vec<&str> = UNIT
+        .lines()
+        .filter_map(|l| l.strip_prefix("SystemCallFilter="))
+        .collect();
+    assert!(!lines.is_empty(), "the unit filters system calls");
+    assert!(!lines[0].starts_with('~'), "an allow list first");
+    let mut allowed = std::collections::BTreeSet::new();
+    syscall_set("@default", &mut allowed);
+    let mut denied = std::collections::BTreeSet::new();
+    for line in lines {
+        let (set, items) = match line.strip_prefix('~') {
+            Some(items) => (&mut denied, items),
+            None => (&mut allowed, line),
+        };
+        for item in items.split_whitespace() {
+            syscall_set(item, set);
+        }
+    }
+    allowed.difference(&denied).cloned().collect()
+}
+
+/// The unit's `SystemCallFilter=` holds every system call the agent makes:
+/// the agent, with the unit's capabilities and the hedging drop-in's, runs
+/// under `strace -f -c` with what the unit gives it (a config file, a pin
+/// directory, the notify socket and a watchdog) through its start,
+/// `selector status`, scrapes of /metrics and /readyz, a reload, hedging
+/// turned on and a hedged read, and its stop; every call strace counted
+/// must be in the filter as `systemd-analyze syscall-filter` expands it
+/// (systemd cannot run the unit here: PID 1 is not systemd).
+#[test]
+fn every_system_call_of_the_agent_is_in_the_units_filter() {
+    let allowed = unit_syscall_filter();
+    let mut tb = Testbed::new("seldc", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    let binary = PublicBinary::new();
+    let bpffs = Bpffs::mount();
+    let members: Vec<String> = r.iter().map(|a| format!("\"{a}\"")).collect();
+    let config = binary.dir.join("selector.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "iface = \"{CLIENT_IFACE}\"\nthreshold = 1\nquiet = true\npin = \"{}\"\n\
+             metrics-addr = \"{METRICS_ADDR}\"\n\n[[group]]\nname = \"cache\"\nmembers = [{}]\n",
+            bpffs.arg(),
+            members.join(", ")
+        ),
+    )
+    .unwrap();
+    let notify = binary.dir.join("notify");
+    let socket = UnixDatagram::bind(&notify).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let counts = binary.dir.join("strace.txt");
+    let mut agent = selector_testbed::agent::AgentProcess(
+        as_the_unit(
+            &tb.client,
+            Path::new("strace"),
+            &hedging_unit_capabilities(),
+            &[
+                "-f",
+                "-c",
+                "-o",
+                counts.to_str().unwrap(),
+                binary.path().to_str().unwrap(),
+                "run",
+                "--config",
+                config.to_str().unwrap(),
+            ],
+        )
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "200000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let (ready, _) = next_notification(&socket);
+    assert!(ready.starts_with("READY=1"), "{ready}");
+    // Read on, as systemd does: a full socket would block the agent.
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1024];
+        while socket.recv(&mut buf).is_ok() {}
+    });
+
+    let ctl = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--iface", CLIENT_IFACE]);
+        let (code, out) = selector_testbed::agent::run_selector(&tb.client, &all);
+        assert_eq!(code, 0, "{args:?}: {out}");
+    };
+    ctl(&["status"]);
+    let metrics: std::net::SocketAddr = METRICS_ADDR.parse().unwrap();
+    for path in ["/metrics", "/readyz"] {
+        let got = tb
+            .client
+            .run(move || http_get(metrics, path, None))
+            .unwrap()
+            .unwrap();
+        assert!(
+            got.status == 200 || path == "/readyz",
+            "{path}: {}",
+            got.body
+        );
+    }
+    ctl(&["reload"]);
+    ctl(&["set", "--hedge-after", "2"]);
+    tb.replicas[0].stop();
+    let to = r[0];
+    let answered = tb
+        .client
+        .spawn(move || {
+            use selector_testbed::memcached::{key_for, parse_get_response, value_for};
+            let client = selector_testbed::MemcachedClient::connect(to).unwrap();
+            let reply = client.request(
+                format!("get {}\r\n", key_for(2)).as_bytes(),
+                Duration::from_secs(5),
+            );
+            reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(2).as_bytes()))
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    tb.replicas[0].resume();
+    assert!(answered, "the hedged read was answered");
+    // Past a sweep or two and several watchdog pings.
+    std::thread::sleep(Duration::from_millis(1500));
+    // The agent is strace's child; strace ends with it, with its status.
+    let children = format!("/proc/{0}/task/{0}/children", agent.id());
+    let child: i32 = std::fs::read_to_string(&children)
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("strace's one child, the agent");
+    unsafe { libc::kill(child, libc::SIGTERM) };
+    let status = agent.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+
+    let table = std::fs::read_to_string(&counts).unwrap();
+    let used: Vec<&str> = table
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            let name = *fields.last()?;
+            let counted = fields.len() >= 5 && fields[0].parse::<f64>().is_ok();
+            (counted && name != "total").then_some(name)
+        })
+        .collect();
+    assert!(used.contains(&"bpf"), "{table}");
+    let outside: Vec<&&str> = used
+        .iter()
+        .filter(|name| !allowed.contains(**name))
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "system calls outside the unit's SystemCallFilter=: {outside:?}\n{table}"
+    );
+    let out = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args(["detach", "--iface", CLIENT_IFACE, "--pin", &bpffs.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text_of(&out));
     tb.replicas.clear();
 }
