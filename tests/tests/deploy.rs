@@ -125,6 +125,44 @@ fn the_unit_file_verifies() {
         .expect("systemd-analyze (Debian's systemd package)");
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && text.trim().is_empty(), "{text}");
+    // With the hedging drop-in's lines, merged as systemd merges them
+    // (`verify` of a bare file reads no drop-in directory).
+    let mut merged = std::fs::read_to_string(&unit).unwrap();
+    merged.push('\n');
+    merged.push_str(HEDGING_DROP_IN);
+    std::fs::write(&unit, merged).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["verify", unit.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && text.trim().is_empty(), "{text}");
+}
+
+/// `systemd-analyze security` rates the unit's exposure 2.5 (4.9 before
+/// `PrivateDevices=`, `ProtectKernelTunables=`, `SystemCallFilter=` and
+/// the rest): a change that loosens it fails here.
+#[test]
+fn the_units_exposure_stays_low() {
+    let dir = std::env::temp_dir().join(format!("selector-security-{}", unique_tag()));
+    std::fs::create_dir(&dir).unwrap();
+    let unit = dir.join("selector.service");
+    std::fs::write(&unit, UNIT).unwrap();
+    let out = Command::new("systemd-analyze")
+        .args(["security", "--offline=yes", unit.to_str().unwrap()])
+        .output()
+        .expect("systemd-analyze 252 or later");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = text_of(&out);
+    let exposure: f64 = text
+        .lines()
+        .find_map(|l| {
+            l.split("Overall exposure level for selector.service:")
+                .nth(1)
+        })
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no exposure level: {text}"));
+    assert!(exposure <= 2.5, "exposure {exposure}:\n{text}");
 }
 
 #[test]
@@ -516,16 +554,45 @@ fn the_daemonset_agrees_with_the_unit_and_its_config() {
             "{probe}"
         );
     }
+    // The pin directory is the mount of the selector's own directory of
+    // the host's bpffs, and the pod sees nothing else of that bpffs.
     let bpffs = mount_of("bpffs");
-    assert!(config.pin.expect("pin").starts_with(&bpffs));
-    let host_bpffs = spec["volumes"]
+    assert_eq!(config.pin.expect("pin"), Path::new(&bpffs));
+    assert!(!bpffs.starts_with("/sys/"), "no mount point under sysfs");
+    let host_bpffs = &spec["volumes"]
         .as_vec()
         .unwrap()
         .iter()
         .find(|v| v["name"].as_str() == Some("bpffs"))
-        .and_then(|v| v["hostPath"]["path"].as_str())
-        .map(str::to_owned);
-    assert_eq!(host_bpffs.as_deref(), Some("/sys/fs/bpf"));
+        .expect("a bpffs volume")["hostPath"];
+    assert_eq!(host_bpffs["path"].as_str(), Some("/sys/fs/bpf/selector"));
+    assert_eq!(host_bpffs["type"].as_str(), Some("DirectoryOrCreate"));
+    assert_least_privilege(spec);
+}
+
+/// What every pod of the manifests asks for beyond its capabilities: no
+/// service account token (nothing talks to the API server), the runtime's
+/// default seccomp profile, no privilege escalation, a read-only root.
+fn assert_least_privilege(spec: &yaml_rust2::Yaml) {
+    assert_eq!(
+        spec["automountServiceAccountToken"].as_bool(),
+        Some(false),
+        "{spec:?}"
+    );
+    assert_eq!(
+        spec["securityContext"]["seccompProfile"]["type"].as_str(),
+        Some("RuntimeDefault"),
+        "{spec:?}"
+    );
+    let containers = spec["containers"].as_vec().unwrap().iter();
+    for c in containers.chain(spec["initContainers"].as_vec().into_iter().flatten()) {
+        let security = &c["securityContext"];
+        assert_eq!(security["allowPrivilegeEscalation"].as_bool(), Some(false));
+        assert_eq!(security["readOnlyRootFilesystem"].as_bool(), Some(true));
+        assert_eq!(strings(&security["capabilities"]["drop"]), vec!["ALL"]);
+        // A container-level profile would override the pod's.
+        assert!(security["seccompProfile"].is_badvalue(), "{c:?}");
+    }
 }
 
 /// Host network and added capabilities are refused by the `baseline` and
@@ -800,6 +867,7 @@ fn the_uninstall_daemonset_detaches_what_the_agents_pinned() {
         (mount, host)
     };
     assert_eq!(host_bpffs(spec, detach), host_bpffs(agents, agent));
+    assert_least_privilege(spec);
 
     let text = manifest("ConfigMap")["data"]["selector.toml"]
         .as_str()
@@ -878,4 +946,411 @@ fn text_of(out: &std::process::Output) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     )
+}
+
+/// `sh -c SCRIPT` in `ns`, in a mount and a PID namespace of its own whose
+/// PID 1 (the shell) shares the agent's mount namespace, as in a
+/// container; `$SELECTOR` is the agent. (success, stdout and stderr)
+fn in_a_mount_namespace(ns: &Namespace, script: &str) -> (bool, String) {
+    let out = ns
+        .command("unshare")
+        .args([
+            "--mount",
+            "--propagation",
+            "private",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "sh",
+            "-c",
+            script,
+        ])
+        .env("SELECTOR", selector_binary())
+        .output()
+        .unwrap();
+    (out.status.success(), text_of(&out))
+}
+
+/// With nothing mounted at /sys/fs/bpf, `--pin /sys/fs/bpf/selector`
+/// mounts a bpffs there itself: root's alone (mode 0700, as systemd mounts
+/// it), not the kernel's default 1777 that lets any user add pins.
+#[test]
+fn a_bpffs_the_agent_mounts_is_root_only() {
+    let tb = Testbed::new("seldm", 1).unwrap();
+    let script = format!(
+        r#"set -e
+"$SELECTOR" run --iface {CLIENT_IFACE} --group {group} --quiet --pin /sys/fs/bpf/selector --duration 1
+echo "mode=$(stat -c %a /sys/fs/bpf)"
+grep ' /sys/fs/bpf ' /proc/self/mountinfo
+"$SELECTOR" detach --iface {CLIENT_IFACE} --pin /sys/fs/bpf/selector
+"#,
+        group = tb.group_arg()
+    );
+    let (ok, said) = in_a_mount_namespace(&tb.client, &script);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains("selector: mounted a bpf filesystem at /sys/fs/bpf"),
+        "{said}"
+    );
+    let mode = said
+        .lines()
+        .find_map(|l| l.strip_prefix("mode="))
+        .and_then(|m| u32::from_str_radix(m.trim(), 8).ok())
+        .unwrap_or_else(|| panic!("no mode: {said}"));
+    assert_eq!(mode & 0o777, 0o700, "{mode:o}: {said}");
+    assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+/// The DaemonSet mounts only the selector's directory of the host's bpffs
+/// (hostPath /sys/fs/bpf/selector) at the ConfigMap's `pin`: the pin
+/// directory is itself the mount point and nothing is mounted at the
+/// container's /sys/fs/bpf. The agent pins there, on the host's bpffs,
+/// without mounting one of its own; the same with the directory mounted
+/// at /sys/fs/bpf/selector.
+#[test]
+fn the_agent_pins_into_a_bpffs_directory_mounted_as_its_pin_directory() {
+    use selector_user::config::file::{ConfigFile, Options};
+    let text = manifest("ConfigMap")["data"]["selector.toml"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let config = ConfigFile::parse(Path::new("selector.toml"), text)
+        .and_then(|f| f.resolve_with(&Options::default()))
+        .unwrap();
+    let manifest_pin = config.pin.expect("the DaemonSet pins");
+    let tb = Testbed::new("seldb", 1).unwrap();
+    for pin in [manifest_pin.as_path(), Path::new("/sys/fs/bpf/selector")] {
+        let pin = pin.to_str().unwrap();
+        // A tmpfs stands in for the container's own files (the runtime
+        // makes the mount point); another at /sys/fs/bpf holds the
+        // stand-in for the host's bpffs, whose selector directory is
+        // bind-mounted at the pin directory, as the hostPath volume is.
+        let top = Path::new(pin).iter().nth(1).unwrap().to_str().unwrap();
+        let script = format!(
+            r#"set -e
+mount -t tmpfs none /sys/fs/bpf
+mkdir /sys/fs/bpf/host
+mount -t bpf bpf /sys/fs/bpf/host
+mkdir /sys/fs/bpf/host/selector
+case {pin} in /sys/fs/bpf/*) ;; *) mount -t tmpfs none /{top} ;; esac
+mkdir -p {pin}
+mount --bind /sys/fs/bpf/host/selector {pin}
+"$SELECTOR" run --iface {CLIENT_IFACE} --group {group} --quiet --pin {pin} --duration 1
+ls /sys/fs/bpf/host/selector/{CLIENT_IFACE}/maps/CONFIG
+"$SELECTOR" detach --iface {CLIENT_IFACE} --pin {pin}
+"#,
+            group = tb.group_arg()
+        );
+        let (ok, said) = in_a_mount_namespace(&tb.client, &script);
+        assert!(ok, "--pin {pin}: {said}");
+        assert!(!said.contains("mounted a bpf filesystem"), "{said}");
+        assert!(
+            said.contains(&format!("selector: detached from {CLIENT_IFACE}")),
+            "{said}"
+        );
+        assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
+}
+
+const HEDGING_DROP_IN: &str = include_str!("../../deploy/selector-hedging.conf");
+
+/// The capabilities (setpriv names) of the unit with the hedging drop-in:
+/// systemd merges the drop-in's lines into the unit's.
+fn hedging_unit_capabilities() -> Vec<String> {
+    let setting = |key: &str| -> Vec<String> {
+        let prefix = format!("{key}=");
+        HEDGING_DROP_IN
+            .lines()
+            .filter_map(|l| l.strip_prefix(&prefix))
+            .flat_map(str::split_whitespace)
+            .map(|c| c.strip_prefix("CAP_").unwrap().to_lowercase())
+            .collect()
+    };
+    let added = setting("AmbientCapabilities");
+    assert_eq!(added, setting("CapabilityBoundingSet"));
+    assert_eq!(added, vec!["net_raw"], "the drop-in grants CAP_NET_RAW");
+    let mut caps = unit_capabilities();
+    caps.extend(added);
+    caps
+}
+
+/// A capability set (`CapEff:` ...) of /proc/PID/task/TID/status.
+fn capability_set(status: &str, set: &str) -> u64 {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{set}:")))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or_else(|| panic!("no {set} in {status}"))
+}
+
+/// With the hedging drop-in, the agent (hedging off) opens its raw sockets
+/// at start and then holds CAP_NET_RAW in none of its threads' effective,
+/// permitted or ambient sets; `selector set --hedge-after` turns hedging
+/// on later, and a read whose primary stalls is hedged and answered
+/// through the sockets of the start.
+#[test]
+fn the_agent_drops_cap_net_raw_after_start_and_still_hedges() {
+    const CAP_NET_RAW: u64 = 1 << 13;
+    let mut tb = Testbed::new("seldh", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    let binary = PublicBinary::new();
+    let caps = hedging_unit_capabilities();
+    let mut agent = selector_testbed::agent::AgentProcess(
+        as_the_unit(
+            &tb.client,
+            &binary.path(),
+            &caps,
+            &["run", "--iface", CLIENT_IFACE, "--group", &tb.group_arg()],
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(first.starts_with("selector: attached to"), "{first}");
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", agent.id())).unwrap();
+    for task in tasks {
+        let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
+        for set in ["CapEff", "CapPrm", "CapAmb"] {
+            assert_eq!(
+                capability_set(&status, set) & CAP_NET_RAW,
+                0,
+                "{set} holds CAP_NET_RAW:\n{status}"
+            );
+        }
+        assert_ne!(capability_set(&status, "CapEff"), 0, "{status}");
+    }
+
+    let (code, out) = selector_testbed::agent::run_selector(
+        &tb.client,
+        &["set", "--iface", CLIENT_IFACE, "--hedge-after", "2"],
+    );
+    assert_eq!(code, 0, "hedging turned on after the drop: {out}");
+    tb.replicas[0].stop();
+    let to = r[0];
+    let answered = tb
+        .client
+        .spawn(move || {
+            use selector_testbed::memcached::{key_for, parse_get_response, value_for};
+            let client = selector_testbed::MemcachedClient::connect(to).unwrap();
+            let reply = client.request(
+                format!("get {}\r\n", key_for(1)).as_bytes(),
+                Duration::from_secs(5),
+            );
+            reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(1).as_bytes()))
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    tb.replicas[0].resume();
+    let status: serde_json::Value = selector_testbed::agent::status_json(&tb.client, CLIENT_IFACE);
+    let sent: u64 = status["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["hedges_sent"].as_u64())
+        .sum();
+    assert!(answered && sent >= 1, "{status}");
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    tb.replicas.clear();
+}
+
+/// The system calls one `systemd-analyze syscall-filter` item names: a
+/// call, or a group expanded (its nested groups too).
+fn syscall_set(item: &str, into: &mut std::collections::BTreeSet<String>) {
+    if !item.starts_with('@') {
+        into.insert(item.to_owned());
+        return;
+    }
+    let out = Command::new("systemd-analyze")
+        .args(["syscall-filter", item])
+        .output()
+        .expect("systemd-analyze");
+    assert!(out.status.success(), "{item}: {}", text_of(&out));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    for member in text.lines().skip(1).map(str::trim) {
+        if !member.is_empty() && !member.starts_with('#') {
+            syscall_set(member, into);
+        }
+    }
+}
+
+/// What the unit's `SystemCallFilter=` lines allow: their allow lists
+/// (with `@default`, which systemd adds to any) less their `~` lists.
+fn unit_syscall_filter() -> std::collections::BTreeSet<String> {
+    let lines: Vec<&str> = UNIT
+        .lines()
+        .filter_map(|l| l.strip_prefix("SystemCallFilter="))
+        .collect();
+    assert!(!lines.is_empty(), "the unit filters system calls");
+    assert!(!lines[0].starts_with('~'), "an allow list first");
+    let mut allowed = std::collections::BTreeSet::new();
+    syscall_set("@default", &mut allowed);
+    let mut denied = std::collections::BTreeSet::new();
+    for line in lines {
+        let (set, items) = match line.strip_prefix('~') {
+            Some(items) => (&mut denied, items),
+            None => (&mut allowed, line),
+        };
+        for item in items.split_whitespace() {
+            syscall_set(item, set);
+        }
+    }
+    allowed.difference(&denied).cloned().collect()
+}
+
+/// The unit's `SystemCallFilter=` holds every system call the agent makes:
+/// the agent, with the unit's capabilities and the hedging drop-in's, runs
+/// under `strace -f -c` with what the unit gives it (a config file, a pin
+/// directory, the notify socket and a watchdog) through its start,
+/// `selector status`, scrapes of /metrics and /readyz, a reload, hedging
+/// turned on and a hedged read, and its stop; every call strace counted
+/// must be in the filter as `systemd-analyze syscall-filter` expands it
+/// (systemd cannot run the unit here: PID 1 is not systemd).
+#[test]
+fn every_system_call_of_the_agent_is_in_the_units_filter() {
+    let allowed = unit_syscall_filter();
+    let mut tb = Testbed::new("seldc", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    let binary = PublicBinary::new();
+    let bpffs = Bpffs::mount();
+    let members: Vec<String> = r.iter().map(|a| format!("\"{a}\"")).collect();
+    let config = binary.dir.join("selector.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "iface = \"{CLIENT_IFACE}\"\nthreshold = 1\nquiet = true\npin = \"{}\"\n\
+             metrics-addr = \"{METRICS_ADDR}\"\n\n[[group]]\nname = \"cache\"\nmembers = [{}]\n",
+            bpffs.arg(),
+            members.join(", ")
+        ),
+    )
+    .unwrap();
+    let notify = binary.dir.join("notify");
+    let socket = UnixDatagram::bind(&notify).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let counts = binary.dir.join("strace.txt");
+    let mut agent = selector_testbed::agent::AgentProcess(
+        as_the_unit(
+            &tb.client,
+            Path::new("strace"),
+            &hedging_unit_capabilities(),
+            &[
+                "-f",
+                "-c",
+                "-o",
+                counts.to_str().unwrap(),
+                binary.path().to_str().unwrap(),
+                "run",
+                "--config",
+                config.to_str().unwrap(),
+            ],
+        )
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "200000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap(),
+    );
+    let (ready, _) = next_notification(&socket);
+    assert!(ready.starts_with("READY=1"), "{ready}");
+    // Read on, as systemd does: a full socket would block the agent.
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1024];
+        while socket.recv(&mut buf).is_ok() {}
+    });
+
+    let ctl = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--iface", CLIENT_IFACE]);
+        let (code, out) = selector_testbed::agent::run_selector(&tb.client, &all);
+        assert_eq!(code, 0, "{args:?}: {out}");
+    };
+    ctl(&["status"]);
+    let metrics: std::net::SocketAddr = METRICS_ADDR.parse().unwrap();
+    for path in ["/metrics", "/readyz"] {
+        let got = tb
+            .client
+            .run(move || http_get(metrics, path, None))
+            .unwrap()
+            .unwrap();
+        assert!(
+            got.status == 200 || path == "/readyz",
+            "{path}: {}",
+            got.body
+        );
+    }
+    ctl(&["reload"]);
+    ctl(&["set", "--hedge-after", "2"]);
+    tb.replicas[0].stop();
+    let to = r[0];
+    let answered = tb
+        .client
+        .spawn(move || {
+            use selector_testbed::memcached::{key_for, parse_get_response, value_for};
+            let client = selector_testbed::MemcachedClient::connect(to).unwrap();
+            let reply = client.request(
+                format!("get {}\r\n", key_for(2)).as_bytes(),
+                Duration::from_secs(5),
+            );
+            reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(2).as_bytes()))
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    tb.replicas[0].resume();
+    assert!(answered, "the hedged read was answered");
+    // Past a sweep or two and several watchdog pings.
+    std::thread::sleep(Duration::from_millis(1500));
+    // The agent is strace's child; strace ends with it, with its status.
+    let children = format!("/proc/{0}/task/{0}/children", agent.id());
+    let child: i32 = std::fs::read_to_string(&children)
+        .unwrap()
+        .trim()
+        .parse()
+        .expect("strace's one child, the agent");
+    unsafe { libc::kill(child, libc::SIGTERM) };
+    let status = agent.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "{stderr}");
+
+    let table = std::fs::read_to_string(&counts).unwrap();
+    let used: Vec<&str> = table
+        .lines()
+        .filter_map(|l| {
+            let fields: Vec<&str> = l.split_whitespace().collect();
+            let name = *fields.last()?;
+            let counted = fields.len() >= 5 && fields[0].parse::<f64>().is_ok();
+            (counted && name != "total").then_some(name)
+        })
+        .collect();
+    assert!(used.contains(&"bpf"), "{table}");
+    let outside: Vec<&&str> = used
+        .iter()
+        .filter(|name| !allowed.contains(**name))
+        .collect();
+    assert!(
+        outside.is_empty(),
+        "system calls outside the unit's SystemCallFilter=: {outside:?}\n{table}"
+    );
+    let out = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args(["detach", "--iface", CLIENT_IFACE, "--pin", &bpffs.arg()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text_of(&out));
+    tb.replicas.clear();
 }

@@ -92,6 +92,14 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
             .with_context(|| format!("in the network namespace of --netns {}", ns.path))?,
         None => crate::host::interface::check(settings)?,
     }
+    // CAP_NET_RAW serves hedging's raw sockets only: opened now, in the
+    // namespace the agent steers, and kept for whenever hedging is on (at
+    // start or after a reload); then the capability goes, before any
+    // thread starts (capabilities are per thread).
+    if crate::host::preflight::has_capability(crate::host::preflight::CAP_NET_RAW)? {
+        crate::hedging::wire::HedgeSockets::open_at_start(&settings.iface, settings.mark)?;
+        crate::host::preflight::drop_capability(crate::host::preflight::CAP_NET_RAW)?;
+    }
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     // SIGHUP reloads the config file (and no longer ends the process).

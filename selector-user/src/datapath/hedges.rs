@@ -41,7 +41,8 @@ fn map_copy(selector: &Selector, name: &str) -> Result<MapData> {
 impl Selector {
     /// Puts the hedging settings in force: the members' addresses (as of
     /// this reload), starts the hedge thread the first time hedging is on
-    /// (a raw socket needs CAP_NET_RAW), sets its delay
+    /// (with the raw sockets opened at start, while the agent had
+    /// CAP_NET_RAW), sets its delay
     /// and budget, and switches the kernel's hand-over on or off. Hedging
     /// is off while steering is (shutdown).
     pub(crate) fn write_hedge_config(&mut self, steering_off: bool) -> Result<()> {
@@ -99,7 +100,7 @@ impl Selector {
     }
 
     fn start_hedge_thread(&mut self) -> Result<()> {
-        let sockets = HedgeSockets::open(
+        let sockets = HedgeSockets::opened_at_start_or_open(
             &self.settings.iface,
             self.settings.mark,
             self.backends.iter().any(|b| b.addr.is_ipv4()),

@@ -239,9 +239,10 @@ pub struct PinDir {
 }
 
 impl PinDir {
-    /// For `run --pin DIR`: makes sure DIR is on a bpf filesystem (mounting
-    /// one at /sys/fs/bpf when DIR is under it and nothing is mounted
-    /// there), and creates `DIR/IF` and its subdirectories.
+    /// For `run --pin DIR`: makes sure DIR is on a bpf filesystem (DIR may
+    /// itself be a bpffs mount; else, when DIR is under /sys/fs/bpf and no
+    /// bpffs is there, mounting one, mode 0700), and creates `DIR/IF` and
+    /// its subdirectories.
     pub fn prepare(dir: &Path, iface: &str) -> Result<Self> {
         ensure_bpffs(dir)?;
         let pins = Self::at(dir, iface)?;
@@ -449,8 +450,21 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
     if !dir.is_absolute() {
         bail!("--pin needs an absolute path, got {}", dir.display());
     }
+    // The deepest existing ancestor decides which filesystem DIR is on: a
+    // bpffs mounted at DIR itself (a pod given only its own directory of
+    // the host's bpffs) or anywhere above it needs nothing mounted here.
+    let on_bpffs = |dir: &Path| {
+        let existing = dir
+            .ancestors()
+            .find(|p| p.exists())
+            .unwrap_or(Path::new("/"));
+        (
+            statfs_type(existing) == Some(BPF_FS_MAGIC),
+            existing.to_path_buf(),
+        )
+    };
     let sys_bpf = Path::new("/sys/fs/bpf");
-    if dir.starts_with(sys_bpf) && !bpffs_mounted_at(sys_bpf) {
+    if dir.starts_with(sys_bpf) && !on_bpffs(dir).0 && !bpffs_mounted_at(sys_bpf) {
         if !in_initial_mount_namespace() {
             // `ip netns exec`, for one, runs commands in a mount namespace of
             // their own with a fresh /sys: a bpffs mounted there would go
@@ -461,27 +475,25 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
         }
         std::fs::create_dir_all(sys_bpf).context("creating /sys/fs/bpf")?;
         let (src, kind, target) = (c"bpf", c"bpf", c"/sys/fs/bpf");
-        // SAFETY: valid NUL-terminated strings; no data.
+        // Root's alone, as systemd mounts it: the pins hold the steering.
+        let options = c"mode=0700";
+        // SAFETY: valid NUL-terminated strings.
         let rc = unsafe {
             libc::mount(
                 src.as_ptr(),
                 target.as_ptr(),
                 kind.as_ptr(),
                 0,
-                std::ptr::null(),
+                options.as_ptr().cast(),
             )
         };
         if rc != 0 {
             return Err(std::io::Error::last_os_error()).context("mounting bpffs at /sys/fs/bpf");
         }
-        println!("selector: mounted a bpf filesystem at /sys/fs/bpf");
+        println!("selector: mounted a bpf filesystem at /sys/fs/bpf (mode 0700)");
     }
-    // The deepest existing ancestor decides which filesystem DIR is on.
-    let existing = dir
-        .ancestors()
-        .find(|p| p.exists())
-        .unwrap_or(Path::new("/"));
-    if statfs_type(existing) != Some(BPF_FS_MAGIC) {
+    let (on, existing) = on_bpffs(dir);
+    if !on {
         bail!(
             "--pin {}: {} is not on a bpf filesystem (bpffs); pass a directory under /sys/fs/bpf or under another bpffs mount",
             dir.display(),

@@ -18,7 +18,43 @@ pub struct HedgeSockets {
     v6: Option<OwnedFd>,
 }
 
+thread_local! {
+    /// The sockets [`HedgeSockets::open_at_start`] opened on this thread,
+    /// until hedging first starts. Per thread, as the capability that
+    /// opened them and the network namespace they are in are.
+    static OPENED_AT_START: std::cell::RefCell<Option<HedgeSockets>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 impl HedgeSockets {
+    /// At the agent's start, while it holds CAP_NET_RAW (which it drops
+    /// next): opens a socket of each family (IPv6's only if the host has
+    /// IPv6) and keeps them for the thread that starts hedging, now or
+    /// after a reload turns it on.
+    pub fn open_at_start(iface: &str, mark: u32) -> Result<()> {
+        let v4 = raw_socket(iface, mark, libc::AF_INET)?;
+        let v6 = raw_socket(iface, mark, libc::AF_INET6)
+            .inspect_err(|e| log::debug!("no IPv6 hedge socket: {e:#}"))
+            .ok();
+        OPENED_AT_START.set(Some(Self { v4: Some(v4), v6 }));
+        Ok(())
+    }
+
+    /// For hedging's start: the sockets opened at start (checked to cover
+    /// the families asked for), else new ones, which needs CAP_NET_RAW
+    /// still (an agent in a test, say).
+    pub fn opened_at_start_or_open(iface: &str, mark: u32, v4: bool, v6: bool) -> Result<Self> {
+        let Some(opened) = OPENED_AT_START.take() else {
+            return Self::open(iface, mark, v4, v6);
+        };
+        if v6 && opened.v6.is_none() {
+            anyhow::bail!(
+                "no IPv6 raw socket for hedges: the host had no IPv6 when the agent started"
+            );
+        }
+        Ok(opened)
+    }
+
     /// Opens a socket for each family asked for, marked with `mark` and
     /// bound to `iface`.
     pub fn open(iface: &str, mark: u32, v4: bool, v6: bool) -> Result<Self> {
@@ -50,7 +86,7 @@ fn raw_socket(iface: &str, mark: u32, family: libc::c_int) -> Result<OwnedFd> {
     let fd = unsafe { libc::socket(family, libc::SOCK_RAW, libc::IPPROTO_RAW) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error())
-            .context("opening the raw socket hedges are sent through (needs CAP_NET_RAW)");
+            .context("opening the raw socket hedges are sent through: it needs CAP_NET_RAW when the agent starts (it opens the sockets then and drops the capability); restart the agent with it (deploy/selector-hedging.conf)");
     }
     // SAFETY: a fresh descriptor we own.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };

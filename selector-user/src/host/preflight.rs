@@ -35,6 +35,9 @@ pub const CAPABILITIES: [Needed; 3] = [
 ];
 
 const CAP_SYS_ADMIN: u32 = 21;
+/// For hedging's raw sockets only (`crate::hedging::wire`).
+pub const CAP_NET_RAW: u32 = 13;
+const CAP_SETPCAP: u32 = 8;
 
 /// Checks an effective capability set.
 pub fn check(effective: u64) -> Result<()> {
@@ -72,6 +75,77 @@ fn effective_capabilities() -> Result<u64> {
         .find_map(|l| l.strip_prefix("CapEff:"))
         .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
         .ok_or_else(|| anyhow::anyhow!("no CapEff in /proc/self/status"))
+}
+
+/// capget(2)/capset(2)'s header and one of its two data words.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// This thread's capability sets (capabilities are per thread).
+fn thread_capabilities() -> Result<[CapData; 2]> {
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: a version 3 header and the two data words it asks for.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &raw mut header, data.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(data)
+}
+
+/// Whether this thread's effective set holds capability `bit`.
+pub fn has_capability(bit: u32) -> Result<bool> {
+    let data = thread_capabilities()?;
+    Ok(data[(bit / 32) as usize].effective & (1 << (bit % 32)) != 0)
+}
+
+/// Gives up capability `bit` for good, before any other thread starts
+/// (threads inherit their creator's sets): out of this thread's effective,
+/// permitted, inheritable and ambient sets, and out of the bounding set
+/// where CAP_SETPCAP allows (the unit grants no CAP_SETPCAP: there the
+/// bounding set keeps it, but without it in the permitted set, and with
+/// no_new_privs, nothing can raise it again).
+pub fn drop_capability(bit: u32) -> Result<()> {
+    let mut data = thread_capabilities()?;
+    let setpcap = data[0].effective & (1 << CAP_SETPCAP) != 0;
+    let (word, mask) = ((bit / 32) as usize, !(1u32 << (bit % 32)));
+    data[word].effective &= mask;
+    data[word].permitted &= mask;
+    data[word].inheritable &= mask;
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    // SAFETY: a version 3 header and its two data words. The kernel drops
+    // the capability from the ambient set with the permitted one.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &raw mut header, data.as_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    if setpcap {
+        // SAFETY: plain prctl; the result is checked.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, bit as libc::c_ulong, 0, 0, 0) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error().into());
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
