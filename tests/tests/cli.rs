@@ -942,26 +942,19 @@ fn the_control_socket_is_private_and_an_impostor_is_not_trusted() {
     assert!(agent.wait().unwrap().success());
     assert!(!socket.exists(), "the socket goes with the agent");
 
-    // An impostor: the directory made another user's, who listens there
-    // (/run/selector opened for it to pass through, for the moment).
+    // An impostor: the directory made another user's, and a socket there
+    // that user listens on (bound by root, who may pass through
+    // /run/selector, then listened on as uid 65534: SO_PEERCRED reports
+    // who called listen).
     std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
-    struct Reopen;
-    impl Drop for Reopen {
-        fn drop(&mut self) {
-            let _ =
-                std::fs::set_permissions("/run/selector", std::fs::Permissions::from_mode(0o700));
-        }
-    }
-    let _reopen = Reopen;
-    std::fs::set_permissions("/run/selector", std::fs::Permissions::from_mode(0o711)).unwrap();
     let mut impostor = tb
         .client
-        .command("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "perl"])
+        .command("perl")
         .args([
-            "-MIO::Socket::UNIX",
+            "-MSocket",
+            "-MPOSIX",
             "-e",
-            r#"$s = IO::Socket::UNIX->new(Type => SOCK_STREAM(), Local => $ARGV[0], Listen => 5) or die "$!"; $| = 1; print "ready\n"; while ($c = $s->accept) { print $c "{\"reply\":\"done\",\"message\":\"impostor\"}\n"; close $c }"#,
+            r#"socket(S, PF_UNIX, SOCK_STREAM, 0) or die "$!"; bind(S, pack_sockaddr_un($ARGV[0])) or die "$!"; POSIX::setgid(65534); POSIX::setuid(65534) or die "$!"; listen(S, 5) or die "$!"; $| = 1; print "ready\n"; while (accept(C, S)) { print C "{\"reply\":\"done\",\"message\":\"impostor\"}\n"; close C }"#,
             socket.to_str().unwrap(),
         ])
         .stdout(Stdio::piped())

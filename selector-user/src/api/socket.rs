@@ -16,7 +16,7 @@ use std::{
     os::{
         fd::AsRawFd as _,
         unix::{
-            fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _},
+            fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _, PermissionsExt as _},
             net::UnixStream,
         },
     },
@@ -56,8 +56,8 @@ fn lock_path(iface: &str) -> Result<PathBuf> {
 }
 
 /// Creates this namespace's directory (and [`RUN_DIR`]) private to the
-/// agent's user, or checks that they are: a directory another user could
-/// write in would let it bind the name first.
+/// agent's user, or makes them so when they are its own: a directory
+/// another user owns or could write in would let it bind the name first.
 pub fn private_namespace_dir() -> Result<PathBuf> {
     let dir = namespace_dir()?;
     // SAFETY: geteuid has no preconditions.
@@ -68,7 +68,14 @@ pub fn private_namespace_dir() -> Result<PathBuf> {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(e) => return Err(e).with_context(|| format!("creating {}", d.display())),
         }
-        let meta = fs::symlink_metadata(d).with_context(|| format!("checking {}", d.display()))?;
+        let mut meta =
+            fs::symlink_metadata(d).with_context(|| format!("checking {}", d.display()))?;
+        // Ours but open to others (a pod's emptyDir is 0777): closed.
+        if meta.is_dir() && meta.uid() == uid && meta.mode() & 0o077 != 0 {
+            fs::set_permissions(d, fs::Permissions::from_mode(0o700))
+                .with_context(|| format!("closing {} to other users", d.display()))?;
+            meta = fs::symlink_metadata(d)?;
+        }
         if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o022 != 0 {
             bail!(
                 "{} must be a directory of the agent's user (uid {uid}) that no one else may write to (it is {}, uid {}, mode {:o}): remove it",
