@@ -343,18 +343,21 @@ fn reload_outcomes_show_in_status_metrics_and_readiness() {
     let agent = agent::spawn_agent(&tb.client, &["--config", path.to_str().unwrap()]);
     let reload = || agent::run_selector(&tb.client, &["reload", "--iface", CLIENT_IFACE]);
     // (success, timestamp) from the JSON status and from the metrics, which
-    // must agree.
+    // must agree once the status a scrape reuses (200 ms) is renewed.
     let outcome = || {
         let status = status_json(&tb);
-        let metrics = get(&tb, "/metrics", None).body;
         let success = status["config_reload_success"].as_bool().unwrap();
         let at = status["config_reload_timestamp_seconds"].as_f64().unwrap();
-        assert_eq!(
-            sample(&metrics, "selector_config_reload_success"),
-            f64::from(u8::from(success))
+        let mut last = String::new();
+        let agree = wait_for(Duration::from_secs(2), || {
+            last = get(&tb, "/metrics", None).body;
+            sample(&last, "selector_config_reload_success") == f64::from(u8::from(success))
+                && (sample(&last, "selector_config_reload_timestamp_seconds") - at).abs() < 1e-3
+        });
+        assert!(
+            agree,
+            "the metrics never agreed with {success} at {at}:\n{last}"
         );
-        let exported = sample(&metrics, "selector_config_reload_timestamp_seconds");
-        assert!((exported - at).abs() < 1e-3, "{exported} vs {at}");
         (success, at)
     };
 
