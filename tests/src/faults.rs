@@ -113,6 +113,53 @@ pub fn wire_fault_hits(tb: &Testbed) -> Result<(u64, u64)> {
     Ok((requests, replies))
 }
 
+/// The nftables table that cuts replicas off (`cut_off_replica`).
+const CUT_TABLE: &str = "dead_replicas";
+
+/// Drops every datagram to and from replica `i` at the switch, both ways
+/// (a host that is gone: no reply, no ICMP), until `reconnect_replica`.
+/// The client's selector sees every request leave.
+pub fn cut_off_replica(tb: &Testbed, i: usize) -> Result<()> {
+    let ip = tb.replica_endpoints()[i].ip().to_string();
+    let ruleset = format!(
+        "table netdev {CUT_TABLE} {{\n\
+         chain to_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip daddr {ip} counter drop\n}}\n\
+         chain from_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip saddr {ip} counter drop\n}}\n}}\n",
+        switch_port(0),
+        switch_port(i + 1),
+    );
+    nft_script(&tb.switch, &ruleset)
+}
+
+/// Undoes `cut_off_replica`; returns the datagrams it dropped on their way
+/// to the replica.
+pub fn reconnect_replica(tb: &Testbed) -> Result<u64> {
+    let out = tb
+        .switch
+        .exec("nft", &["list", "chain", "netdev", CUT_TABLE, "to_replica"])?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let dropped = text
+        .split("counter packets ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .context("no counter in the cut-off chain")?
+        .parse()?;
+    let out = tb
+        .switch
+        .exec("nft", &["delete", "table", "netdev", CUT_TABLE])?;
+    if !out.status.success() {
+        bail!(
+            "nft delete: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(dropped)
+}
+
 /// Loads an nftables script in `ns`.
 fn nft_script(ns: &Namespace, script: &str) -> Result<()> {
     let mut child = ns

@@ -13,10 +13,13 @@ use std::{
 };
 
 use selector_testbed::{
-    Testbed,
+    LoadReport, LoadSpec, Testbed,
     agent::{spawn_agent, status_json},
     dns::{DNS_PORT, Nsd},
+    faults::{cut_off_replica, reconnect_replica},
+    run_load,
     topology::{CLIENT_IFACE, replica_addr},
+    wait_for,
 };
 use selector_user::api::Status;
 
@@ -196,4 +199,159 @@ fn a_refusing_replica_is_ejected_and_the_application_sees_few_errors() {
         on.lost,
         off.lost
     );
+}
+
+/// Keys preloaded on every memcached replica.
+const KEYS: usize = 200;
+/// Reads per second, as in the issue.
+const RATE: u32 = 1000;
+/// How long the primary is dead. The issue's 8 s would be followed, at
+/// the defaults, by a failed probe and a second ejection of 7.5 to 10 s
+/// before the primary could come back: too long for a test. 4 s is less
+/// than the first ejection can be (5 s less a quarter of jitter), so the
+/// first probe finds the primary back.
+const OUTAGE: Duration = Duration::from_secs(4);
+
+/// What one dead-primary run saw.
+struct DeadRun {
+    /// The load during the outage, as the client counted it.
+    load: LoadReport,
+    /// Reads the switch dropped on their way to the primary.
+    dropped: u64,
+    /// Status at the end of the outage's load.
+    status: Status,
+}
+
+/// Starts `RATE` reads per second to the primary on a connected socket (as
+/// an application), for `duration`. A read is lost when no reply came
+/// within `drain` of the last send: a reply from a dead replica never does.
+fn start_reads(tb: &Testbed, duration: Duration) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0].into(),
+        rate: RATE,
+        duration,
+        keys: KEYS,
+        drain: Duration::from_millis(500),
+    };
+    tb.client.spawn(move || run_load(&spec)).expect("load")
+}
+
+/// One second of reads, then the primary dead for `OUTAGE` under load,
+/// then one more second of reads with it back.
+fn primary_dead_for_a_while(tb: &Testbed) -> (LoadReport, u64) {
+    let load = start_reads(tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    cut_off_replica(tb, 0).expect("nft");
+    thread::sleep(OUTAGE);
+    let dropped = reconnect_replica(tb).expect("nft");
+    (load.join().expect("load").expect("load"), dropped)
+}
+
+fn dead_primary_run(
+    prefix: &str,
+    extra: &[&str],
+) -> (Testbed, DeadRun, selector_testbed::agent::Agent) {
+    let tb = Testbed::with_memcached(prefix, 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let mut args = vec!["--iface", CLIENT_IFACE, "--group", &group, "--quiet"];
+    args.extend_from_slice(extra);
+    let agent = spawn_agent(&tb.client, &args);
+    let (load, dropped) = primary_dead_for_a_while(&tb);
+    let status = status_json(&tb.client, CLIENT_IFACE);
+    (
+        tb,
+        DeadRun {
+            load,
+            dropped,
+            status,
+        },
+        agent,
+    )
+}
+
+fn stop(mut agent: selector_testbed::agent::Agent) {
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+    assert!(agent.0.wait().unwrap().success());
+}
+
+#[test]
+fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
+    // At the defaults (ejection after 5 failures, threshold 4, timeout 1 s).
+    let (tb, on, agent) = dead_primary_run("deadon", &[]);
+    let primary = &on.status.backends[0];
+    println!(
+        "ejection on: {} sent, {} lost, {} dropped at the switch; primary {:?}",
+        on.load.sent,
+        on.load.lost(),
+        on.dropped,
+        primary.ejection
+    );
+    // It was ejected (and not yet given up on: no timing asserted, so it
+    // may be ejected, half-open or already back).
+    assert!(primary.ejection.ejections >= 1, "{primary:?}");
+    // The issue's bound, and what the agent does: the sweep that expires
+    // the fifth read in a row ejects at once, so the primary gets at most
+    // two timeouts' worth of reads (threshold 4, plus one a replica's
+    // in-flight read may add to each).
+    assert!(on.load.lost() <= 20, "{} reads lost", on.load.lost());
+    assert!(
+        on.load.lost() <= 2 * (4 + 1),
+        "{} reads lost",
+        on.load.lost()
+    );
+    // Every read the switch dropped was one the client lost, and no other.
+    assert_eq!(on.load.lost(), on.dropped);
+
+    // Back: reads keep coming until one probes it and the agent restores it.
+    let mut probes = 0u64;
+    let restored = wait_for(Duration::from_secs(15), || {
+        let more = start_reads(&tb, Duration::from_millis(200));
+        probes += more.join().unwrap().unwrap().lost();
+        let s: Status = status_json(&tb.client, CLIENT_IFACE);
+        s.backends[0].ejection.ejection_state == "healthy"
+    });
+    let s: Status = status_json(&tb.client, CLIENT_IFACE);
+    assert!(restored, "{:?}", s.backends[0]);
+    assert_eq!(probes, 0, "reads lost while the primary was back");
+    // And reads go to it again: with nothing stalling, all of them.
+    let served = tb.gets_served(0).unwrap();
+    let after = start_reads(&tb, Duration::from_millis(500))
+        .join()
+        .unwrap()
+        .unwrap();
+    let served_after = tb.gets_served(0).unwrap() - served;
+    println!(
+        "restored after {} ejection(s); then {} of {} reads served by the primary",
+        s.backends[0].ejection.ejections, served_after, after.sent
+    );
+    assert_eq!(after.lost(), 0);
+    assert!(
+        served_after >= after.sent * 9 / 10,
+        "{served_after} of {}",
+        after.sent
+    );
+    stop(agent);
+    drop(tb);
+
+    let (tb, off, agent) = dead_primary_run("deadoff", &["--eject-after", "0"]);
+    println!(
+        "ejection off: {} sent, {} lost, {} dropped at the switch; primary {:?}",
+        off.load.sent,
+        off.load.lost(),
+        off.dropped,
+        off.status.backends[0].ejection
+    );
+    assert_eq!(off.status.backends[0].ejection.ejections, 0);
+    assert_eq!(off.load.lost(), off.dropped);
+    // Without ejection the dead primary gets about `threshold` reads per
+    // timeout: one set per second of the outage, against the few before
+    // an ejection.
+    assert!(
+        off.load.lost() > on.load.lost(),
+        "lost {} without ejection, {} with",
+        off.load.lost(),
+        on.load.lost()
+    );
+    stop(agent);
+    drop(tb);
 }

@@ -323,6 +323,10 @@ impl Agent {
                         return Some(failure);
                     }
                     self.sweep();
+                    // At once: a member whose expiries just made it
+                    // failing would otherwise get the reads the expiries
+                    // made room for until the next check.
+                    self.check_ejection();
                     self.retire_finished();
                 }
                 call = control.next_call() => {
