@@ -646,8 +646,15 @@ impl Agent {
         self.tails
             .record(telemetry::IntervalTail::between(&self.last, &now));
         if !self.quiet {
-            let mut table =
-                render::render_table(&self.selector.backends, &self.last, &now, &self.tails);
+            let drained = self.selector.drained().unwrap_or_default();
+            let states = render::state_labels(&self.selector.backends, &now.ejection, &drained);
+            let mut table = render::render_table(
+                &self.selector.backends,
+                &self.last,
+                &now,
+                &self.tails,
+                &states,
+            );
             if self.selector.settings.hedging.enabled() {
                 table +=
                     &render::render_hedging_interval(&self.selector.backends, &self.last, &now);
