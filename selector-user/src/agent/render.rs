@@ -130,18 +130,8 @@ pub fn render_table(
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  {}",
-        "backend",
-        "group",
-        "pending",
-        "req/s",
-        "away/s",
-        "to/s",
-        "timeouts",
-        "p50",
-        "p99",
-        "blame",
-        "state"
+        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  state",
+        "backend", "group", "pending", "req/s", "away/s", "to/s", "timeouts", "p50", "p99", "blame"
     );
     for (i, b) in backends.iter().enumerate() {
         let (s, p) = (&now.stats[i], &before.stats[i]);
