@@ -355,3 +355,33 @@ fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
     stop(agent);
     drop(tb);
 }
+
+/// The "with hedging on, none": the reads the dead primary gets
+/// before it is ejected are hedged to a replica, whose reply reaches the
+/// application (rewritten to come from the primary).
+#[test]
+fn a_dead_primary_with_hedging_on_loses_no_read() {
+    let (tb, run, agent) = dead_primary_run("deadhedge", &["--hedge-after", "2"]);
+    let s = &run.status;
+    let won: u64 = s.backends.iter().map(|b| b.hedges.hedges_won).sum();
+    println!(
+        "hedging on: {} sent, {} lost, {} dropped at the switch, {} hedges won; primary {:?}",
+        run.load.sent,
+        run.load.lost(),
+        run.dropped,
+        won,
+        s.backends[0].ejection
+    );
+    // The primary did get reads it never answered, and was ejected.
+    assert!(run.dropped > 0);
+    assert!(s.backends[0].ejection.ejections >= 1, "{:?}", s.backends[0]);
+    // Each was answered by its hedge.
+    assert!(
+        won >= run.dropped,
+        "{won} hedges won, {} dropped",
+        run.dropped
+    );
+    assert_eq!(run.load.lost(), 0, "reads lost with hedging on");
+    stop(agent);
+    drop(tb);
+}
