@@ -218,8 +218,25 @@ struct DeadRun {
     load: LoadReport,
     /// Reads the switch dropped on their way to the primary.
     dropped: u64,
+    /// Replies the switch dropped on their way back (to reads sent just
+    /// before the cut).
+    replies_dropped: u64,
     /// Status at the end of the outage's load.
     status: Status,
+}
+
+impl DeadRun {
+    /// The client lost the reads the switch dropped (and reads whose
+    /// reply it dropped), none other.
+    fn assert_lost_on_the_wire(&self) {
+        let lost = self.load.lost();
+        assert!(
+            lost >= self.dropped && lost <= self.dropped + self.replies_dropped,
+            "{lost} lost, {} requests and {} replies dropped",
+            self.dropped,
+            self.replies_dropped
+        );
+    }
 }
 
 /// Starts `RATE` reads per second to the primary on a connected socket (as
@@ -238,7 +255,7 @@ fn start_reads(tb: &Testbed, duration: Duration) -> thread::JoinHandle<anyhow::R
 
 /// One second of reads, then the primary dead for `OUTAGE` under load,
 /// then one more second of reads with it back.
-fn primary_dead_for_a_while(tb: &Testbed) -> (LoadReport, u64) {
+fn primary_dead_for_a_while(tb: &Testbed) -> (LoadReport, (u64, u64)) {
     let load = start_reads(tb, OUTAGE + Duration::from_secs(2));
     thread::sleep(Duration::from_secs(1));
     cut_off_replica(tb, 0).expect("nft");
@@ -256,13 +273,14 @@ fn dead_primary_run(
     let mut args = vec!["--iface", CLIENT_IFACE, "--group", &group, "--quiet"];
     args.extend_from_slice(extra);
     let agent = spawn_agent(&tb.client, &args);
-    let (load, dropped) = primary_dead_for_a_while(&tb);
+    let (load, (dropped, replies_dropped)) = primary_dead_for_a_while(&tb);
     let status = status_json(&tb.client, CLIENT_IFACE);
     (
         tb,
         DeadRun {
             load,
             dropped,
+            replies_dropped,
             status,
         },
         agent,
@@ -300,7 +318,7 @@ fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
         on.load.lost()
     );
     // Every read the switch dropped was one the client lost, and no other.
-    assert_eq!(on.load.lost(), on.dropped);
+    on.assert_lost_on_the_wire();
 
     // Back: reads keep coming until one probes it and the agent restores it.
     let mut probes = 0u64;
@@ -342,7 +360,7 @@ fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
         off.status.backends[0].ejection
     );
     assert_eq!(off.status.backends[0].ejection.ejections, 0);
-    assert_eq!(off.load.lost(), off.dropped);
+    off.assert_lost_on_the_wire();
     // Without ejection the dead primary gets about `threshold` reads per
     // timeout: one set per second of the outage, against the few before
     // an ejection.
@@ -382,6 +400,78 @@ fn a_dead_primary_with_hedging_on_loses_no_read() {
         run.dropped
     );
     assert_eq!(run.load.lost(), 0, "reads lost with hedging on");
+    stop(agent);
+    drop(tb);
+}
+
+/// Every member failing at once (all three cut off for `OUTAGE`, then
+/// back): more members fail than `--max-ejected` (50%: one of three)
+/// allows, so the group is steered by counts alone. No read is lost to the
+/// cap: every read the client lost was one the switch dropped, and once
+/// the members are back no read is lost and every member takes reads.
+#[test]
+fn every_member_failing_is_steered_by_counts_and_loses_no_read_to_the_cap() {
+    let tb = Testbed::with_memcached("deadall", 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let agent = spawn_agent(
+        &tb.client,
+        &["--iface", CLIENT_IFACE, "--group", &group, "--quiet"],
+    );
+    let load = start_reads(&tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    selector_testbed::faults::cut_off_replicas(&tb, &[0, 1, 2]).expect("nft");
+    thread::sleep(OUTAGE);
+    let during: Status = status_json(&tb.client, CLIENT_IFACE);
+    let (dropped, replies_dropped) = reconnect_replica(&tb).expect("nft");
+    let load = load.join().unwrap().unwrap();
+    let after: Status = status_json(&tb.client, CLIENT_IFACE);
+    let states = |s: &Status| -> Vec<String> {
+        s.backends
+            .iter()
+            .map(|b| b.ejection.ejection_state.clone())
+            .collect()
+    };
+    println!(
+        "all dead: {} sent, {} lost, {} dropped at the switch; during {:?} over cap {:?}; after {:?}, ejections {:?}",
+        load.sent,
+        load.lost(),
+        dropped,
+        states(&during),
+        during.groups_over_cap,
+        states(&after),
+        after
+            .backends
+            .iter()
+            .map(|b| b.ejection.ejections)
+            .collect::<Vec<_>>()
+    );
+    // At the end of the outage: over the cap, nothing ejected.
+    assert_eq!(during.groups_over_cap, [1]);
+    assert_eq!(states(&during), ["healthy"; 3]);
+    // Every lost read was lost on the wire, none by the selector.
+    assert!(
+        load.lost() >= dropped && load.lost() <= dropped + replies_dropped,
+        "{} lost, {dropped} requests and {replies_dropped} replies dropped",
+        load.lost()
+    );
+    // Back: no read lost, and at most the cap ejected at any one time.
+    let more = start_reads(&tb, Duration::from_secs(1))
+        .join()
+        .unwrap()
+        .unwrap();
+    let end: Status = status_json(&tb.client, CLIENT_IFACE);
+    println!(
+        "after: {} lost of {}, {:?}",
+        more.lost(),
+        more.sent,
+        states(&end)
+    );
+    assert_eq!(more.lost(), 0);
+    assert!(
+        states(&end).iter().filter(|s| *s != "healthy").count() <= 1,
+        "{:?}",
+        states(&end)
+    );
     stop(agent);
     drop(tb);
 }

@@ -383,3 +383,38 @@ fn every_member_failing_ejects_none_beyond_the_cap_and_drops_no_read() {
     }
     assert_eq!(sel.groups_over_cap(), [1]);
 }
+
+/// The sweep finds expiries a timeout after their send, in a batch; a
+/// member that answered well since they were sent (back after an outage,
+/// or losing one read in two) is not failing in a row, and the batch must
+/// not eject it.
+#[test]
+fn expiries_sent_before_a_later_good_reply_are_no_failures_in_a_row() {
+    let mut sel = memcached();
+    let now = sys::monotonic_ns();
+    for id in 0..8u16 {
+        let key = InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, u64::from(0x500 + id));
+        assert!(sel.plant_inflight(&key, 1, 1, now - 3_000_000_000));
+    }
+    sel.check_ejection(sys::monotonic_ns());
+    // A read sent later is answered well.
+    answer(&mut sel, false, 0x600, 1, 1, &mc_reply(0x600, b"END\r\n"));
+    sel.check_ejection(sys::monotonic_ns());
+    let report = sel.sweep(sys::monotonic_ns()).unwrap();
+    assert_eq!(report.expired, 8);
+    assert_eq!(failures(&sel), [0, 0, 0]);
+    assert!(sel.check_ejection(sys::monotonic_ns()).is_empty());
+    assert_eq!(states(&sel), ["healthy"; 3]);
+
+    // No good reply since: the same batch is eight failures in a row.
+    let mut sel = memcached();
+    for id in 0..8u16 {
+        let key = InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, u64::from(0x500 + id));
+        assert!(sel.plant_inflight(&key, 1, 1, now - 3_000_000_000));
+    }
+    sel.check_ejection(sys::monotonic_ns());
+    sel.sweep(sys::monotonic_ns()).unwrap();
+    assert_eq!(failures(&sel), [0, 8, 0]);
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
+}
