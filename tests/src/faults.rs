@@ -149,6 +149,27 @@ pub fn cut_off_replicas(tb: &Testbed, which: &[usize]) -> Result<()> {
     nft_script(&tb.switch, &ruleset)
 }
 
+/// Replica `i` flaps: the switch drops every other request to it (by a
+/// counter, not at random, so it never fails twice in a row) and no reply.
+/// Undone by `reconnect_replica`.
+pub fn flap_replica(tb: &Testbed, i: usize) -> Result<()> {
+    let ip = tb.replica_endpoints()[i].ip().to_string();
+    // The replies chain is there for `reconnect_replica`; its rule never
+    // matches (no replica sends from 0.0.0.0).
+    let ruleset = format!(
+        "table netdev {CUT_TABLE} {{\n\
+         chain to_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip daddr {ip} numgen inc mod 2 == 0 counter drop\n}}\n\
+         chain from_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip saddr 0.0.0.0 counter drop\n}}\n}}\n",
+        switch_port(0),
+        switch_port(i + 1),
+    );
+    nft_script(&tb.switch, &ruleset)
+}
+
 /// Undoes `cut_off_replica(s)`; returns the datagrams it dropped:
 /// (requests to the replicas, replies from them). An accept is put in
 /// front of the drops first, in one transaction, so that the counters

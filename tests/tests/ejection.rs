@@ -475,3 +475,52 @@ fn every_member_failing_is_steered_by_counts_and_loses_no_read_to_the_cap() {
     stop(agent);
     drop(tb);
 }
+
+/// A flapping primary: the switch drops every other read to it for
+/// `OUTAGE` at `RATE`. It never fails twice in a row, so it must not be
+/// ejected (and restored on the next read, again and again); the sweep
+/// finds its expiries in batches, after later reads it answered, and
+/// those are no failures in a row. Threshold 8: the primary keeps up to
+/// eight reads it will never answer, so a batch can hold more than
+/// `--eject-after` (5) of them.
+#[test]
+fn a_primary_losing_every_other_read_is_never_ejected() {
+    let tb = Testbed::with_memcached("flap", 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let agent = spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--threshold",
+            "8",
+            "--quiet",
+        ],
+    );
+    let load = start_reads(&tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    selector_testbed::faults::flap_replica(&tb, 0).expect("nft");
+    thread::sleep(OUTAGE);
+    let (dropped, _) = reconnect_replica(&tb).expect("nft");
+    let load = load.join().unwrap().unwrap();
+    // Past the last expiry of a dropped read: every batch swept.
+    thread::sleep(Duration::from_millis(1500));
+    let s: Status = status_json(&tb.client, CLIENT_IFACE);
+    let p = &s.backends[0];
+    println!(
+        "flapping: {} sent, {} lost, {} dropped; primary {:?}, {} expired",
+        load.sent,
+        load.lost(),
+        dropped,
+        p.ejection,
+        p.expired
+    );
+    assert_eq!(p.ejection.ejections, 0, "{p:?}");
+    assert_eq!(p.ejection.ejection_state, "healthy");
+    assert!(dropped >= 10, "the primary lost {dropped} reads only");
+    assert_eq!(load.lost(), dropped);
+    stop(agent);
+    drop(tb);
+}
