@@ -195,6 +195,39 @@ pub struct Seen {
     pub probe_offered: bool,
 }
 
+/// When a member last answered well, as the agent's checks see it, so
+/// that the sweep counts an expired request as a failure *in a row* only
+/// if no good reply came after it was sent. The sweep finds expiries in
+/// batches, a timeout after their send, while good replies reset the run
+/// at once: without this, a member that is back (or that loses one read
+/// in two) would get a batch of its old expiries counted after its new
+/// good replies, and be ejected while it answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GoodWatch {
+    /// Good replies as of the last check.
+    seen: u64,
+    /// The check before the one that saw `seen` grow: some good reply came
+    /// after this moment.
+    since_ns: u64,
+}
+
+impl GoodWatch {
+    /// A check at which the member has `good` good replies ever; the
+    /// previous check was at `prev_check_ns`.
+    pub fn observe(&mut self, good: u64, prev_check_ns: u64) {
+        if good != self.seen {
+            self.seen = good;
+            self.since_ns = prev_check_ns;
+        }
+    }
+
+    /// Whether a request sent at `sent_ns` that expired is one more failure
+    /// in a row: no good reply is known to have come after its send.
+    pub fn expiry_counts(&self, sent_ns: u64) -> bool {
+        sent_ns >= self.since_ns
+    }
+}
+
 /// A change [`step_group`] made, for the agent to apply and log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
@@ -671,6 +704,24 @@ mod tests {
         assert_eq!(g.members[0].in_a_row, 1, "not a whole maximum yet");
         g.step(&[seen(0, 1), ok], 9001 * MS);
         assert_eq!(g.members[0].in_a_row, 0);
+    }
+
+    #[test]
+    fn an_expiry_sent_before_a_later_good_reply_is_no_failure_in_a_row() {
+        let mut w = GoodWatch::default();
+        // Checks at 10, 20, 30 ms; good replies seen growing at 20 ms.
+        w.observe(5, 0);
+        w.observe(5, 10 * MS);
+        w.observe(6, 10 * MS);
+        assert!(!w.expiry_counts(5 * MS), "sent before the good reply");
+        assert!(w.expiry_counts(10 * MS));
+        assert!(w.expiry_counts(25 * MS));
+        // No more good replies (a dead member): later expiries all count.
+        w.observe(6, 20 * MS);
+        w.observe(6, 30 * MS);
+        assert!(w.expiry_counts(15 * MS));
+        // A member never heard from: everything counts.
+        assert!(GoodWatch::default().expiry_counts(0));
     }
 
     #[test]

@@ -164,8 +164,22 @@ pub const fn settling_word(word: u64) -> Option<u64> {
     }
 }
 
+/// The members a hedge may go to, given the group's health word
+/// ([`crate::GroupHealth::bits`]): not an ejected one, and not a half-open
+/// one whose probe is still offered. Its one probe is a read egress sends
+/// (egress takes the probe bit); a hedge copy bypasses egress, so it would
+/// be a second read to a member that may still be down.
+#[inline(always)]
+pub const fn hedge_usable(usable: u8, health_bits: u64) -> u8 {
+    let ejected = crate::ejection::ejected_mask(health_bits) as u8;
+    let probing = (health_bits >> crate::ejection::PROBE_SHIFT) as u8;
+    usable & !ejected & !probing
+}
+
 /// The hedge target for a read that went to member `chosen`: the first
 /// usable member other than `chosen` with the strict minimum pending count.
+/// The caller takes ejected members out of `load.usable` first
+/// ([`hedge_usable`]).
 pub fn choose_target(load: &GroupLoad, chosen: usize) -> Option<usize> {
     let mut best: Option<usize> = None;
     let mut best_pending = u64::MAX;
@@ -401,6 +415,23 @@ mod tests {
         assert_eq!(choose_target(&load(&[9, 0, 4], 0b101), 0), Some(2));
         assert_eq!(choose_target(&load(&[9, 0], 0b01), 0), None);
         assert_eq!(choose_target(&load(&[9], 0b1), 0), None);
+    }
+
+    #[test]
+    fn ejected_and_probing_members_are_no_hedge_target() {
+        use crate::ejection::{ejected_bit, probe_bit};
+        assert_eq!(hedge_usable(0b111, 0), 0b111);
+        assert_eq!(hedge_usable(0b111, ejected_bit(2)), 0b011);
+        assert_eq!(hedge_usable(0b111, probe_bit(1)), 0b101);
+        assert_eq!(hedge_usable(0b101, ejected_bit(0) | probe_bit(1)), 0b100);
+        // The least pending member is ejected: the next one is the target.
+        let mut l = load(&[9, 3, 0], 0b111);
+        assert_eq!(choose_target(&l, 0), Some(2));
+        l.usable = hedge_usable(l.usable, ejected_bit(2));
+        assert_eq!(choose_target(&l, 0), Some(1));
+        // Every other member out: no hedge.
+        l.usable = hedge_usable(l.usable, ejected_bit(1));
+        assert_eq!(choose_target(&l, 0), None);
     }
 
     #[test]

@@ -113,6 +113,93 @@ pub fn wire_fault_hits(tb: &Testbed) -> Result<(u64, u64)> {
     Ok((requests, replies))
 }
 
+/// The nftables table that cuts replicas off (`cut_off_replica`).
+const CUT_TABLE: &str = "dead_replicas";
+
+/// Drops every datagram to and from replica `i` at the switch, both ways
+/// (a host that is gone: no reply, no ICMP), until `reconnect_replica`.
+/// The client's selector sees every request leave.
+pub fn cut_off_replica(tb: &Testbed, i: usize) -> Result<()> {
+    cut_off_replicas(tb, &[i])
+}
+
+/// `cut_off_replica` for several replicas at once.
+pub fn cut_off_replicas(tb: &Testbed, which: &[usize]) -> Result<()> {
+    let ips: Vec<String> = which
+        .iter()
+        .map(|&i| tb.replica_endpoints()[i].ip().to_string())
+        .collect();
+    let ports: Vec<String> = which
+        .iter()
+        .map(|&i| format!("\"{}\"", switch_port(i + 1)))
+        .collect();
+    let ruleset = format!(
+        "table netdev {CUT_TABLE} {{\n\
+         chain to_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip daddr {{ {} }} counter drop\n}}\n\
+         chain from_replica {{\n\
+         type filter hook ingress devices = {{ {} }} priority 0;\n\
+         ip saddr {{ {} }} counter drop\n}}\n}}\n",
+        switch_port(0),
+        ips.join(", "),
+        ports.join(", "),
+        ips.join(", "),
+    );
+    nft_script(&tb.switch, &ruleset)
+}
+
+/// Replica `i` flaps: the switch drops every other request to it (by a
+/// counter, not at random, so it never fails twice in a row) and no reply.
+/// Undone by `reconnect_replica`.
+pub fn flap_replica(tb: &Testbed, i: usize) -> Result<()> {
+    let ip = tb.replica_endpoints()[i].ip().to_string();
+    // The replies chain is there for `reconnect_replica`; its rule never
+    // matches (no replica sends from 0.0.0.0).
+    let ruleset = format!(
+        "table netdev {CUT_TABLE} {{\n\
+         chain to_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip daddr {ip} numgen inc mod 2 == 0 counter drop\n}}\n\
+         chain from_replica {{\n\
+         type filter hook ingress devices = {{ \"{}\" }} priority 0;\n\
+         ip saddr 0.0.0.0 counter drop\n}}\n}}\n",
+        switch_port(0),
+        switch_port(i + 1),
+    );
+    nft_script(&tb.switch, &ruleset)
+}
+
+/// Undoes `cut_off_replica(s)`; returns the datagrams it dropped:
+/// (requests to the replicas, replies from them). An accept is put in
+/// front of the drops first, in one transaction, so that the counters
+/// read are final.
+pub fn reconnect_replica(tb: &Testbed) -> Result<(u64, u64)> {
+    nft_script(
+        &tb.switch,
+        &format!(
+            "insert rule netdev {CUT_TABLE} to_replica accept\n\
+             insert rule netdev {CUT_TABLE} from_replica accept\n"
+        ),
+    )?;
+    let dropped = |chain: &str| -> Result<u64> {
+        let out = tb
+            .switch
+            .exec("nft", &["list", "chain", "netdev", CUT_TABLE, chain])?;
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        Ok(text
+            .split("counter packets ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .context("no counter in the cut-off chain")?
+            .parse()?)
+    };
+    let counts = (dropped("to_replica")?, dropped("from_replica")?);
+    tb.switch
+        .exec("nft", &["delete", "table", "netdev", CUT_TABLE])?;
+    Ok(counts)
+}
+
 /// Loads an nftables script in `ns`.
 fn nft_script(ns: &Namespace, script: &str) -> Result<()> {
     let mut child = ns

@@ -13,10 +13,13 @@ use std::{
 };
 
 use selector_testbed::{
-    Testbed,
+    LoadReport, LoadSpec, Testbed,
     agent::{spawn_agent, status_json},
     dns::{DNS_PORT, Nsd},
+    faults::{cut_off_replica, reconnect_replica},
+    run_load,
     topology::{CLIENT_IFACE, replica_addr},
+    wait_for,
 };
 use selector_user::api::Status;
 
@@ -196,4 +199,328 @@ fn a_refusing_replica_is_ejected_and_the_application_sees_few_errors() {
         on.lost,
         off.lost
     );
+}
+
+/// Keys preloaded on every memcached replica.
+const KEYS: usize = 200;
+/// Reads per second, as in the issue.
+const RATE: u32 = 1000;
+/// How long the primary is dead. The issue's 8 s would be followed, at
+/// the defaults, by a failed probe and a second ejection of 7.5 to 10 s
+/// before the primary could come back: too long for a test. 4 s is less
+/// than the first ejection can be (5 s less a quarter of jitter), so the
+/// first probe finds the primary back.
+const OUTAGE: Duration = Duration::from_secs(4);
+
+/// What one dead-primary run saw.
+struct DeadRun {
+    /// The load during the outage, as the client counted it.
+    load: LoadReport,
+    /// Reads the switch dropped on their way to the primary.
+    dropped: u64,
+    /// Replies the switch dropped on their way back (to reads sent just
+    /// before the cut).
+    replies_dropped: u64,
+    /// Status at the end of the outage's load.
+    status: Status,
+}
+
+impl DeadRun {
+    /// The client lost the reads the switch dropped (and reads whose
+    /// reply it dropped), none other.
+    fn assert_lost_on_the_wire(&self) {
+        let lost = self.load.lost();
+        assert!(
+            lost >= self.dropped && lost <= self.dropped + self.replies_dropped,
+            "{lost} lost, {} requests and {} replies dropped",
+            self.dropped,
+            self.replies_dropped
+        );
+    }
+}
+
+/// Starts `RATE` reads per second to the primary on a connected socket (as
+/// an application), for `duration`. A read is lost when no reply came
+/// within `drain` of the last send: a reply from a dead replica never does.
+fn start_reads(tb: &Testbed, duration: Duration) -> thread::JoinHandle<anyhow::Result<LoadReport>> {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0].into(),
+        rate: RATE,
+        duration,
+        keys: KEYS,
+        drain: Duration::from_millis(500),
+    };
+    tb.client.spawn(move || run_load(&spec)).expect("load")
+}
+
+/// One second of reads, then the primary dead for `OUTAGE` under load,
+/// then one more second of reads with it back.
+fn primary_dead_for_a_while(tb: &Testbed) -> (LoadReport, (u64, u64)) {
+    let load = start_reads(tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    cut_off_replica(tb, 0).expect("nft");
+    thread::sleep(OUTAGE);
+    let dropped = reconnect_replica(tb).expect("nft");
+    (load.join().expect("load").expect("load"), dropped)
+}
+
+fn dead_primary_run(
+    prefix: &str,
+    extra: &[&str],
+) -> (Testbed, DeadRun, selector_testbed::agent::Agent) {
+    let tb = Testbed::with_memcached(prefix, 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let mut args = vec!["--iface", CLIENT_IFACE, "--group", &group, "--quiet"];
+    args.extend_from_slice(extra);
+    let agent = spawn_agent(&tb.client, &args);
+    let (load, (dropped, replies_dropped)) = primary_dead_for_a_while(&tb);
+    let status = status_json(&tb.client, CLIENT_IFACE);
+    (
+        tb,
+        DeadRun {
+            load,
+            dropped,
+            replies_dropped,
+            status,
+        },
+        agent,
+    )
+}
+
+fn stop(mut agent: selector_testbed::agent::Agent) {
+    unsafe { libc::kill(agent.0.id() as i32, libc::SIGTERM) };
+    assert!(agent.0.wait().unwrap().success());
+}
+
+#[test]
+fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
+    // At the defaults (ejection after 5 failures, threshold 4, timeout 1 s).
+    let (tb, on, agent) = dead_primary_run("deadon", &[]);
+    let primary = &on.status.backends[0];
+    println!(
+        "ejection on: {} sent, {} lost, {} dropped at the switch; primary {:?}",
+        on.load.sent,
+        on.load.lost(),
+        on.dropped,
+        primary.ejection
+    );
+    // It was ejected (and not yet given up on: no timing asserted, so it
+    // may be ejected, half-open or already back).
+    assert!(primary.ejection.ejections >= 1, "{primary:?}");
+    // The issue's bound, and what the agent does: the sweep that expires
+    // the fifth read in a row ejects at once, so the primary gets at most
+    // two timeouts' worth of reads (threshold 4, plus one a replica's
+    // in-flight read may add to each).
+    assert!(on.load.lost() <= 20, "{} reads lost", on.load.lost());
+    assert!(
+        on.load.lost() <= 2 * (4 + 1),
+        "{} reads lost",
+        on.load.lost()
+    );
+    // Every read the switch dropped was one the client lost, and no other.
+    on.assert_lost_on_the_wire();
+
+    // Back: reads keep coming until one probes it and the agent restores it.
+    let mut probes = 0u64;
+    let restored = wait_for(Duration::from_secs(15), || {
+        let more = start_reads(&tb, Duration::from_millis(200));
+        probes += more.join().unwrap().unwrap().lost();
+        let s: Status = status_json(&tb.client, CLIENT_IFACE);
+        s.backends[0].ejection.ejection_state == "healthy"
+    });
+    let s: Status = status_json(&tb.client, CLIENT_IFACE);
+    assert!(restored, "{:?}", s.backends[0]);
+    assert_eq!(probes, 0, "reads lost while the primary was back");
+    // And reads go to it again: with nothing stalling, all of them.
+    let served = tb.gets_served(0).unwrap();
+    let after = start_reads(&tb, Duration::from_millis(500))
+        .join()
+        .unwrap()
+        .unwrap();
+    let served_after = tb.gets_served(0).unwrap() - served;
+    println!(
+        "restored after {} ejection(s); then {} of {} reads served by the primary",
+        s.backends[0].ejection.ejections, served_after, after.sent
+    );
+    assert_eq!(after.lost(), 0);
+    assert!(
+        served_after >= after.sent * 9 / 10,
+        "{served_after} of {}",
+        after.sent
+    );
+    stop(agent);
+    drop(tb);
+
+    let (tb, off, agent) = dead_primary_run("deadoff", &["--eject-after", "0"]);
+    println!(
+        "ejection off: {} sent, {} lost, {} dropped at the switch; primary {:?}",
+        off.load.sent,
+        off.load.lost(),
+        off.dropped,
+        off.status.backends[0].ejection
+    );
+    assert_eq!(off.status.backends[0].ejection.ejections, 0);
+    off.assert_lost_on_the_wire();
+    // Without ejection the dead primary gets about `threshold` reads per
+    // timeout: one set per second of the outage, against the few before
+    // an ejection.
+    assert!(
+        off.load.lost() > on.load.lost(),
+        "lost {} without ejection, {} with",
+        off.load.lost(),
+        on.load.lost()
+    );
+    stop(agent);
+    drop(tb);
+}
+
+/// The issue's "with hedging on, none": the reads the dead primary gets
+/// before it is ejected are hedged to a replica, whose reply reaches the
+/// application (rewritten to come from the primary).
+#[test]
+fn a_dead_primary_with_hedging_on_loses_no_read() {
+    let (tb, run, agent) = dead_primary_run("deadhedge", &["--hedge-after", "2"]);
+    let s = &run.status;
+    let won: u64 = s.backends.iter().map(|b| b.hedges.hedges_won).sum();
+    println!(
+        "hedging on: {} sent, {} lost, {} dropped at the switch, {} hedges won; primary {:?}",
+        run.load.sent,
+        run.load.lost(),
+        run.dropped,
+        won,
+        s.backends[0].ejection
+    );
+    // The primary did get reads it never answered, and was ejected.
+    assert!(run.dropped > 0);
+    assert!(s.backends[0].ejection.ejections >= 1, "{:?}", s.backends[0]);
+    // Each was answered by its hedge.
+    assert!(
+        won >= run.dropped,
+        "{won} hedges won, {} dropped",
+        run.dropped
+    );
+    assert_eq!(run.load.lost(), 0, "reads lost with hedging on");
+    stop(agent);
+    drop(tb);
+}
+
+/// Every member failing at once (all three cut off for `OUTAGE`, then
+/// back): more members fail than `--max-ejected` (50%: one of three)
+/// allows, so the group is steered by counts alone. No read is lost to the
+/// cap: every read the client lost was one the switch dropped, and once
+/// the members are back no read is lost and every member takes reads.
+#[test]
+fn every_member_failing_is_steered_by_counts_and_loses_no_read_to_the_cap() {
+    let tb = Testbed::with_memcached("deadall", 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let agent = spawn_agent(
+        &tb.client,
+        &["--iface", CLIENT_IFACE, "--group", &group, "--quiet"],
+    );
+    let load = start_reads(&tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    selector_testbed::faults::cut_off_replicas(&tb, &[0, 1, 2]).expect("nft");
+    thread::sleep(OUTAGE);
+    let during: Status = status_json(&tb.client, CLIENT_IFACE);
+    let (dropped, replies_dropped) = reconnect_replica(&tb).expect("nft");
+    let load = load.join().unwrap().unwrap();
+    let after: Status = status_json(&tb.client, CLIENT_IFACE);
+    let states = |s: &Status| -> Vec<String> {
+        s.backends
+            .iter()
+            .map(|b| b.ejection.ejection_state.clone())
+            .collect()
+    };
+    println!(
+        "all dead: {} sent, {} lost, {} dropped at the switch; during {:?} over cap {:?}; after {:?}, ejections {:?}",
+        load.sent,
+        load.lost(),
+        dropped,
+        states(&during),
+        during.groups_over_cap,
+        states(&after),
+        after
+            .backends
+            .iter()
+            .map(|b| b.ejection.ejections)
+            .collect::<Vec<_>>()
+    );
+    // At the end of the outage: over the cap, nothing ejected.
+    assert_eq!(during.groups_over_cap, [1]);
+    assert_eq!(states(&during), ["healthy"; 3]);
+    // Every lost read was lost on the wire, none by the selector.
+    assert!(
+        load.lost() >= dropped && load.lost() <= dropped + replies_dropped,
+        "{} lost, {dropped} requests and {replies_dropped} replies dropped",
+        load.lost()
+    );
+    // Back: no read lost, and at most the cap ejected at any one time.
+    let more = start_reads(&tb, Duration::from_secs(1))
+        .join()
+        .unwrap()
+        .unwrap();
+    let end: Status = status_json(&tb.client, CLIENT_IFACE);
+    println!(
+        "after: {} lost of {}, {:?}",
+        more.lost(),
+        more.sent,
+        states(&end)
+    );
+    assert_eq!(more.lost(), 0);
+    assert!(
+        states(&end).iter().filter(|s| *s != "healthy").count() <= 1,
+        "{:?}",
+        states(&end)
+    );
+    stop(agent);
+    drop(tb);
+}
+
+/// A flapping primary: the switch drops every other read to it for
+/// `OUTAGE` at `RATE`. It never fails twice in a row, so it must not be
+/// ejected (and restored on the next read, again and again); the sweep
+/// finds its expiries in batches, after later reads it answered, and
+/// those are no failures in a row. Threshold 8: the primary keeps up to
+/// eight reads it will never answer, so a batch can hold more than
+/// `--eject-after` (5) of them.
+#[test]
+fn a_primary_losing_every_other_read_is_never_ejected() {
+    let tb = Testbed::with_memcached("flap", 3, KEYS).expect("testbed");
+    let group = tb.group_arg();
+    let agent = spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group,
+            "--threshold",
+            "8",
+            "--quiet",
+        ],
+    );
+    let load = start_reads(&tb, OUTAGE + Duration::from_secs(2));
+    thread::sleep(Duration::from_secs(1));
+    selector_testbed::faults::flap_replica(&tb, 0).expect("nft");
+    thread::sleep(OUTAGE);
+    let (dropped, _) = reconnect_replica(&tb).expect("nft");
+    let load = load.join().unwrap().unwrap();
+    // Past the last expiry of a dropped read: every batch swept.
+    thread::sleep(Duration::from_millis(1500));
+    let s: Status = status_json(&tb.client, CLIENT_IFACE);
+    let p = &s.backends[0];
+    println!(
+        "flapping: {} sent, {} lost, {} dropped; primary {:?}, {} expired",
+        load.sent,
+        load.lost(),
+        dropped,
+        p.ejection,
+        p.expired
+    );
+    assert_eq!(p.ejection.ejections, 0, "{p:?}");
+    assert_eq!(p.ejection.ejection_state, "healthy");
+    assert!(dropped >= 10, "the primary lost {dropped} reads only");
+    assert_eq!(load.lost(), dropped);
+    stop(agent);
+    drop(tb);
 }

@@ -261,3 +261,160 @@ fn with_ejection_off_nothing_is_ejected() {
     fail(&mut sel, 1, 100);
     assert_eq!(states(&sel), ["healthy"; 3]);
 }
+
+/// Issue 20: a flapping replica must not be ejected and restored on every
+/// other read. Through the real reply path and the agent's step after
+/// every reply: errors and good replies alternating never make five in a
+/// row, so nothing is ejected.
+#[test]
+fn a_replica_failing_every_other_read_is_never_ejected() {
+    for tc in [false, true] {
+        let mut sel = memcached();
+        for id in 0..60u16 {
+            let body: &[u8] = if id % 2 == 0 {
+                b"SERVER_ERROR busy\r\n"
+            } else {
+                b"VALUE foo 0 1\r\nx\r\nEND\r\n"
+            };
+            answer(&mut sel, tc, id, 1, 1, &mc_reply(id, body));
+            let lines = sel.check_ejection(sys::monotonic_ns());
+            assert!(lines.is_empty(), "tc {tc}, reply {id}: {lines:?}");
+        }
+        assert_eq!(stats(&sel)[1].error_replies, 30, "tc {tc}");
+        assert_eq!(states(&sel), ["healthy"; 3], "tc {tc}");
+        assert_eq!(sel.ejection_states(sys::monotonic_ns())[1].ejections, 0);
+    }
+}
+
+/// "ejected for X s" of a step's log line.
+fn ejected_for(lines: &[String]) -> f64 {
+    let line = lines
+        .iter()
+        .find(|l| l.contains(" ejected for "))
+        .unwrap_or_else(|| panic!("no ejection in {lines:?}"));
+    line.split(" ejected for ")
+        .nth(1)
+        .and_then(|rest| rest.split(" s ").next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"))
+}
+
+/// A replica that fails in bursts and recovers in between (down, back for
+/// a probe, down again): each ejection in a row lasts twice the last, so
+/// it is not put back for every other read. The agent's clock is passed
+/// in, so no time passes in the test.
+#[test]
+fn a_replica_that_keeps_coming_back_and_failing_is_ejected_for_longer_each_time() {
+    let mut sel = memcached(); // the defaults: 5 s base, 5 min max
+    let start = sys::monotonic_ns();
+    let mut now = start;
+    let mut lengths = Vec::new();
+    let mut id = 0x100u16;
+    for _ in 0..4 {
+        for _ in 0..5 {
+            answer(
+                &mut sel,
+                false,
+                id,
+                1,
+                1,
+                &mc_reply(id, b"SERVER_ERROR x\r\n"),
+            );
+            id += 1;
+        }
+        let lines = sel.check_ejection(now);
+        let secs = ejected_for(&lines);
+        lengths.push(secs);
+        assert_eq!(states(&sel)[1], "ejected");
+        // Until the ejection is up, still ejected.
+        now += (secs * 0.9 * 1e9) as u64;
+        assert!(sel.check_ejection(now).is_empty());
+        assert_eq!(states(&sel)[1], "ejected");
+        now += (secs * 0.2 * 1e9) as u64;
+        sel.check_ejection(now);
+        assert_eq!(states(&sel)[1], "half_open");
+        // One good reply (the probe's) restores it.
+        answer(&mut sel, false, id, 1, 1, &mc_reply(id, b"END\r\n"));
+        id += 1;
+        sel.check_ejection(now);
+        assert_eq!(states(&sel)[1], "healthy");
+    }
+    println!("ejection lengths: {lengths:?} s");
+    assert_eq!(sel.ejection_states(now)[1].ejections, 4);
+    // 5 s, 10 s, 20 s, 40 s, each less up to a quarter of jitter.
+    for (k, secs) in lengths.iter().enumerate() {
+        let full = 5.0 * f64::from(1 << k);
+        assert!(
+            *secs >= full * 0.75 - 0.05 && *secs <= full + 0.05,
+            "ejection {}: {secs} s",
+            k + 1
+        );
+    }
+}
+
+/// Every member failing: the cap (half of three: one) is never exceeded,
+/// the group is steered by counts alone and says so, and every read still
+/// goes out to a member of the group: none is dropped for want of one.
+#[test]
+fn every_member_failing_ejects_none_beyond_the_cap_and_drops_no_read() {
+    let mut sel = memcached();
+    fail(&mut sel, 0, 100);
+    assert_eq!(states(&sel), ["ejected", "healthy", "healthy"]);
+    assert!(sel.groups_over_cap().is_empty());
+    fail(&mut sel, 1, 200);
+    // Two failing out of three, one allowed: over the cap, the ejected
+    // one released.
+    assert_eq!(states(&sel), ["healthy"; 3]);
+    assert_eq!(sel.groups_over_cap(), [1]);
+    fail(&mut sel, 2, 300);
+    assert_eq!(states(&sel), ["healthy"; 3]);
+    assert_eq!(sel.groups_over_cap(), [1]);
+    for id in 0x400..0x440u16 {
+        let (verdict, out) = egress(&mut sel, &request(&mc_get(id)));
+        assert!(
+            verdict == TC_ACT_PIPE || verdict == TC_ACT_REDIRECT,
+            "read {id:#x}: verdict {verdict}"
+        );
+        let to = verified_endpoints(&out).1;
+        assert!((0..3).any(|i| replica(i) == to), "{to:?}");
+        sel.check_ejection(sys::monotonic_ns());
+        let ejected = states(&sel).iter().filter(|s| *s != "healthy").count();
+        assert_eq!(ejected, 0);
+    }
+    assert_eq!(sel.groups_over_cap(), [1]);
+}
+
+/// The sweep finds expiries a timeout after their send, in a batch; a
+/// member that answered well since they were sent (back after an outage,
+/// or losing one read in two) is not failing in a row, and the batch must
+/// not eject it.
+#[test]
+fn expiries_sent_before_a_later_good_reply_are_no_failures_in_a_row() {
+    let mut sel = memcached();
+    let now = sys::monotonic_ns();
+    for id in 0..8u16 {
+        let key = InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, u64::from(0x500 + id));
+        assert!(sel.plant_inflight(&key, 1, 1, now - 3_000_000_000));
+    }
+    sel.check_ejection(sys::monotonic_ns());
+    // A read sent later is answered well.
+    answer(&mut sel, false, 0x600, 1, 1, &mc_reply(0x600, b"END\r\n"));
+    sel.check_ejection(sys::monotonic_ns());
+    let report = sel.sweep(sys::monotonic_ns()).unwrap();
+    assert_eq!(report.expired, 8);
+    assert_eq!(failures(&sel), [0, 0, 0]);
+    assert!(sel.check_ejection(sys::monotonic_ns()).is_empty());
+    assert_eq!(states(&sel), ["healthy"; 3]);
+
+    // No good reply since: the same batch is eight failures in a row.
+    let mut sel = memcached();
+    for id in 0..8u16 {
+        let key = InflightKey::ipv4(CLIENT, CLIENT_PORT, 0, u64::from(0x500 + id));
+        assert!(sel.plant_inflight(&key, 1, 1, now - 3_000_000_000));
+    }
+    sel.check_ejection(sys::monotonic_ns());
+    sel.sweep(sys::monotonic_ns()).unwrap();
+    assert_eq!(failures(&sel), [0, 8, 0]);
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
+}

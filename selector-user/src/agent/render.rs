@@ -11,7 +11,7 @@ use crate::{
         settings::BackendPlan,
     },
     telemetry::{
-        BackendTotals, PassedCount, Snapshot, TailHistory, delta,
+        BackendTotals, EjectionState, PassedCount, Snapshot, TailHistory, delta,
         hedges::{HedgeCounts, total},
         passed_counts, totals,
     },
@@ -91,20 +91,46 @@ fn format_share(share: Option<f64>) -> String {
     share.map_or_else(|| "-".into(), |s| format!("{s:.2}"))
 }
 
+/// Each backend's state for the live table, in `backends` order: the
+/// operator's drain first (it overrides ejection, and is shown apart from
+/// it), else outlier ejection's `healthy`, `ejected` or `half_open`.
+pub fn state_labels(
+    backends: &[BackendPlan],
+    ejection: &[EjectionState],
+    drained: &[SocketAddr],
+) -> Vec<String> {
+    backends
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            if drained.contains(&b.addr) {
+                "drained".to_string()
+            } else {
+                ejection
+                    .get(i)
+                    .map_or("-", |e| e.ejection_state.as_str())
+                    .to_string()
+            }
+        })
+        .collect()
+}
+
 /// The live table: rates, latency quantiles and tail blame over the interval
-/// since `before` (the last one `tails` recorded), pending as of now; then
-/// the footer.
+/// since `before` (the last one `tails` recorded), pending and each
+/// backend's state (`states`, from [`state_labels`]) as of now; then the
+/// footer.
 pub fn render_table(
     backends: &[BackendPlan],
     before: &Snapshot,
     now: &Snapshot,
     tails: &TailHistory,
+    states: &[String],
 ) -> String {
     let secs = now.at.duration_since(before.at).as_secs_f64().max(1e-3);
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}",
+        "{:<22} {:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>6}  state",
         "backend", "group", "pending", "req/s", "away/s", "to/s", "timeouts", "p50", "p99", "blame"
     );
     for (i, b) in backends.iter().enumerate() {
@@ -113,7 +139,7 @@ pub fn render_table(
         let rate = |a: u64, b: u64| a.saturating_sub(b) as f64 / secs;
         let _ = writeln!(
             out,
-            "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9} {:>6}",
+            "{:<22} {:>5} {:>8} {:>9.0} {:>9.0} {:>9.0} {:>9} {:>9} {:>9} {:>6}  {}",
             b.addr.to_string(),
             b.group + 1,
             now.pending(i),
@@ -124,6 +150,7 @@ pub fn render_table(
             format_ns(latency::quantile_ns(&hist, 0.5)),
             format_ns(latency::quantile_ns(&hist, 0.99)),
             format_share(tails.backend(i).tail_blame),
+            states.get(i).map_or("-", String::as_str),
         );
     }
     out += &render_footer(
@@ -295,8 +322,8 @@ mod tests {
         );
         let mut tails = TailHistory::default();
         tails.record(IntervalTail::between(&before, &now));
-        let table = render_table(&backends, &before, &now, &tails);
-        assert!(table.lines().next().unwrap().ends_with(" blame"), "{table}");
+        let table = render_table(&backends, &before, &now, &tails, &["healthy".into()]);
+        assert!(table.lines().next().unwrap().ends_with(" state"), "{table}");
         let row = table.lines().nth(1).unwrap();
         let cols: Vec<&str> = row.split_whitespace().collect();
         assert_eq!(cols[0], "10.0.0.1:11211");
@@ -307,6 +334,7 @@ mod tests {
         assert_eq!(cols[7], "112us"); // upper edge of 100 µs bucket [96, 112)
         assert!(cols[8].ends_with("ms"), "{row}");
         assert_eq!(cols[9], "1.00"); // the only backend has the whole tail
+        assert_eq!(cols[10], "healthy");
         assert!(table.contains("in flight 7"));
         assert!(
             table.contains("passed untouched: egress not_a_backend 3"),
@@ -369,6 +397,56 @@ mod tests {
         );
         let footer = render_footer(0, &totals, &[]);
         assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
+    }
+
+    #[test]
+    fn the_table_shows_each_backends_ejection_state_and_drain_apart() {
+        let plan = |index: u32, addr: &str| BackendPlan {
+            index,
+            addr: addr.parse().unwrap(),
+            group: 0,
+        };
+        let backends = [
+            plan(0, "10.0.0.1:11211"),
+            plan(1, "10.0.0.2:11211"),
+            plan(2, "10.0.0.3:11211"),
+            plan(3, "10.0.0.4:11211"),
+        ];
+        let state = |s: &str| EjectionState {
+            ejection_state: s.into(),
+            ..Default::default()
+        };
+        let ejection = [
+            state("healthy"),
+            state("ejected"),
+            state("half_open"),
+            state("healthy"),
+        ];
+        let drained = [backends[3].addr];
+        let states = state_labels(&backends, &ejection, &drained);
+        assert_eq!(states, ["healthy", "ejected", "half_open", "drained"]);
+        let t0 = Instant::now();
+        let mut before = snap(t0, 0, 0, &[]);
+        let mut now = snap(t0 + Duration::from_secs(1), 0, 0, &[]);
+        for s in [&mut before, &mut now] {
+            for _ in 1..backends.len() {
+                s.stats.push(BackendStats::default());
+                s.accounting.push((0, 0, 0));
+                s.latency.push(vec![0; latency::LATENCY_BUCKETS as usize]);
+            }
+        }
+        let table = render_table(&backends, &before, &now, &TailHistory::default(), &states);
+        let last: Vec<&str> = table
+            .lines()
+            .skip(1)
+            .take(4)
+            .map(|row| row.split_whitespace().last().unwrap())
+            .collect();
+        assert_eq!(
+            last,
+            ["healthy", "ejected", "half_open", "drained"],
+            "{table}"
+        );
     }
 
     #[test]

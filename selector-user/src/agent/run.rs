@@ -338,6 +338,10 @@ impl Agent {
                         return Some(failure);
                     }
                     self.sweep();
+                    // At once: a member whose expiries just made it
+                    // failing would otherwise get the reads the expiries
+                    // made room for until the next check.
+                    self.check_ejection();
                     self.retire_finished();
                 }
                 call = control.next_call() => {
@@ -657,8 +661,15 @@ impl Agent {
         self.tails
             .record(telemetry::IntervalTail::between(&self.last, &now));
         if !self.quiet {
-            let mut table =
-                render::render_table(&self.selector.backends, &self.last, &now, &self.tails);
+            let drained = self.selector.drained().unwrap_or_default();
+            let states = render::state_labels(&self.selector.backends, &now.ejection, &drained);
+            let mut table = render::render_table(
+                &self.selector.backends,
+                &self.last,
+                &now,
+                &self.tails,
+                &states,
+            );
             if self.selector.settings.hedging.enabled() {
                 table +=
                     &render::render_hedging_interval(&self.selector.backends, &self.last, &now);

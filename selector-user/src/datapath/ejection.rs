@@ -9,7 +9,7 @@ use std::{collections::HashMap, net::SocketAddr, sync::atomic::Ordering};
 use aya::maps::Array;
 use selector_common::{
     Group, MAX_GROUP_MEMBERS,
-    ejection::{self, Event, Member, Seen, ejected_bit, probe_bit},
+    ejection::{self, Event, GoodWatch, Member, Seen, ejected_bit, probe_bit},
     names, split_backend_id,
 };
 
@@ -31,6 +31,10 @@ pub struct Ejection {
 struct GroupRecord {
     members: [Member; MAX_GROUP_MEMBERS],
     over_cap: bool,
+    /// When each member last answered well, for the sweep.
+    good: [GoodWatch; MAX_GROUP_MEMBERS],
+    /// The last check of this group, ns.
+    checked_ns: u64,
 }
 
 impl Ejection {
@@ -48,10 +52,19 @@ impl Ejection {
 }
 
 impl Selector {
-    /// Adds one failure in a row to `backend` (the sweep expired a request
-    /// it was sent).
-    pub(crate) fn count_failure(&self, backend: u32) {
+    /// Adds one failure in a row to `backend`: the sweep expired a request
+    /// sent to it at `sent_ns`, and no good reply from it is known to have
+    /// come since (else the run was already broken after this request).
+    pub(crate) fn count_failure(&self, backend: u32, sent_ns: u64) {
         let (group, position) = split_backend_id(backend);
+        let answered_since = self
+            .ejection
+            .groups
+            .get(&group)
+            .is_some_and(|r| !r.good[position % MAX_GROUP_MEMBERS].expiry_counts(sent_ns));
+        if answered_since {
+            return;
+        }
         let h = self.health.ptr(group as usize);
         // SAFETY: a field of a live shared element, 8-byte aligned.
         unsafe {
@@ -117,6 +130,11 @@ impl Selector {
                 .get(&group)
                 .copied()
                 .unwrap_or_default();
+            for &(p, _) in &members {
+                let p = p % MAX_GROUP_MEMBERS;
+                record.good[p].observe(seen[p].good, record.checked_ns);
+            }
+            record.checked_ns = now_ns;
             let mut random = [0u32; ejection::MAX_EVENTS];
             for r in &mut random {
                 *r = self.ejection.next_random();

@@ -123,6 +123,10 @@ impl Selector {
             self,
             names::GROUPS,
         )?)?)?;
+        let health = SharedArray::map(
+            map_copy(self, names::HEALTH)?.fd().as_fd(),
+            MAX_GROUPS as usize,
+        )?;
         let budget_percent = self.settings.hedging.budget_percent;
         let timeout_ns = self.settings.timeout.as_nanos() as u64;
         self.hedging.start(
@@ -131,6 +135,7 @@ impl Selector {
                 slots,
                 counters,
                 groups,
+                health,
             },
             sockets,
             budget_percent,

@@ -306,7 +306,7 @@ impl Selector {
             atomic(self.clients.ptr(client as usize)).fetch_sub(1, Ordering::SeqCst);
         }
         // Lost: a failure of the member it was sent to (outlier ejection).
-        self.count_failure(u32::from(s.chosen));
+        self.count_failure(u32::from(s.chosen), s.sent_ns);
         true
     }
 }

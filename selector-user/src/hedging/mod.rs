@@ -28,8 +28,8 @@ use std::{
 use anyhow::Result;
 use aya::maps::{Array, MapData, RingBuf};
 use selector_common::{
-    Endpoint, Group, GroupCounters, MAX_BACKENDS, backend_id,
-    hedge::{self, HedgeEvent, TokenBucket, choose_target, claimed_word, open_word},
+    Endpoint, Group, GroupCounters, GroupHealth, MAX_BACKENDS, backend_id,
+    hedge::{self, HedgeEvent, TokenBucket, choose_target, claimed_word, hedge_usable, open_word},
     inflight::InflightSlot,
     policy::GroupLoad,
     split_backend_id,
@@ -113,6 +113,8 @@ pub struct HedgeMaps {
     pub slots: SharedArray<InflightSlot>,
     pub counters: SharedArray<GroupCounters>,
     pub groups: Array<MapData, Group>,
+    /// Outlier ejection's health words: ejected members are no target.
+    pub health: SharedArray<GroupHealth>,
 }
 
 impl Hedging {
@@ -129,6 +131,7 @@ impl Hedging {
             slots: maps.slots,
             counters: maps.counters,
             groups: maps.groups,
+            health: maps.health,
             sockets,
             control: self.control.clone(),
             queue: BinaryHeap::new(),
@@ -185,6 +188,7 @@ struct HedgeLoop {
     slots: SharedArray<InflightSlot>,
     counters: SharedArray<GroupCounters>,
     groups: Array<MapData, Group>,
+    health: SharedArray<GroupHealth>,
     sockets: HedgeSockets,
     control: Arc<Control>,
     queue: BinaryHeap<Reverse<Due>>,
@@ -333,8 +337,16 @@ impl HedgeLoop {
         let Ok(members) = self.groups.get(&group, 0) else {
             return;
         };
-        let load = GroupLoad::of(&members, &self.counters.read(group as usize));
-        let Some(target_pos) = choose_target(&load, chosen_pos) else {
+        let h = self.health.ptr(group as usize);
+        // SAFETY: a field of a live shared element, 8-byte aligned.
+        let bits = unsafe { load(&raw mut (*h).bits) };
+        let target = hedge_target(
+            &members,
+            &self.counters.read(group as usize),
+            bits,
+            chosen_pos,
+        );
+        let Some(target_pos) = target else {
             self.control.counts[primary]
                 .no_target
                 .fetch_add(1, Ordering::Relaxed);
@@ -387,5 +399,57 @@ impl HedgeLoop {
             &counts.send_failed
         };
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The hedge target for a read that went to member `chosen` of a group
+/// with `members`, `counters` and health word `health_bits`: the least
+/// pending other member that is neither drained nor ejected nor waiting
+/// for its half-open probe.
+pub(crate) fn hedge_target(
+    members: &Group,
+    counters: &GroupCounters,
+    health_bits: u64,
+    chosen: usize,
+) -> Option<usize> {
+    let mut load = GroupLoad::of(members, counters);
+    load.usable = hedge_usable(load.usable, health_bits);
+    choose_target(&load, chosen)
+}
+
+#[cfg(test)]
+mod tests {
+    use selector_common::ejection::{ejected_bit, probe_bit};
+
+    use super::*;
+
+    /// Three active members; `issued` reads sent to each, none answered.
+    fn group(issued: [u64; 3]) -> (Group, GroupCounters) {
+        let g = Group {
+            len: 3,
+            active: 0b111,
+            ..Default::default()
+        };
+        let mut c = GroupCounters::default();
+        c.issued[..3].copy_from_slice(&issued);
+        (g, c)
+    }
+
+    #[test]
+    fn the_hedge_target_skips_ejected_and_probing_members() {
+        let (g, c) = group([9, 3, 0]);
+        // Healthy: the least pending.
+        assert_eq!(hedge_target(&g, &c, 0, 0), Some(2));
+        // Ejected, though least pending: the next one.
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 0), Some(1));
+        // Half-open with its probe not taken: its one probe is egress's.
+        assert_eq!(hedge_target(&g, &c, probe_bit(2), 0), Some(1));
+        // Every other member out: no hedge at all.
+        assert_eq!(
+            hedge_target(&g, &c, ejected_bit(1) | ejected_bit(2), 0),
+            None
+        );
+        // An ejected primary is no target for a read moved off it.
+        assert_eq!(hedge_target(&g, &c, ejected_bit(0), 2), Some(1));
     }
 }
