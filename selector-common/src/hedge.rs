@@ -176,6 +176,26 @@ pub const fn hedge_usable(usable: u8, health_bits: u64) -> u8 {
     usable & !ejected & !probing
 }
 
+/// `usable` without the members at or over `max_pending` pending requests
+/// (0: no bound): a hedge copy is one more request to its target, and
+/// `--max-pending` bounds what the selector sends a member.
+pub fn within_max_pending(
+    usable: u8,
+    pending: &[u64; crate::MAX_GROUP_MEMBERS],
+    max_pending: u32,
+) -> u8 {
+    if max_pending == 0 {
+        return usable;
+    }
+    let mut out = usable;
+    for (pos, p) in pending.iter().enumerate() {
+        if *p >= u64::from(max_pending) {
+            out &= !(1 << pos);
+        }
+    }
+    out
+}
+
 /// The hedge target for a read that went to member `chosen`: the first
 /// usable member other than `chosen` with the strict minimum pending count.
 /// The caller takes ejected members out of `load.usable` first
@@ -328,6 +348,17 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn members_at_max_pending_are_no_hedge_target() {
+        let mut pending = [0u64; crate::MAX_GROUP_MEMBERS];
+        pending[1] = 5;
+        pending[2] = 4;
+        assert_eq!(within_max_pending(0b111, &pending, 0), 0b111);
+        assert_eq!(within_max_pending(0b111, &pending, 5), 0b101);
+        assert_eq!(within_max_pending(0b111, &pending, 4), 0b001);
+        assert_eq!(within_max_pending(0b110, &pending, 6), 0b110);
+    }
     use crate::inflight::{PHASE_LINGER, PHASE_LIVE, sequence, state, with_phase};
 
     fn live(n: u64) -> u64 {

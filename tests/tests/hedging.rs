@@ -344,15 +344,19 @@ fn both_stalled_counts_expire_exactly_and_one_late_reply_passes() {
 #[test]
 fn the_budget_caps_hedges_with_many_stuck_reads() {
     let tb = testbed("hgb");
-    // Observe: every read stays on the stopped primary and wants a hedge.
+    // A threshold no stall reaches: every read stays on the stopped
+    // primary and wants a hedge (observe would hedge none).
     let running = SweptSelector::start(
         &tb,
-        settings(
-            &tb,
-            Policy::Observe,
-            HedgeAfter::Fixed(Duration::from_millis(5)),
-            IngressMode::Xdp,
-        ),
+        Settings {
+            threshold: 1_000_000,
+            ..settings(
+                &tb,
+                Policy::Threshold,
+                HedgeAfter::Fixed(Duration::from_millis(5)),
+                IngressMode::Xdp,
+            )
+        },
     );
     let spec = LoadSpec {
         target: tb.replica_endpoints()[0].into(),
@@ -391,11 +395,23 @@ fn the_budget_caps_hedges_with_many_stuck_reads() {
 
 #[test]
 fn hedging_off_sends_no_copies() {
-    let tb = testbed("hgo");
-    let running = SweptSelector::start(
-        &tb,
-        settings(&tb, Policy::Threshold, HedgeAfter::Off, IngressMode::Xdp),
+    no_copies_with("hgo", Policy::Threshold, HedgeAfter::Off);
+}
+
+/// The observe policy moves no read, and hedges none either, whatever
+/// `--hedge-after` says.
+#[test]
+fn observe_sends_no_copies_whatever_hedge_after_says() {
+    no_copies_with(
+        "hgob",
+        Policy::Observe,
+        HedgeAfter::Fixed(Duration::from_millis(2)),
     );
+}
+
+fn no_copies_with(prefix: &str, policy: Policy, after: HedgeAfter) {
+    let tb = testbed(prefix);
+    let running = SweptSelector::start(&tb, settings(&tb, policy, after, IngressMode::Xdp));
     tb.replicas[0].stop();
     let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));
     tb.replicas[0].resume();

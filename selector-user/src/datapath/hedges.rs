@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf};
 use selector_common::{
-    MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
+    MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
     hedge::{self, HedgeConfig, HedgeStats, auto_ceiling_ns, is_sent, settling_word},
     inflight::{PHASE_LINGER, PHASE_LIVE, phase},
     names,
@@ -47,7 +47,8 @@ impl Selector {
     /// is off while steering is (shutdown).
     pub(crate) fn write_hedge_config(&mut self, steering_off: bool) -> Result<()> {
         let hedging = self.settings.hedging;
-        let on = hedging.enabled() && !steering_off;
+        // Observe moves no read, and sends no copy either.
+        let on = hedging.enabled() && !steering_off && self.settings.policy != Policy::Observe;
         {
             let control = &self.hedging.control;
             let mut targets = control.targets.write().unwrap_or_else(|e| e.into_inner());
@@ -63,6 +64,9 @@ impl Selector {
         control
             .budget_percent
             .store(hedging.budget_percent, Ordering::SeqCst);
+        control
+            .max_pending
+            .store(self.settings.max_pending, Ordering::SeqCst);
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
         let ids = self.backend_ids();
         if hedging.after != HedgeAfter::Auto || !self.hedging.auto.tracks(&ids) {

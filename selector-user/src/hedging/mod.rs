@@ -29,7 +29,10 @@ use anyhow::Result;
 use aya::maps::{Array, MapData, RingBuf};
 use selector_common::{
     Endpoint, Group, GroupCounters, GroupHealth, MAX_BACKENDS, backend_id,
-    hedge::{self, HedgeEvent, TokenBucket, choose_target, claimed_word, hedge_usable, open_word},
+    hedge::{
+        self, HedgeEvent, TokenBucket, choose_target, claimed_word, hedge_usable, open_word,
+        within_max_pending,
+    },
     inflight::InflightSlot,
     policy::GroupLoad,
     split_backend_id,
@@ -62,6 +65,8 @@ pub(crate) struct AgentCounts {
 pub(crate) struct Control {
     pub(crate) enabled: AtomicBool,
     pub(crate) budget_percent: AtomicU32,
+    /// `--max-pending` (0: none): no copy goes to a member at it.
+    pub(crate) max_pending: AtomicU32,
     /// The delay for reads to each primary, by backend id.
     pub(crate) delay_ns: Vec<AtomicU64>,
     pub(crate) counts: Vec<AgentCounts>,
@@ -85,6 +90,7 @@ impl Default for Hedging {
             control: Arc::new(Control {
                 enabled: AtomicBool::new(false),
                 budget_percent: AtomicU32::new(RunDefaults::default().hedging.budget_percent),
+                max_pending: AtomicU32::new(0),
                 delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
                 counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
                 targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),
@@ -344,6 +350,7 @@ impl HedgeLoop {
             &members,
             &self.counters.read(group as usize),
             bits,
+            self.control.max_pending.load(Ordering::Relaxed),
             chosen_pos,
         );
         let Some(target_pos) = target else {
@@ -410,10 +417,15 @@ pub(crate) fn hedge_target(
     members: &Group,
     counters: &GroupCounters,
     health_bits: u64,
+    max_pending: u32,
     chosen: usize,
 ) -> Option<usize> {
     let mut load = GroupLoad::of(members, counters);
-    load.usable = hedge_usable(load.usable, health_bits);
+    load.usable = within_max_pending(
+        hedge_usable(load.usable, health_bits),
+        &load.pending,
+        max_pending,
+    );
     choose_target(&load, chosen)
 }
 
@@ -439,17 +451,27 @@ mod tests {
     fn the_hedge_target_skips_ejected_and_probing_members() {
         let (g, c) = group([9, 3, 0]);
         // Healthy: the least pending.
-        assert_eq!(hedge_target(&g, &c, 0, 0), Some(2));
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0), Some(2));
         // Ejected, though least pending: the next one.
-        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 0), Some(1));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 0, 0), Some(1));
         // Half-open with its probe not taken: its one probe is egress's.
-        assert_eq!(hedge_target(&g, &c, probe_bit(2), 0), Some(1));
+        assert_eq!(hedge_target(&g, &c, probe_bit(2), 0, 0), Some(1));
         // Every other member out: no hedge at all.
         assert_eq!(
-            hedge_target(&g, &c, ejected_bit(1) | ejected_bit(2), 0),
+            hedge_target(&g, &c, ejected_bit(1) | ejected_bit(2), 0, 0),
             None
         );
         // An ejected primary is no target for a read moved off it.
-        assert_eq!(hedge_target(&g, &c, ejected_bit(0), 2), Some(1));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(0), 0, 2), Some(1));
+    }
+
+    #[test]
+    fn the_hedge_target_is_under_max_pending() {
+        let (g, c) = group([9, 3, 0]);
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0), Some(2));
+        // Member 2 has none pending: still a target under a bound of 1.
+        assert_eq!(hedge_target(&g, &c, 0, 1, 0), Some(2));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 3, 0), None);
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 4, 0), Some(1));
     }
 }
