@@ -95,17 +95,7 @@ pub fn tcx_program_ids(ifindex: u32, side: TcxSide) -> io::Result<Vec<u32>> {
     attr[3] = MAX_CHAIN as u64;
     // SAFETY: attr is a bpf_attr prefix of the size given, and prog_ids
     // points at MAX_CHAIN writable u32s, the count it says.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_QUERY,
-            attr.as_mut_ptr(),
-            size_of_val(&attr) as u32,
-        )
-    };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    unsafe { crate::host::sys::bpf(BPF_PROG_QUERY, &mut attr) }?;
     // The kernel writes back how many it copied (at most MAX_CHAIN).
     let count = (attr[3] as u32 as usize).min(MAX_CHAIN);
     Ok(ids[..count].to_vec())

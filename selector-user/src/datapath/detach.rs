@@ -271,31 +271,15 @@ const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_LINK_GET_FD_BY_ID: libc::c_long = 30;
 const BPF_LINK_DETACH: libc::c_long = 34;
 
-/// Issues one bpf(2) command with a 16-byte attribute.
-fn bpf(cmd: libc::c_long, attr: &[u32; 4]) -> libc::c_long {
-    // SAFETY: attr is a valid bpf_attr prefix of the given size.
-    unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_ptr(), size_of_val(attr) as u32) }
-}
-
 /// BPF_OBJ_GET: a descriptor for a pinned object (needs no CAP_SYS_ADMIN,
 /// unlike getting one by id).
 fn open_pinned(path: &Path) -> Result<std::os::fd::OwnedFd> {
     use std::os::fd::FromRawFd as _;
     let name = CString::new(path.as_os_str().as_bytes())?;
     // pathname (u64), bpf_fd, file_flags.
-    let attr: [u64; 2] = [name.as_ptr() as u64, 0];
+    let mut attr: [u64; 2] = [name.as_ptr() as u64, 0];
     // SAFETY: attr is a valid bpf_attr prefix; name outlives the call.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            attr.as_ptr(),
-            size_of_val(&attr) as u32,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("BPF_OBJ_GET");
-    }
+    let fd = unsafe { sys::bpf(BPF_OBJ_GET, &mut attr) }.context("BPF_OBJ_GET")?;
     // SAFETY: a descriptor the kernel just gave us, owned from here on.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }
@@ -305,19 +289,18 @@ fn open_pinned(path: &Path) -> Result<std::os::fd::OwnedFd> {
 /// it only later, from a work queue).
 fn detach_link(link: &std::os::fd::OwnedFd) -> Result<()> {
     use std::os::fd::AsRawFd as _;
-    if bpf(BPF_LINK_DETACH, &[link.as_raw_fd() as u32, 0, 0, 0]) < 0 {
-        return Err(std::io::Error::last_os_error()).context("BPF_LINK_DETACH");
-    }
+    // SAFETY: link_fd, then unused fields.
+    unsafe { sys::bpf(BPF_LINK_DETACH, &mut [link.as_raw_fd() as u32, 0, 0, 0]) }
+        .context("BPF_LINK_DETACH")?;
     Ok(())
 }
 
 /// BPF_LINK_GET_FD_BY_ID (CAP_SYS_ADMIN), then [`detach_link`].
 fn force_detach_link(id: u32) -> Result<()> {
     use std::os::fd::FromRawFd as _;
-    let fd = bpf(BPF_LINK_GET_FD_BY_ID, &[id, 0, 0, 0]);
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("BPF_LINK_GET_FD_BY_ID");
-    }
+    // SAFETY: link_id, then unused fields.
+    let fd = unsafe { sys::bpf(BPF_LINK_GET_FD_BY_ID, &mut [id, 0, 0, 0]) }
+        .context("BPF_LINK_GET_FD_BY_ID")?;
     // SAFETY: a descriptor the kernel just gave us, owned from here on.
     detach_link(&unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -24,13 +24,36 @@ struct MapElemAttr {
     flags: u64,
 }
 
+/// bpf(2) with `attr`, a `bpf_attr` prefix the kernel may write back into;
+/// the command's result (a descriptor, or 0).
+///
+/// # Safety
+/// `attr` must be a valid attribute for `cmd`, every pointer in it valid
+/// for what the command reads or writes.
+pub unsafe fn bpf<T>(cmd: libc::c_long, attr: &mut T) -> io::Result<libc::c_long> {
+    // SAFETY: as the caller promises.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut T,
+            std::mem::size_of::<T>() as u32,
+        )
+    };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(rc)
+    }
+}
+
 /// Atomically removes `key` from a hash map and returns what it held, or
 /// `None` if it was not there. The deleted value is the one the caller
 /// accounts for, so a concurrent re-insert under the same key is never
 /// mistaken for the expired entry.
 pub fn lookup_and_delete<K, V: Default>(map_fd: RawFd, key: &K) -> io::Result<Option<V>> {
     let mut value = V::default();
-    let attr = MapElemAttr {
+    let mut attr = MapElemAttr {
         map_fd: map_fd as u32,
         _pad: 0,
         key: key as *const K as u64,
@@ -38,22 +61,10 @@ pub fn lookup_and_delete<K, V: Default>(map_fd: RawFd, key: &K) -> io::Result<Op
         flags: 0,
     };
     // SAFETY: attr points at live key/value buffers of the map's sizes.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_MAP_LOOKUP_AND_DELETE_ELEM,
-            &attr as *const MapElemAttr,
-            std::mem::size_of::<MapElemAttr>() as u32,
-        )
-    };
-    if rc == 0 {
-        return Ok(Some(value));
-    }
-    let err = io::Error::last_os_error();
-    if err.raw_os_error() == Some(libc::ENOENT) {
-        Ok(None)
-    } else {
-        Err(err)
+    match unsafe { bpf(BPF_MAP_LOOKUP_AND_DELETE_ELEM, &mut attr) } {
+        Ok(_) => Ok(Some(value)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
