@@ -662,6 +662,9 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
                 .block_on(selector_user::cli::run(*args))
         })
         .unwrap();
+    // Built before the clock starts: on a fresh clone the first
+    // `selector` command builds the binary.
+    selector_binary();
     // A loaded machine (the suite runs two tests at a time) can take a
     // while to attach an agent built without optimisations.
     let deadline = Instant::now() + Duration::from_secs(40);

@@ -152,8 +152,18 @@ fn refused_replica_while_the_primary_stalls(prefix: &str, eject_after: &str) -> 
     }
 }
 
+/// The namespace tests here count reads lost to a dead member, which a
+/// second test loading the same two CPUs at once can inflate: they run
+/// one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn a_refusing_replica_is_ejected_and_the_application_sees_few_errors() {
+    let _serial = one_at_a_time();
     let on = refused_replica_while_the_primary_stalls("ejon", "5");
     let off = refused_replica_while_the_primary_stalls("ejoff", "0");
     println!(
@@ -294,6 +304,7 @@ fn stop(mut agent: selector_testbed::agent::Agent) {
 
 #[test]
 fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
+    let _serial = one_at_a_time();
     // At the defaults (ejection after 5 failures, threshold 4, timeout 1 s).
     let (tb, on, agent) = dead_primary_run("deadon", &[]);
     let primary = &on.status.backends[0];
@@ -379,6 +390,7 @@ fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
 /// application (rewritten to come from the primary).
 #[test]
 fn a_dead_primary_with_hedging_on_loses_no_read() {
+    let _serial = one_at_a_time();
     let (tb, run, agent) = dead_primary_run("deadhedge", &["--hedge-after", "2"]);
     let s = &run.status;
     let won: u64 = s.backends.iter().map(|b| b.hedges.hedges_won).sum();
@@ -411,6 +423,7 @@ fn a_dead_primary_with_hedging_on_loses_no_read() {
 /// the members are back no read is lost and every member takes reads.
 #[test]
 fn every_member_failing_is_steered_by_counts_and_loses_no_read_to_the_cap() {
+    let _serial = one_at_a_time();
     let tb = Testbed::with_memcached("deadall", 3, KEYS).expect("testbed");
     let group = tb.group_arg();
     let agent = spawn_agent(
@@ -485,6 +498,7 @@ fn every_member_failing_is_steered_by_counts_and_loses_no_read_to_the_cap() {
 /// `--eject-after` (5) of them.
 #[test]
 fn a_primary_losing_every_other_read_is_never_ejected() {
+    let _serial = one_at_a_time();
     let tb = Testbed::with_memcached("flap", 3, KEYS).expect("testbed");
     let group = tb.group_arg();
     let agent = spawn_agent(
