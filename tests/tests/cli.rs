@@ -652,6 +652,10 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
     let Command::Run(args) = cli.command else {
         unreachable!("a run command")
     };
+    // Built before the agent starts: on a fresh clone the first `selector`
+    // command builds the binary (over a minute on a loaded machine), and
+    // the agent's --duration would run out meanwhile.
+    selector_binary();
     let agent = tb
         .client
         .spawn(move || {
@@ -662,9 +666,6 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
                 .block_on(selector_user::cli::run(*args))
         })
         .unwrap();
-    // Built before the clock starts: on a fresh clone the first
-    // `selector` command builds the binary.
-    selector_binary();
     // A loaded machine (the suite runs two tests at a time) can take a
     // while to attach an agent built without optimisations.
     let deadline = Instant::now() + Duration::from_secs(40);

@@ -318,16 +318,14 @@ fn a_dead_primary_is_ejected_then_a_probe_restores_it() {
     // It was ejected (and not yet given up on: no timing asserted, so it
     // may be ejected, half-open or already back).
     assert!(primary.ejection.ejections >= 1, "{primary:?}");
-    // The bound, and what the agent does: the sweep that expires
-    // the fifth read in a row ejects at once, so the primary gets at most
-    // two timeouts' worth of reads (threshold 4, plus one a replica's
-    // in-flight read may add to each).
+    // The bound. What the agent does: the sweep that expires the
+    // fifth read in a row ejects right after it, so the primary gets one
+    // timeout's worth of reads (threshold 4, plus one a replica's in-flight
+    // read may add), and then whatever arrives while that sweep finishes
+    // (the expiries free room before the ejection is written): 7 to 9 on
+    // an idle machine, 11 once on a loaded CI run. So no tighter bound
+    // that depends on the sweep's speed.
     assert!(on.load.lost() <= 20, "{} reads lost", on.load.lost());
-    assert!(
-        on.load.lost() <= 2 * (4 + 1),
-        "{} reads lost",
-        on.load.lost()
-    );
     // Every read the switch dropped was one the client lost, and no other.
     on.assert_lost_on_the_wire();
 
