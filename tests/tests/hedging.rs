@@ -395,7 +395,7 @@ fn the_budget_caps_hedges_with_many_stuck_reads() {
 
 #[test]
 fn hedging_off_sends_no_copies() {
-    no_copies_with("hgo", Policy::Threshold, HedgeAfter::Off);
+    no_copies_with("hgo", Policy::Threshold, HedgeAfter::Off, 0);
 }
 
 /// The observe policy moves no read, and hedges none either, whatever
@@ -406,12 +406,32 @@ fn observe_sends_no_copies_whatever_hedge_after_says() {
         "hgob",
         Policy::Observe,
         HedgeAfter::Fixed(Duration::from_millis(2)),
+        0,
     );
 }
 
-fn no_copies_with(prefix: &str, policy: Policy, after: HedgeAfter) {
+/// A copy is one more pending read of the client socket: with
+/// `--max-pending-client 1`, a socket's one pending read gets none (with
+/// no bound the same read is hedged: the tests above).
+#[test]
+fn a_client_at_max_pending_client_gets_no_copy() {
+    no_copies_with(
+        "hgmc",
+        Policy::Threshold,
+        HedgeAfter::Fixed(Duration::from_millis(2)),
+        1,
+    );
+}
+
+fn no_copies_with(prefix: &str, policy: Policy, after: HedgeAfter, max_pending_client: u32) {
     let tb = testbed(prefix);
-    let running = SweptSelector::start(&tb, settings(&tb, policy, after, IngressMode::Xdp));
+    let running = SweptSelector::start(
+        &tb,
+        Settings {
+            max_pending_client,
+            ..settings(&tb, policy, after, IngressMode::Xdp)
+        },
+    );
     tb.replicas[0].stop();
     let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));
     tb.replicas[0].resume();
@@ -424,6 +444,10 @@ fn no_copies_with(prefix: &str, policy: Policy, after: HedgeAfter) {
     let sel = running.selector.lock().unwrap();
     let h = sel.hedge_counts().unwrap();
     assert!(h.iter().all(|c| c.hedges_sent == 0), "{h:?}");
+    if max_pending_client > 0 {
+        // Due, and held back for the client, not for another reason.
+        assert_eq!(h[0].hedge_no_target, 1, "{h:?}");
+    }
     let acc = sel.accounting().unwrap();
     assert_eq!((acc[1].0, acc[2].0), (0, 0), "no copy reached a replica");
     drop(sel);

@@ -13,7 +13,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::maps::{Array, MapData, PerCpuArray, PerCpuValues, RingBuf};
 use selector_common::{
-    MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
+    CLIENT_SLOTS, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy,
     hedge::{self, HedgeConfig, HedgeStats, auto_ceiling_ns, is_sent, settling_word},
     inflight::{PHASE_LINGER, PHASE_LIVE, phase},
     names,
@@ -67,6 +67,12 @@ impl Selector {
         control
             .max_pending
             .store(self.settings.max_pending, Ordering::SeqCst);
+        control
+            .max_pending_client
+            .store(self.settings.max_pending_client, Ordering::SeqCst);
+        control
+            .timeout_ns
+            .store(self.settings.timeout.as_nanos() as u64, Ordering::SeqCst);
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
         let ids = self.backend_ids();
         if hedging.after != HedgeAfter::Auto || !self.hedging.auto.tracks(&ids) {
@@ -131,8 +137,11 @@ impl Selector {
             map_copy(self, names::HEALTH)?.fd().as_fd(),
             MAX_GROUPS as usize,
         )?;
+        let client_pending = SharedArray::map(
+            map_copy(self, names::CLIENT_PENDING)?.fd().as_fd(),
+            CLIENT_SLOTS as usize,
+        )?;
         let budget_percent = self.settings.hedging.budget_percent;
-        let timeout_ns = self.settings.timeout.as_nanos() as u64;
         self.hedging.start(
             HedgeMaps {
                 ring,
@@ -140,10 +149,10 @@ impl Selector {
                 counters,
                 groups,
                 health,
+                client_pending,
             },
             sockets,
             budget_percent,
-            timeout_ns,
         )
     }
 

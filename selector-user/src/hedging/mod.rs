@@ -33,7 +33,7 @@ use selector_common::{
         self, HedgeEvent, TokenBucket, choose_target, claimed_word, hedge_usable, open_word,
         within_max_pending,
     },
-    inflight::InflightSlot,
+    inflight::{InflightSlot, client_slot},
     policy::GroupLoad,
     split_backend_id,
 };
@@ -67,6 +67,11 @@ pub(crate) struct Control {
     pub(crate) budget_percent: AtomicU32,
     /// `--max-pending` (0: none): no copy goes to a member at it.
     pub(crate) max_pending: AtomicU32,
+    /// `--max-pending-client` (0: none): a client socket at it gets no
+    /// copy, which would be one more pending request of its own.
+    pub(crate) max_pending_client: AtomicU32,
+    /// `--timeout` in force: copies are claimed only in its first half.
+    pub(crate) timeout_ns: AtomicU64,
     /// The delay for reads to each primary, by backend id.
     pub(crate) delay_ns: Vec<AtomicU64>,
     pub(crate) counts: Vec<AgentCounts>,
@@ -91,6 +96,8 @@ impl Default for Hedging {
                 enabled: AtomicBool::new(false),
                 budget_percent: AtomicU32::new(RunDefaults::default().hedging.budget_percent),
                 max_pending: AtomicU32::new(0),
+                max_pending_client: AtomicU32::new(0),
+                timeout_ns: AtomicU64::new(RunDefaults::default().timeout.as_nanos() as u64),
                 delay_ns: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
                 counts: (0..MAX_BACKENDS).map(|_| AgentCounts::default()).collect(),
                 targets: RwLock::new(vec![None; MAX_BACKENDS as usize]),
@@ -121,6 +128,8 @@ pub struct HedgeMaps {
     pub groups: Array<MapData, Group>,
     /// Outlier ejection's health words: ejected members are no target.
     pub health: SharedArray<GroupHealth>,
+    /// Pending reads per client socket (`--max-pending-client`).
+    pub client_pending: SharedArray<u64>,
 }
 
 impl Hedging {
@@ -130,7 +139,6 @@ impl Hedging {
         maps: HedgeMaps,
         sockets: HedgeSockets,
         budget_percent: u32,
-        timeout_ns: u64,
     ) -> Result<()> {
         let mut hedger = HedgeLoop {
             ring: maps.ring,
@@ -138,12 +146,12 @@ impl Hedging {
             counters: maps.counters,
             groups: maps.groups,
             health: maps.health,
+            client_pending: maps.client_pending,
             sockets,
             control: self.control.clone(),
             queue: BinaryHeap::new(),
             order: 0,
             bucket: TokenBucket::new(budget_percent),
-            timeout_ns,
         };
         let thread = std::thread::Builder::new()
             .name("selector-hedge".into())
@@ -195,12 +203,12 @@ struct HedgeLoop {
     counters: SharedArray<GroupCounters>,
     groups: Array<MapData, Group>,
     health: SharedArray<GroupHealth>,
+    client_pending: SharedArray<u64>,
     sockets: HedgeSockets,
     control: Arc<Control>,
     queue: BinaryHeap<Reverse<Due>>,
     order: u64,
     bucket: TokenBucket,
-    timeout_ns: u64,
 }
 
 impl HedgeLoop {
@@ -335,7 +343,8 @@ impl HedgeLoop {
         }
         // Far from the timeout, so the claim and its count are never split
         // by the sweep's expiry of the target.
-        if now.saturating_sub(slot.sent_ns) >= self.timeout_ns / 2 {
+        let timeout_ns = self.control.timeout_ns.load(Ordering::Relaxed);
+        if now.saturating_sub(slot.sent_ns) >= timeout_ns / 2 {
             return;
         }
         let primary = usize::from(slot.primary) % MAX_BACKENDS as usize;
@@ -353,6 +362,15 @@ impl HedgeLoop {
             self.control.max_pending.load(Ordering::Relaxed),
             chosen_pos,
         );
+        let client_slot = client_slot(&slot.client_addr, slot.client_port) as usize;
+        let client_pending = if client_slot < self.client_pending.len() {
+            // SAFETY: a live shared element, 8-byte aligned.
+            unsafe { load(self.client_pending.ptr(client_slot)) }
+        } else {
+            0
+        };
+        let cap = self.control.max_pending_client.load(Ordering::Relaxed);
+        let target = target.filter(|_| client_may_send_copy(client_pending, cap));
         let Some(target_pos) = target else {
             self.control.counts[primary]
                 .no_target
@@ -429,6 +447,13 @@ pub(crate) fn hedge_target(
     choose_target(&load, chosen)
 }
 
+/// Whether a client socket with `pending` reads may have one more, a copy,
+/// under `--max-pending-client` `cap` (0: no bound): the kernel admits a
+/// read only below the cap, and a copy is pending work of the same client.
+fn client_may_send_copy(pending: u64, cap: u32) -> bool {
+    cap == 0 || pending < u64::from(cap)
+}
+
 #[cfg(test)]
 mod tests {
     use selector_common::ejection::{ejected_bit, probe_bit};
@@ -473,5 +498,16 @@ mod tests {
         assert_eq!(hedge_target(&g, &c, 0, 1, 0), Some(2));
         assert_eq!(hedge_target(&g, &c, ejected_bit(2), 3, 0), None);
         assert_eq!(hedge_target(&g, &c, ejected_bit(2), 4, 0), Some(1));
+    }
+
+    #[test]
+    fn a_client_at_max_pending_client_gets_no_copy() {
+        // No bound: always.
+        assert!(client_may_send_copy(1_000, 0));
+        // The read being hedged is one of the client's pending reads: with
+        // a bound of 1 its copy would be a second.
+        assert!(!client_may_send_copy(1, 1));
+        assert!(client_may_send_copy(1, 2));
+        assert!(!client_may_send_copy(3, 2));
     }
 }

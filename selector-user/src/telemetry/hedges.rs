@@ -18,7 +18,8 @@ pub struct HedgeCounts {
     /// reply of a hedged read.
     pub hedge_replies_dropped: u64,
     /// Reads to this primary not hedged, by reason: over the budget, no
-    /// other usable member, timer queue full, ring buffer full, longer than
+    /// other usable member (or the client socket at
+    /// `--max-pending-client`), timer queue full, ring buffer full, longer than
     /// the event holds; and copies to this backend the socket refused.
     pub hedge_over_budget: u64,
     pub hedge_no_target: u64,
