@@ -349,9 +349,15 @@ pub enum PassReason {
     /// memcached a single-datagram request frame): no server answers it as
     /// one, so counted pending it would only make the member look loaded.
     NotRequest = 8,
+    /// A request to a member carrying a VLAN tag (in the frame, or in the
+    /// skb's metadata), egress only: it comes from a VLAN device above the
+    /// attached one, whose replicas' next hops are on that VLAN, so a
+    /// steered copy could not be sent on correctly. Attach to the VLAN
+    /// device itself to steer its reads.
+    VlanTagged = 9,
 }
 
-pub const PASS_REASONS: u32 = 9;
+pub const PASS_REASONS: u32 = 10;
 
 impl PassReason {
     pub const ALL: [PassReason; PASS_REASONS as usize] = [
@@ -364,6 +370,7 @@ impl PassReason {
         PassReason::ZeroChecksum,
         PassReason::Segmented,
         PassReason::NotRequest,
+        PassReason::VlanTagged,
     ];
 
     /// The name in status output and metrics.
@@ -378,6 +385,7 @@ impl PassReason {
             PassReason::ZeroChecksum => "zero_checksum",
             PassReason::Segmented => "segmented",
             PassReason::NotRequest => "not_request",
+            PassReason::VlanTagged => "vlan_tagged",
         }
     }
 }

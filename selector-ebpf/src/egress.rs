@@ -61,6 +61,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         // and steering it would take the others along untracked.
         return pass(PassReason::Segmented);
     }
+    if packet::vlan_tagged(ctx, l) {
+        // From a VLAN device above this one: a moved read would have to be
+        // sent on that VLAN, whose next hops this attachment does not know.
+        return pass(PassReason::VlanTagged);
+    }
     let (group, primary_pos) = split_backend_id(primary);
     // Chosen before the payload is parsed, where the verifier has few
     // paths to walk it on; used only if this is a new read.

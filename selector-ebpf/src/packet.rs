@@ -136,6 +136,14 @@ pub fn segmented(ctx: &TcContext) -> bool {
     unsafe { (*ctx.skb.skb).gso_size != 0 }
 }
 
+/// A VLAN tag on the frame: in it (after the MAC addresses, where the
+/// parser skipped it), or in the skb's metadata (tag insertion by the
+/// device, veth's included), where the parser does not see it.
+#[inline(always)]
+pub fn vlan_tagged(ctx: &TcContext, l: Layout) -> bool {
+    l.l3 != ETH_LEN || unsafe { (*skb(ctx)).vlan_present } != 0
+}
+
 /// Where the IP and UDP headers start, and which family.
 #[derive(Clone, Copy)]
 pub struct Layout {

@@ -285,6 +285,9 @@ enum NotOwned {
     NoRequestId,
     /// Egress: a memcached frame header no request carries.
     NotARequest,
+    /// Egress: a request to a member with a VLAN tag (from a VLAN device
+    /// above the attached one).
+    VlanTagged,
 }
 
 impl NotOwned {
@@ -302,6 +305,7 @@ impl NotOwned {
             NotOwned::NotABackend => PassReason::NotBackend,
             NotOwned::NoRequestId => PassReason::NoRequestId,
             NotOwned::NotARequest => PassReason::NotRequest,
+            NotOwned::VlanTagged => PassReason::VlanTagged,
             NotOwned::TruncatedIpv4Header
             | NotOwned::NotIpv4Version
             | NotOwned::IpOptions
@@ -373,6 +377,7 @@ impl fmt::Display for NotOwned {
             NotOwned::NotARequest => {
                 "egress: no memcached request frame header (sequence 0, 1 datagram, reserved 0)"
             }
+            NotOwned::VlanTagged => "egress: a request to a member with a VLAN tag",
         };
         f.write_str(text)
     }
@@ -440,11 +445,21 @@ fn ownership(frame: &[u8], direction: Direction) -> Result<(), NotOwned> {
         }
         l3 += VLAN_TAG_LEN;
     }
-    match [frame[l3 - 2], frame[l3 - 1]] {
+    let owned = match [frame[l3 - 2], frame[l3 - 1]] {
         ETH_P_IPV4 => ipv4_ownership(&frame[l3..], direction),
         ETH_P_IPV6 => ipv6_ownership(&frame[l3..], direction),
         _ => Err(NotOwned::NotIpEthertype),
+    };
+    // A tagged request passes once it is known to go to a member, before
+    // its payload is read.
+    let to_member = matches!(
+        owned,
+        Ok(()) | Err(NotOwned::NoRequestId | NotOwned::NotARequest)
+    );
+    if direction == Direction::Egress && l3 != ETH_LEN && to_member {
+        return Err(NotOwned::VlanTagged);
     }
+    owned
 }
 
 fn unicast_rules(src_unicast: bool, dst_unicast: bool) -> Result<(), NotOwned> {
@@ -2543,12 +2558,23 @@ fn the_oracle_owns_exactly_well_formed_requests_and_replies_of_the_group() {
         ownership(&reply, Direction::Egress),
         Err(NotOwned::NotABackend)
     );
+    // A tagged request passes (from a VLAN device above the attached
+    // one); a tagged reply is still the selector's.
     let mut tagged = request.clone();
     tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
-    assert_eq!(ownership(&tagged, Direction::Egress), Ok(()));
+    assert_eq!(
+        ownership(&tagged, Direction::Egress),
+        Err(NotOwned::VlanTagged)
+    );
+    let mut tagged_reply = reply.clone();
+    tagged_reply.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
+    assert_eq!(ownership(&tagged_reply, Direction::Ingress), Ok(()));
     let mut service_tagged = request.clone();
     service_tagged.splice(12..12, [0x88, 0xa8, 0x00, 0x07]);
-    assert_eq!(ownership(&service_tagged, Direction::Egress), Ok(()));
+    assert_eq!(
+        ownership(&service_tagged, Direction::Egress),
+        Err(NotOwned::VlanTagged)
+    );
     let mut double_tagged = service_tagged.clone();
     double_tagged.splice(12..12, [0x81, 0x00, 0x00, 0x08]);
     assert_eq!(
@@ -2652,7 +2678,10 @@ fn ipv6_rules() {
     );
     let mut tagged = plain.clone();
     tagged.splice(12..12, [0x81, 0x00, 0x00, 0x07]);
-    assert_eq!(ownership(&tagged, Direction::Egress), Ok(()));
+    assert_eq!(
+        ownership(&tagged, Direction::Egress),
+        Err(NotOwned::VlanTagged)
+    );
     // A member's address with another member's port is no member.
     let mut crossed = backend;
     crossed.set_port(replica6(2).1);
