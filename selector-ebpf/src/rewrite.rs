@@ -7,6 +7,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM},
+    helpers::generated::bpf_csum_update,
     programs::{TcContext, XdpContext},
 };
 use selector_common::checksum;
@@ -153,6 +154,10 @@ fn tc_rewrite_v6(ctx: &TcContext, l: Layout, side: Side, new: Target) -> Result<
     {
         ctx.l4_csum_replace(l.udp_check(), 0, diff, flags)
             .map_err(|_| ())?;
+        // That helper also took `diff` off a CHECKSUM_COMPLETE skb's sum,
+        // as IPv4 needs; over IPv6 the address and the checksum field
+        // cancel, so it goes back (a no-op on other skbs).
+        unsafe { bpf_csum_update(ctx.skb.skb, diff as u32) };
     }
     let old_port: [u8; 2] = read_bytes(ctx, port_off)?;
     let new_port = new.port.to_be_bytes();

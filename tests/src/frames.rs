@@ -351,6 +351,80 @@ pub fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
 }
 
 /// The loaded TC program `name`.
+/// `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` (Linux 6.11): the harness gives the
+/// skb CHECKSUM_COMPLETE with the packet's sum, and fails the run with
+/// EBADMSG if the program leaves `skb->csum` disagreeing with the packet
+/// (what a receiver reports as "hw csum failure").
+const BPF_F_TEST_SKB_CHECKSUM_COMPLETE: u32 = 1 << 2;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
+
+/// The `test` member of `union bpf_attr`, as BPF_PROG_TEST_RUN reads it.
+#[repr(C)]
+#[derive(Default)]
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+    ctx_size_in: u32,
+    ctx_size_out: u32,
+    ctx_in: u64,
+    ctx_out: u64,
+    flags: u32,
+    cpu: u32,
+    batch_size: u32,
+    _pad: u32,
+}
+
+/// Runs the TC program `name` once on `input` as a CHECKSUM_COMPLETE skb,
+/// as a NIC that sums received packets hands it over: (verdict, output),
+/// or the harness's error (EBADMSG: the program left `skb->csum` stale;
+/// EINVAL: a kernel before 6.11, without the flag). aya's test run has no
+/// way to pass the flag, hence the system call.
+pub fn try_run_tc_checksum_complete(
+    sel: &mut Selector,
+    name: &str,
+    input: &[u8],
+) -> std::io::Result<(u32, Vec<u8>)> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let prog = classifier(sel, name);
+    let fd = prog
+        .fd()
+        .map_err(std::io::Error::other)?
+        .as_fd()
+        .as_raw_fd();
+    let mut out = vec![0u8; input.len() + 256];
+    let mut attr = TestRunAttr {
+        prog_fd: fd as u32,
+        data_size_in: input.len() as u32,
+        data_size_out: out.len() as u32,
+        data_in: input.as_ptr() as u64,
+        data_out: out.as_mut_ptr() as u64,
+        repeat: 1,
+        flags: BPF_F_TEST_SKB_CHECKSUM_COMPLETE,
+        ..Default::default()
+    };
+    // SAFETY: a valid attr for BPF_PROG_TEST_RUN whose buffers outlive the
+    // call; the kernel writes only `out` and the attr.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_PROG_TEST_RUN,
+            &mut attr as *mut TestRunAttr,
+            std::mem::size_of::<TestRunAttr>(),
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    out.truncate(attr.data_size_out as usize);
+    Ok((attr.retval, out))
+}
+
 fn classifier<'a>(sel: &'a mut Selector, name: &str) -> &'a mut SchedClassifier {
     sel.ebpf_mut()
         .program_mut(name)

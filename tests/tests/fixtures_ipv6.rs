@@ -13,7 +13,7 @@ use selector_common::{
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, GET, TC_ACT_PIPE, TC_ACT_REDIRECT, VALUE, XDP_PASS, assert_only_changed,
     counters, egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for,
-    stats, udp6,
+    stats, try_run_tc_checksum_complete, udp6,
 };
 use selector_user::{Selector, Settings, host::sys};
 
@@ -197,6 +197,49 @@ fn an_ipv6_reply_is_rewritten_back_to_the_primary_by_either_ingress() {
         assert_eq!(sel.pending().unwrap(), vec![0, 0, 0]);
         assert_eq!(stats(&sel)[1].responses, 1);
     }
+}
+
+/// A reply rewritten on TC ingress leaves a CHECKSUM_COMPLETE skb's sum
+/// (a NIC's receive checksum) right. IPv6 has no header checksum: the
+/// address's change and the UDP checksum's cancel out, so the sum must not
+/// move. Kernels before 6.16 refuse `l4_csum_replace`'s BPF_F_IPV6 and
+/// then adjust the sum as for IPv4; the fallback must undo that, or the
+/// receiver reports "hw csum failure" and sums every such reply again.
+/// The harness checks the sum after the run (EBADMSG if it is stale);
+/// kernels before 6.11 have no such check (EINVAL) and nothing is run.
+#[test]
+fn a_reply_rewritten_on_tc_ingress_keeps_a_checksum_complete_sum() {
+    let mut sel = selector();
+    set_issued(&mut sel, 1, 1);
+    insert_inflight(&mut sel, 0x1234, 0, 1);
+    let input = reply6(1, VALUE);
+    let (verdict, out) = match try_run_tc_checksum_complete(&mut sel, programs::INGRESS_TC, &input)
+    {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) && !has_checksum_complete_runs() => {
+            println!("Linux {}: no CHECKSUM_COMPLETE test runs", release());
+            return;
+        }
+        other => other.expect("the skb's sum left stale (EBADMSG) or another refusal"),
+    };
+    assert_eq!(verdict, TC_ACT_PIPE);
+    assert_only_changed(&input, &out, &[IP6_SRC, UDP_SRC, UDP_CHECK]);
+    let (src, dst, _) = verified6(&out);
+    assert_eq!((src, dst), (replica6(0), (CLIENT6, CLIENT_PORT)));
+    assert_eq!(stats(&sel)[1].responses, 1);
+}
+
+fn release() -> String {
+    selector_user::host::preflight::kernel_release()
+}
+
+/// Whether this kernel's test runs take BPF_F_TEST_SKB_CHECKSUM_COMPLETE
+/// (Linux 6.11 and later).
+fn has_checksum_complete_runs() -> bool {
+    let release = release();
+    let mut parts = release.split(['.', '-', '+']);
+    let mut next = || parts.next().and_then(|p| p.parse::<u32>().ok());
+    let (major, minor) = (next().unwrap_or(0), next().unwrap_or(0));
+    (major, minor) >= (6, 11)
 }
 
 #[test]
