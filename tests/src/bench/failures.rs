@@ -21,7 +21,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     thread::{self, JoinHandle},
     time::{Duration, Instant},
@@ -177,6 +177,10 @@ pub struct AgentCounts {
     pub error_replies_moved: Vec<u64>,
     pub hedges_sent: u64,
     pub hedges_won: u64,
+    /// Reads not hedged, every reason (over the budget, no target, ...).
+    pub not_hedged: u64,
+    /// The primary's hedge delay in force at the end.
+    pub hedge_delay_ns: Option<u64>,
     pub redirected: u64,
 }
 
@@ -193,6 +197,19 @@ impl AgentCounts {
             error_replies_moved: b.iter().map(|b| b.stats.error_replies_moved).collect(),
             hedges_sent: b.iter().map(|b| b.hedges.hedges_sent).sum(),
             hedges_won: b.iter().map(|b| b.hedges.hedges_won).sum(),
+            not_hedged: b
+                .iter()
+                .map(|b| {
+                    let h = &b.hedges;
+                    h.hedge_over_budget
+                        + h.hedge_no_target
+                        + h.hedge_queue_full
+                        + h.hedge_ring_full
+                        + h.hedge_too_large
+                        + h.hedge_send_failed
+                })
+                .sum(),
+            hedge_delay_ns: b.first().and_then(|b| b.hedges.hedge_delay_ns),
             redirected: b.iter().map(|b| b.stats.redirected_away).sum(),
         }
     }
@@ -214,8 +231,13 @@ pub struct FailureResult {
     pub hist: Histogram<u64>,
     /// Dead primary: datagrams the switch dropped (to, from the primary).
     pub dropped: Option<(u64, u64)>,
-    /// Broken replica: stalls of the primary.
-    pub stalls: u64,
+    /// Broken replica: stalls of the primary, and their length from the
+    /// SIGSTOP's start to the SIGCONT's end (an upper bound).
+    pub stalls: u32,
+    pub stall_mean: Duration,
+    pub stall_max: Duration,
+    /// Broken replica: REFUSED answers the broken member sent.
+    pub refused: Option<u64>,
     pub agent: Option<AgentCounts>,
 }
 
@@ -261,10 +283,10 @@ pub fn measure(o: &FailureOptions, command: &str) -> Result<FailureReport> {
         }
     }
     if rows.iter().any(|r| !r.is_dead()) {
-        let bed = DnsBed::start()?;
+        let mut bed = DnsBed::start()?;
         for row in rows.iter().filter(|r| !r.is_dead()) {
             check_interrupted()?;
-            let r = broken_row(&bed, o, *row).with_context(|| row.id())?;
+            let r = broken_row(&mut bed, o, *row).with_context(|| row.id())?;
             eprintln!("bench: {}", r.one_line());
             results.push(r);
         }
@@ -360,14 +382,17 @@ fn dead_row(tb: &Testbed, o: &FailureOptions, row: FailureRow) -> Result<Failure
         hist: load.latency_us,
         dropped: Some(dropped),
         stalls: 0,
+        stall_mean: Duration::ZERO,
+        stall_max: Duration::ZERO,
+        refused: None,
         agent,
     })
 }
 
 /// NSD on replicas 0 and 1, a REFUSED answerer on replica 2.
 struct DnsBed {
-    _refuser: Refuser,
-    servers: Vec<Nsd>,
+    refuser: Refuser,
+    _servers: Vec<Nsd>,
     tb: Testbed,
 }
 
@@ -382,8 +407,8 @@ impl DnsBed {
         }
         let refuser = Refuser::start(&tb.replica_ns[2], (replica_addr(2), DNS_PORT).into())?;
         Ok(Self {
-            _refuser: refuser,
-            servers,
+            refuser,
+            _servers: servers,
             tb,
         })
     }
@@ -400,6 +425,8 @@ impl DnsBed {
 /// of the bench on a socket of the replica's namespace; stopped on drop.
 struct Refuser {
     stop: Arc<AtomicBool>,
+    /// Queries answered so far.
+    answered: Arc<AtomicU64>,
     thread: Option<JoinHandle<Result<()>>>,
 }
 
@@ -411,8 +438,9 @@ impl Refuser {
             Ok(s)
         })??;
         let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicU64::new(0));
         let thread = {
-            let stop = stop.clone();
+            let (stop, answered) = (stop.clone(), answered.clone());
             thread::spawn(move || -> Result<()> {
                 let mut buf = [0u8; 4096];
                 while !stop.load(Ordering::Relaxed) {
@@ -423,10 +451,16 @@ impl Refuser {
                             r[2] = 0x80 | (buf[2] & 0x79);
                             r[3] = 0x05;
                             socket.send_to(&r, peer)?;
+                            answered.fetch_add(1, Ordering::Relaxed);
                         }
                         Ok(_) => {}
                         Err(e)
-                            if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+                            if matches!(
+                                e.kind(),
+                                ErrorKind::WouldBlock
+                                    | ErrorKind::TimedOut
+                                    | ErrorKind::Interrupted
+                            ) => {}
                         Err(e) => return Err(e.into()),
                     }
                 }
@@ -435,8 +469,19 @@ impl Refuser {
         };
         Ok(Self {
             stop,
+            answered,
             thread: Some(thread),
         })
+    }
+
+    /// Queries answered so far; an error if the thread has stopped.
+    fn answered(&mut self) -> Result<u64> {
+        if self.thread.as_ref().is_some_and(JoinHandle::is_finished) {
+            let ended = self.thread.take().expect("checked").join();
+            ended.map_err(|_| anyhow::anyhow!("the refuser panicked"))??;
+            anyhow::bail!("the refuser stopped");
+        }
+        Ok(self.answered.load(Ordering::Relaxed))
     }
 }
 
@@ -449,7 +494,8 @@ impl Drop for Refuser {
     }
 }
 
-fn broken_row(bed: &DnsBed, o: &FailureOptions, row: FailureRow) -> Result<FailureResult> {
+fn broken_row(bed: &mut DnsBed, o: &FailureOptions, row: FailureRow) -> Result<FailureResult> {
+    let refused_before = bed.refuser.answered()?;
     let tb = &bed.tb;
     let group = bed.group();
     let agent = agent_for(&tb.client, o, row, &["--proto", "dns", "--group", &group])?;
@@ -463,18 +509,20 @@ fn broken_row(bed: &DnsBed, o: &FailureOptions, row: FailureRow) -> Result<Failu
     let load = tb.client.spawn(move || run_dns_load(&spec))?;
     // The primary stalls from half a period on, every period, while the
     // load runs (as the stall rows' primary does).
-    let primary = &bed.servers[0];
+    let primary = Stalled::of(&tb.replica_ns[0])?;
     let mut stalls = 0;
+    let mut max_stall = Duration::ZERO;
+    let mut stalled = Duration::ZERO;
     let mut at = start + o.stall_every / 2;
     while at + o.stall <= start + o.broken {
         check_interrupted()?;
         if let Some(wait) = at.checked_duration_since(Instant::now()) {
             thread::sleep(wait);
         }
-        primary.stop();
-        thread::sleep(o.stall);
-        primary.resume();
+        let length = primary.stall(o.stall)?;
+        stalled += length;
         stalls += 1;
+        max_stall = max_stall.max(length);
         at += o.stall_every;
     }
     let load = load
@@ -497,8 +545,53 @@ fn broken_row(bed: &DnsBed, o: &FailureOptions, row: FailureRow) -> Result<Failu
         hist: load.latency_us,
         dropped: None,
         stalls,
+        stall_mean: stalled.checked_div(stalls).unwrap_or_default(),
+        stall_max: max_stall,
+        refused: Some(bed.refuser.answered()? - refused_before),
         agent,
     })
+}
+
+/// Every process in a replica's namespace (NSD forks a server child, which
+/// answers, and a transfer daemon beside its main process), listed once,
+/// so that a stall is kill(2) calls only: spawning `ip netns pids` for each
+/// stop and resume (as `Nsd::stop` does) stretched 25 ms stalls to 50 ms
+/// and more on a busy machine.
+struct Stalled {
+    pids: Vec<i32>,
+}
+
+impl Stalled {
+    fn of(ns: &Namespace) -> Result<Self> {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "pids", &ns.name])
+            .output()?;
+        let pids: Vec<i32> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        ensure!(!pids.is_empty(), "no process in {}", ns.name);
+        Ok(Self { pids })
+    }
+
+    /// SIGSTOP to every process, waits until each is stopped, sleeps for
+    /// `stall`, SIGCONT to every process; returns the time from the first
+    /// SIGSTOP to the last SIGCONT.
+    fn stall(&self, stall: Duration) -> Result<Duration> {
+        let from = Instant::now();
+        let signal = |sig| {
+            for &pid in &self.pids {
+                // SAFETY: kill(2) on the replica's own processes.
+                unsafe { libc::kill(pid, sig) };
+            }
+        };
+        signal(libc::SIGSTOP);
+        let stopped = self.pids.iter().all(|&p| crate::netns::wait_stopped(p));
+        thread::sleep(stall);
+        signal(libc::SIGCONT);
+        ensure!(stopped, "the primary's processes did not stop");
+        Ok(from.elapsed())
+    }
 }
 
 /// An open-loop DNS query load on one connected socket.
@@ -731,7 +824,7 @@ impl FailureReport {
             );
             let _ = writeln!(
                 md,
-                "| row | flags | sent | lost | error answers | p99 | p99.9 | dropped at the switch (to / from) | primary ejections (state at the end) | hedges sent / won |\n\
+                "| row | flags | sent | lost | error answers | p99 | p99.9 | dropped at the switch (to / from) | primary ejections (state at the end) | hedges sent / won / not hedged (delay at the end) |\n\
                  |---|---|---:|---:|---:|---:|---:|---:|---|---:|"
             );
             for r in dead {
@@ -752,8 +845,12 @@ impl FailureReport {
                         a.states.first().map_or("-", String::as_str)
                     )),
                     r.agent.as_ref().map_or("-".into(), |a| format!(
-                        "{} / {}",
-                        a.hedges_sent, a.hedges_won
+                        "{} / {} / {}{}",
+                        a.hedges_sent,
+                        a.hedges_won,
+                        a.not_hedged,
+                        a.hedge_delay_ns
+                            .map_or(String::new(), |ns| format!(" ({})", format_us(ns / 1000)))
                     )),
                 );
             }
@@ -776,14 +873,14 @@ impl FailureReport {
             );
             let _ = writeln!(
                 md,
-                "| row | flags | sent | error answers | lost | p99 | p99.9 | stalls | reads moved | refuser ejections (state at the end) | error replies counted / moved |\n\
-                 |---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+                "| row | flags | sent | error answers | lost | p99 | p99.9 | stalls (mean / max length) | reads moved | REFUSED sent by replica 2 | its ejections (state at the end) | error replies counted / moved |\n\
+                 |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
             );
             for r in broken {
                 let a = r.agent.as_ref();
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} ({} / {}) | {} | {} | {} | {} |",
                     r.row.label(),
                     flags(r.row),
                     r.sent,
@@ -792,7 +889,10 @@ impl FailureReport {
                     format_us(r.us(0.99)),
                     format_us(r.us(0.999)),
                     r.stalls,
+                    format_us(r.stall_mean.as_micros() as u64),
+                    format_us(r.stall_max.as_micros() as u64),
                     a.map_or("-".into(), |a| a.redirected.to_string()),
+                    r.refused.unwrap_or_default(),
                     a.map_or("-".into(), |a| format!(
                         "{} ({})",
                         a.ejections.get(2).copied().unwrap_or(0),
@@ -827,7 +927,8 @@ impl FailureReport {
         let mut out = String::from(
             "id,label,sent,good,errors,lost,p50_us,p99_us,p999_us,max_us,\
              dropped_to,dropped_from,stalls,ejections_r0,ejections_r1,ejections_r2,\
-             error_replies,error_replies_moved,hedges_sent,hedges_won,redirected\n",
+             error_replies,error_replies_moved,hedges_sent,hedges_won,not_hedged,redirected,\
+             stall_mean_us,stall_max_us,refused_sent\n",
         );
         for r in &self.rows {
             let (to, from) = r.dropped.map_or((String::new(), String::new()), |(a, b)| {
@@ -843,7 +944,7 @@ impl FailureReport {
                 |f: fn(&AgentCounts) -> u64| a.as_ref().map_or(String::new(), |a| f(a).to_string());
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{to},{from},{},{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{},{},{},{},{to},{from},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 r.row.id(),
                 r.row.label().replace(',', ";"),
                 r.sent,
@@ -862,7 +963,11 @@ impl FailureReport {
                 agent(|a| a.error_replies_moved.iter().sum()),
                 agent(|a| a.hedges_sent),
                 agent(|a| a.hedges_won),
+                agent(|a| a.not_hedged),
                 agent(|a| a.redirected),
+                r.stall_mean.as_micros(),
+                r.stall_max.as_micros(),
+                r.refused.map_or(String::new(), |n| n.to_string()),
             );
         }
         out
@@ -927,6 +1032,9 @@ mod tests {
             hist,
             dropped: row.is_dead().then_some((lost, 0)),
             stalls: 0,
+            stall_mean: Duration::ZERO,
+            stall_max: Duration::ZERO,
+            refused: (!row.is_dead()).then_some(errors),
             agent: row.agent_flags().map(|_| AgentCounts::default()),
         }
     }
