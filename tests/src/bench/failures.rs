@@ -246,6 +246,13 @@ impl FailureResult {
         self.hist.value_at_quantile(q)
     }
 
+    /// Good answers that waited at least `half` (half a stall): the reads
+    /// stuck on the stalled primary.
+    pub fn stuck(&self, half: Duration) -> u64 {
+        self.hist
+            .count_between((half.as_micros() as u64).max(1), u64::MAX)
+    }
+
     pub fn one_line(&self) -> String {
         format!(
             "{} {}: sent {} good {} errors {} lost {} p99 {} p99.9 {}",
@@ -763,15 +770,15 @@ impl FailureReport {
             self.row(FailureRow::BrokenEjectOn),
             self.row(FailureRow::BrokenEjectOff),
         ) {
+            let half = o.stall / 2;
+            let primary = self.row(FailureRow::BrokenPrimaryOnly);
             let gain = |r: &FailureResult| {
-                self.row(FailureRow::BrokenPrimaryOnly)
-                    .map_or(String::new(), |p| {
-                        format!(
-                            " ({:.1}x below primary only's {})",
-                            p.us(0.99) as f64 / r.us(0.99).max(1) as f64,
-                            format_us(p.us(0.99))
-                        )
-                    })
+                primary.map_or(String::new(), |p| {
+                    format!(
+                        " ({:.2}x of primary only's)",
+                        r.us(0.99) as f64 / p.us(0.99).max(1) as f64
+                    )
+                })
             };
             c.push(Check {
                 name: format!(
@@ -779,11 +786,21 @@ impl FailureReport {
                      within {GAIN_KEPT_FACTOR}x of ejection off's)"
                 ),
                 measured: format!(
-                    "on {}{}, off {}{}",
+                    "p99 on {}{}, off {}{}{}; stuck reads on {}, off {}{}",
                     format_us(on.us(0.99)),
                     gain(on),
                     format_us(off.us(0.99)),
-                    gain(off)
+                    gain(off),
+                    primary.map_or(String::new(), |p| format!(
+                        ", primary only {}",
+                        format_us(p.us(0.99))
+                    )),
+                    on.stuck(half),
+                    off.stuck(half),
+                    primary.map_or(String::new(), |p| format!(
+                        ", primary only {}",
+                        p.stuck(half)
+                    )),
                 ),
                 met: on.us(0.99) as f64 <= GAIN_KEPT_FACTOR * off.us(0.99) as f64,
             });
@@ -864,23 +881,25 @@ impl FailureReport {
                  replica without its zone does. {} queries/s (the zone's apex A) to the primary \
                  on one connected UDP socket for {:.1} s, the primary's NSD stopped (SIGSTOP) for \
                  {} ms every {} ms. *error answers*: answers with an rcode other than NOERROR or \
-                 NXDOMAIN. Drain {} ms. {agent_note}\n",
+                 NXDOMAIN; *stuck*: good answers that waited at least half a stall ({} ms), \
+                 and their share of the queries. Drain {} ms. {agent_note}\n",
                 o.rate,
                 o.broken.as_secs_f64(),
                 o.stall.as_millis(),
                 o.stall_every.as_millis(),
+                (o.stall / 2).as_secs_f64() * 1000.0,
                 o.drain.as_millis()
             );
             let _ = writeln!(
                 md,
-                "| row | flags | sent | error answers | lost | p99 | p99.9 | stalls (mean / max length) | reads moved | REFUSED sent by replica 2 | its ejections (state at the end) | error replies counted / moved |\n\
-                 |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
+                "| row | flags | sent | error answers | lost | p99 | p99.9 | stuck | stalls (mean / max length) | reads moved | REFUSED sent by replica 2 | its ejections (state at the end) | error replies counted / moved |\n\
+                 |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"
             );
             for r in broken {
                 let a = r.agent.as_ref();
                 let _ = writeln!(
                     md,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} ({} / {}) | {} | {} | {} | {} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} ({:.2}%) | {} ({} / {}) | {} | {} | {} | {} |",
                     r.row.label(),
                     flags(r.row),
                     r.sent,
@@ -888,6 +907,8 @@ impl FailureReport {
                     r.lost,
                     format_us(r.us(0.99)),
                     format_us(r.us(0.999)),
+                    r.stuck(o.stall / 2),
+                    100.0 * r.stuck(o.stall / 2) as f64 / r.sent.max(1) as f64,
                     r.stalls,
                     format_us(r.stall_mean.as_micros() as u64),
                     format_us(r.stall_max.as_micros() as u64),
@@ -928,7 +949,7 @@ impl FailureReport {
             "id,label,sent,good,errors,lost,p50_us,p99_us,p999_us,max_us,\
              dropped_to,dropped_from,stalls,ejections_r0,ejections_r1,ejections_r2,\
              error_replies,error_replies_moved,hedges_sent,hedges_won,not_hedged,redirected,\
-             stall_mean_us,stall_max_us,refused_sent\n",
+             stall_mean_us,stall_max_us,refused_sent,stuck\n",
         );
         for r in &self.rows {
             let (to, from) = r.dropped.map_or((String::new(), String::new()), |(a, b)| {
@@ -944,7 +965,7 @@ impl FailureReport {
                 |f: fn(&AgentCounts) -> u64| a.as_ref().map_or(String::new(), |a| f(a).to_string());
             let _ = writeln!(
                 out,
-                "{},{},{},{},{},{},{},{},{},{},{to},{from},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{},{},{},{},{to},{from},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                 r.row.id(),
                 r.row.label().replace(',', ";"),
                 r.sent,
@@ -968,6 +989,11 @@ impl FailureReport {
                 r.stall_mean.as_micros(),
                 r.stall_max.as_micros(),
                 r.refused.map_or(String::new(), |n| n.to_string()),
+                if r.row.is_dead() {
+                    String::new()
+                } else {
+                    r.stuck(self.opts.stall / 2).to_string()
+                },
             );
         }
         out
