@@ -185,6 +185,15 @@ pub struct AgentCounts {
 }
 
 impl AgentCounts {
+    /// Member `i`'s ejections and its state at the end.
+    fn ejections_of(&self, i: usize) -> String {
+        format!(
+            "{} ({})",
+            self.ejections.get(i).copied().unwrap_or(0),
+            self.states.get(i).map_or("-", String::as_str)
+        )
+    }
+
     fn of(s: &Status) -> Self {
         let b = &s.backends;
         Self {
@@ -340,6 +349,26 @@ fn agent_counts(ns: &Namespace, agent: &Path) -> Result<AgentCounts> {
     Ok(AgentCounts::of(&status))
 }
 
+/// The load's report, and the agent's counts (then the agent stopped).
+fn finish<T>(
+    load: JoinHandle<Result<T>>,
+    agent: Option<AgentChild>,
+    ns: &Namespace,
+    agent_path: &Path,
+) -> Result<(T, Option<AgentCounts>)> {
+    let load = load
+        .join()
+        .map_err(|_| anyhow::anyhow!("the load panicked"))??;
+    let counts = agent
+        .map(|child| {
+            let counts = agent_counts(ns, agent_path);
+            drop(child);
+            counts
+        })
+        .transpose()?;
+    Ok((load, counts))
+}
+
 /// Sleeps for `d`, ending early (with an error) on Ctrl-C.
 fn sleep_checked(d: Duration) -> Result<()> {
     let end = Instant::now() + d;
@@ -367,17 +396,7 @@ fn dead_row(tb: &Testbed, o: &FailureOptions, row: FailureRow) -> Result<Failure
     let dropped = reconnect_replica(tb);
     slept?;
     let dropped = dropped?;
-    let load = load
-        .join()
-        .map_err(|_| anyhow::anyhow!("the load panicked"))??;
-    let agent = match agent {
-        Some(child) => {
-            let counts = agent_counts(&tb.client, &o.agent)?;
-            drop(child);
-            Some(counts)
-        }
-        None => None,
-    };
+    let (load, agent) = finish(load, agent, &tb.client, &o.agent)?;
     Ok(FailureResult {
         row,
         sent: load.sent + load.refused,
@@ -532,17 +551,7 @@ fn broken_row(bed: &mut DnsBed, o: &FailureOptions, row: FailureRow) -> Result<F
         max_stall = max_stall.max(length);
         at += o.stall_every;
     }
-    let load = load
-        .join()
-        .map_err(|_| anyhow::anyhow!("the load panicked"))??;
-    let agent = match agent {
-        Some(child) => {
-            let counts = agent_counts(&tb.client, &o.agent)?;
-            drop(child);
-            Some(counts)
-        }
-        None => None,
-    };
+    let (load, agent) = finish(load, agent, &tb.client, &o.agent)?;
     Ok(FailureResult {
         row,
         sent: load.sent,
@@ -856,11 +865,7 @@ impl FailureReport {
                     r.errors,
                     format_us(r.us(0.99)),
                     format_us(r.us(0.999)),
-                    r.agent.as_ref().map_or("-".into(), |a| format!(
-                        "{} ({})",
-                        a.ejections.first().copied().unwrap_or(0),
-                        a.states.first().map_or("-", String::as_str)
-                    )),
+                    r.agent.as_ref().map_or("-".into(), |a| a.ejections_of(0)),
                     r.agent.as_ref().map_or("-".into(), |a| format!(
                         "{} / {} / {}{}",
                         a.hedges_sent,
@@ -914,11 +919,7 @@ impl FailureReport {
                     format_us(r.stall_max.as_micros() as u64),
                     a.map_or("-".into(), |a| a.redirected.to_string()),
                     r.refused.unwrap_or_default(),
-                    a.map_or("-".into(), |a| format!(
-                        "{} ({})",
-                        a.ejections.get(2).copied().unwrap_or(0),
-                        a.states.get(2).map_or("-", String::as_str)
-                    )),
+                    a.map_or("-".into(), |a| a.ejections_of(2)),
                     a.map_or("-".into(), |a| format!(
                         "{} / {}",
                         a.error_replies.iter().sum::<u64>(),
@@ -929,7 +930,7 @@ impl FailureReport {
         }
         let checks = self.checks();
         if !checks.is_empty() {
-            let _ = writeln!(md, "\n### Targets (issue 20)\n");
+            let _ = writeln!(md, "\n### Targets\n");
             for c in checks {
                 let _ = writeln!(
                     md,
