@@ -8,11 +8,31 @@ use std::process::{Command, Stdio};
 
 use selector_testbed::bench::Row;
 
+/// Runs the benchmark to its end; fails the test unless it succeeded.
+/// Returns its process id (its namespaces' names carry it).
+fn run_to_success(mut bench: Command) -> u32 {
+    let child = bench
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start selector-bench");
+    let pid = child.id();
+    let run = child.wait_with_output().expect("wait for selector-bench");
+    assert!(
+        run.status.success(),
+        "selector-bench failed ({}):\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    pid
+}
+
 #[test]
 fn quick_bench_produces_every_row_and_cleans_up() {
     let out = std::env::temp_dir().join(format!("selector-bench-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let child = Command::new(env!("CARGO_BIN_EXE_selector-bench"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    child
         .args([
             "--quick",
             "--duration",
@@ -30,19 +50,8 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         // A relative `--out`, as users type it.
         .current_dir(std::env::temp_dir())
         .arg("--out")
-        .arg(out.file_name().unwrap())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start selector-bench");
-    let pid = child.id();
-    let run = child.wait_with_output().expect("wait for selector-bench");
-    assert!(
-        run.status.success(),
-        "selector-bench failed ({}):\n{}",
-        run.status,
-        String::from_utf8_lossy(&run.stderr)
-    );
+        .arg(out.file_name().unwrap());
+    let pid = run_to_success(child);
 
     let read = |name: &str| {
         std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -117,6 +126,97 @@ fn quick_bench_produces_every_row_and_cleans_up() {
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
         .filter(|l| l.starts_with(&format!("bench-{pid}-")))
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The failure rows (`--only failures`, issue 20's dead primary and broken
+/// replica) on a short run with the debug agent: every row appears in
+/// failures.md and failures.csv with counts that add up, and nothing is
+/// left behind. It asserts no timing and no target.
+#[test]
+fn quick_failure_rows_produce_every_row_and_clean_up() {
+    use selector_testbed::bench::failures::FailureRow;
+
+    let out = std::env::temp_dir().join(format!(
+        "selector-bench-failures-test-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    let agent = selector_testbed::agent::selector_binary();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    bench
+        .args(["--quick", "--only", "failures", "--keys", "100"])
+        .args(["--drain-ms", "300", "--dead-outage-ms", "1000"])
+        .arg("--agent")
+        .arg(&agent)
+        .arg("--out")
+        .arg(&out);
+    let pid = run_to_success(bench);
+    let read = |name: &str| {
+        std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let md = read("failures.md");
+    let csv = read("failures.csv");
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let column = |line: &str, name: &str| -> String {
+        let at = header.iter().position(|h| *h == name).expect(name);
+        line.split(',').nth(at).unwrap_or_default().to_string()
+    };
+    let count = |line: &str, name: &str| -> u64 {
+        column(line, name)
+            .parse()
+            .unwrap_or_else(|e| panic!("{name} in {line}: {e}"))
+    };
+    for row in FailureRow::ALL {
+        let line = csv
+            .lines()
+            .find(|l| l.starts_with(&format!("{},", row.id())))
+            .unwrap_or_else(|| panic!("row {} missing from failures.csv:\n{csv}", row.id()));
+        assert!(md.contains(&format!("| {} |", row.label())), "{md}");
+        let sent = count(line, "sent");
+        assert!(sent > 0, "{line}");
+        assert_eq!(
+            count(line, "good") + count(line, "errors") + count(line, "lost"),
+            sent,
+            "{line}"
+        );
+        // The agent's counts are there exactly when the row runs it.
+        assert_eq!(
+            column(line, "ejections_r0").is_empty(),
+            row.agent_flags().is_none(),
+            "{line}"
+        );
+        if row.is_dead() {
+            // The switch dropped reads to the primary, and with no agent
+            // every one of them is lost.
+            assert!(count(line, "dropped_to") > 0, "{line}");
+        } else {
+            assert!(count(line, "stalls") > 0, "{line}");
+        }
+    }
+    let dead_alone = csv
+        .lines()
+        .find(|l| l.starts_with("failures_dead_primary_only,"))
+        .unwrap();
+    assert!(count(dead_alone, "lost") >= count(dead_alone, "dropped_to"));
+    let broken_alone = csv
+        .lines()
+        .find(|l| l.starts_with("failures_broken_primary_only,"))
+        .unwrap();
+    assert_eq!(count(broken_alone, "errors"), 0, "{broken_alone}");
+    for part in ["### A dead primary", "### A broken replica", "### Targets"] {
+        assert!(md.contains(part), "{part} missing:\n{md}");
+    }
+
+    let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
+        .lines()
+        .filter(|l| {
+            l.starts_with(&format!("fdead-{pid}-")) || l.starts_with(&format!("fdns-{pid}-"))
+        })
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");

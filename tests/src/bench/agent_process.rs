@@ -61,10 +61,11 @@ pub fn start_agent(ns: &Namespace, agent: &std::path::Path, args: &[String]) -> 
             .context("starting the agent")?,
     );
     let stdout = child.0.stdout.take().context("agent stdout")?;
-    let first = std::io::BufReader::new(stdout)
-        .lines()
-        .next()
-        .context("the agent printed nothing")??;
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let first = lines.next().context("the agent printed nothing")??;
     ensure!(first.starts_with("selector: attached to"), "agent: {first}");
+    // Keep reading what it prints later (events such as an ejection): with
+    // the pipe closed, its next line would end the agent.
+    thread::spawn(move || lines.for_each(drop));
     Ok(child)
 }

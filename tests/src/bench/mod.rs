@@ -7,6 +7,7 @@
 
 pub mod agent_process;
 pub mod client;
+pub mod failures;
 pub mod nginx;
 pub mod packet_cost;
 pub mod plots;

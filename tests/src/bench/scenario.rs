@@ -122,7 +122,8 @@ pub fn stop_on_signals() {
     }
 }
 
-fn check_interrupted() -> Result<()> {
+/// An error once Ctrl-C or SIGTERM came (after `stop_on_signals`).
+pub(crate) fn check_interrupted() -> Result<()> {
     if INTERRUPTED.load(Ordering::Relaxed) {
         bail!("interrupted");
     }

@@ -6,15 +6,17 @@
 //! results.csv, herding.csv, overload.csv, packet_cost.csv and PNG plots.
 //! `--only throughput` (closed-loop throughput with the agent attached) and
 //! `--only scale` (64 groups of 8, a large in-flight table: sweep cost and
-//! agent CPU) write throughput.md and scale.md.
+//! agent CPU) write throughput.md and scale.md. `--only failures` (issue
+//! 20's dead primary and broken replica, the agent at its defaults against
+//! primary only and ejection off) writes failures.md and failures.csv.
 
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use selector_testbed::bench::{
-    self, agent_process::agent_beside, packet_cost::CostOptions, scale::ScaleOptions,
-    throughput::ThroughputOptions,
+    self, agent_process::agent_beside, failures::FailureOptions, packet_cost::CostOptions,
+    scale::ScaleOptions, throughput::ThroughputOptions,
 };
 use selector_user::IngressMode;
 
@@ -85,7 +87,8 @@ struct Args {
     /// part of an id before `_`, e.g. `overload`; comma-separated). `ID@RATE`
     /// runs the rows it names at RATE reads/s, as rows of their own
     /// (`hedge@2000,no_stall@2000`), interleaved with the others.
-    /// `throughput` and `scale` select those measurements; `cost`, which
+    /// `throughput`, `scale` and `failures` (or `failures_dead`,
+    /// `failures_broken`, a row's id) select those measurements; `cost`, which
     /// names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -130,6 +133,20 @@ struct Args {
     /// Scale: seconds of each agent CPU window [default: 10, quick: 3].
     #[arg(long)]
     scale_window: Option<f64>,
+    /// Failures: reads (queries) per second of the dead-primary and
+    /// broken-replica rows.
+    #[arg(long, default_value_t = 1000)]
+    failure_rate: u32,
+    /// Failures: how long the primary is dead, in milliseconds [default: 8000, quick: 1500].
+    #[arg(long)]
+    dead_outage_ms: Option<u64>,
+    /// Failures: seconds of load of each broken-replica row [default: 14, quick: 2].
+    #[arg(long)]
+    broken_duration: Option<f64>,
+    /// The `selector` binary the rows that run the agent start
+    /// [default: the one beside this binary].
+    #[arg(long)]
+    agent: Option<PathBuf>,
     /// Where results and plots go [default: target/bench in the workspace].
     #[arg(long)]
     out: Option<PathBuf>,
@@ -209,8 +226,42 @@ fn main() -> Result<()> {
     let extra = ["throughput", "scale"];
     let mut opts = opts;
     let selected = |id: &str| opts.only.iter().any(|o| o == id);
-    let agent = agent_beside(&std::env::current_exe()?);
+    let agent = match &args.agent {
+        Some(a) => a.clone(),
+        None => agent_beside(&std::env::current_exe()?),
+    };
     std::fs::create_dir_all(&out)?;
+    let failures: Vec<String> = opts
+        .only
+        .iter()
+        .filter(|o| bench::failures::is_failure_id(o))
+        .cloned()
+        .collect();
+    if !failures.is_empty() {
+        let f = bench::failures::measure(
+            &FailureOptions {
+                agent: agent.clone(),
+                rate: args.failure_rate.max(1),
+                keys: opts.keys,
+                before: Duration::from_secs_f64(pick(args.quick, 0.5, 1.0)),
+                outage: Duration::from_millis(
+                    args.dead_outage_ms.unwrap_or(pick(args.quick, 1500, 8000)),
+                ),
+                after: Duration::from_secs_f64(pick(args.quick, 0.5, 3.0)),
+                broken: Duration::from_secs_f64(
+                    args.broken_duration.unwrap_or(pick(args.quick, 2.0, 14.0)),
+                ),
+                stall: opts.stall,
+                stall_every: opts.stall_every,
+                drain: opts.drain,
+                only: failures,
+                quick: args.quick,
+            },
+            &opts.command,
+        )?;
+        f.write(&out)?;
+        println!("{}", f.markdown());
+    }
     if selected("throughput") {
         let t = bench::throughput::measure(
             &ThroughputOptions {
@@ -250,7 +301,8 @@ fn main() -> Result<()> {
         println!("{}", s.markdown());
     }
     let had_only = !opts.only.is_empty();
-    opts.only.retain(|o| !extra.contains(&o.as_str()));
+    opts.only
+        .retain(|o| !extra.contains(&o.as_str()) && !bench::failures::is_failure_id(o));
     if had_only && opts.only.is_empty() {
         println!("written to {}", out.display());
         return Ok(());
