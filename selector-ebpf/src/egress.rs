@@ -38,7 +38,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         ctx.set_mark(mark & !config.mark);
         return Ok(TC_CONTINUE);
     }
-    packet::pull_headers(ctx);
+    packet::pull_headers(ctx, Direction::Egress);
     let ip = match packet::parse_ip(ctx) {
         Ok(ip) => packet::forget_layout(ip).ok_or(())?,
         Err(reason) => return pass(reason),

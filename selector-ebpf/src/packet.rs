@@ -7,9 +7,9 @@
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
-use selector_common::{Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+use selector_common::{Direction, Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
 
-use crate::maps::SCRATCH;
+use crate::maps::{SCRATCH, count_pull};
 
 pub const ETH_LEN: usize = 14;
 const VLAN_LEN: usize = 4;
@@ -120,11 +120,12 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
 /// Makes the headers and descriptor span readable when the skb is paged;
 /// the rest of the payload may stay in page fragments.
 #[inline(always)]
-pub fn pull_headers(ctx: &TcContext) {
+pub fn pull_headers(ctx: &TcContext, direction: Direction) {
     let linear = Packet::data_end(ctx) - ctx.data();
     let len = ctx.frame_len();
     if linear < PARSE_SPAN && len > linear {
         let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
+        count_pull(direction);
         // On failure the parser sees the short linear part and passes.
         let _ = ctx.pull_data(want as u32);
     }
