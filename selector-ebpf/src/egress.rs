@@ -19,7 +19,7 @@ use crate::{
     inflight::{self, NewRequest},
     maps::{BACKENDS, SCRATCH, backend_target, config, count_pass},
     nexthop,
-    packet::{self, Datagram},
+    packet::{self, Datagram, Headers, Stop},
     reject,
     rewrite::{Rewrite, Side},
 };
@@ -38,14 +38,12 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         ctx.set_mark(mark & !config.mark);
         return Ok(TC_CONTINUE);
     }
-    packet::pull_headers(ctx, Direction::Egress);
-    let ip = match packet::parse_ip(ctx) {
-        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
-        Err(reason) => return pass(reason),
-    };
-    let dgram = match packet::parse_udp(ctx, ip, false) {
-        Ok(d) => d,
-        Err(reason) => return pass(reason),
+    let dgram = match packet::parse(ctx, Direction::Egress, false) {
+        Ok(Headers::Datagram(d)) => d,
+        // Not on the request path: every fragment passes as one.
+        Ok(Headers::LaterFragment(_)) => return pass(PassReason::Fragment),
+        Err(Stop::Pass(reason) | Stop::Short(reason)) => return pass(reason),
+        Err(Stop::NoScratch) => return Err(()),
     };
     let l = dgram.ip.layout;
     let dst = Endpoint::new(packet::dst_address(ctx, l)?, dgram.dst_port);
@@ -61,6 +59,8 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         // and steering it would take the others along untracked.
         return pass(PassReason::Segmented);
     }
+    // A request to a member: the one packet whose payload is read.
+    packet::pull_payload(ctx, &dgram, Direction::Egress);
     let (group, primary_pos) = split_backend_id(primary);
     // Chosen before the payload is parsed, where the verifier has few
     // paths to walk it on; used only if this is a new read.

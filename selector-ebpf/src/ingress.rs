@@ -15,7 +15,7 @@ use crate::{
     hedge::{self, Answer},
     inflight::{self, Seen},
     maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass},
-    packet::{self, Datagram, Ip, Packet},
+    packet::{self, Datagram, Headers, Ip, Packet, Stop},
     rewrite::{Rewrite, Side},
 };
 
@@ -29,16 +29,11 @@ pub enum Verdict {
 }
 
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
-    let ip = match packet::parse_ip(ctx) {
-        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
-        Err(reason) => return pass(reason),
-    };
-    if ip.fragment && !ip.first_fragment {
-        return later_fragment(ctx, &ip);
-    }
-    let dgram = match packet::parse_udp(ctx, ip, true) {
-        Ok(d) => d,
-        Err(reason) => return pass(reason),
+    let dgram = match packet::parse(ctx, Direction::Ingress, true) {
+        Ok(Headers::Datagram(d)) => d,
+        Ok(Headers::LaterFragment(ip)) => return later_fragment(ctx, &ip),
+        Err(Stop::Pass(reason) | Stop::Short(reason)) => return pass(reason),
+        Err(Stop::NoScratch) => return Err(()),
     };
     let l = dgram.ip.layout;
     let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);
@@ -54,6 +49,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     };
     // A member being removed still completes the requests it was sent.
     let backend = backend & !BACKEND_RETIRING;
+    // A reply from a member: the one packet whose payload is read.
+    packet::pull_payload(ctx, &dgram, Direction::Ingress);
     let config = config().ok_or(())?;
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {

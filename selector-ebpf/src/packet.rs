@@ -4,6 +4,14 @@
 //! untouched. Both families come out as one `Ip` (header offsets and a
 //! family flag; addresses read as 16 bytes, IPv4-mapped for IPv4), so the
 //! code after the parser is shared.
+//!
+//! Classify first, pull after: the parser reads only the bytes directly
+//! readable (on TC the skb's linear part, where the stack builds, and GRO
+//! merges, the headers of nearly every skb), and a pull, which may copy a
+//! shared skb head and moves payload out of its page fragments, is paid
+//! only by a datagram to or from a member whose protocol bytes are not
+//! linear (`pull_payload`), or by the rare packet whose very headers are
+//! not (`parse`). TCP, and UDP to other ports, is never pulled.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
@@ -21,9 +29,11 @@ const MAX_EXTENSION_HEADERS: usize = 3;
 /// Their bytes, at most (a hop-by-hop header with a router alert, a
 /// routing header with a few segments): longer chains pass untouched.
 pub const MAX_EXTENSION_SPAN: usize = 128;
-/// Bytes the parser and descriptors may need in the linear part.
-pub const PARSE_SPAN: usize =
-    ETH_LEN + VLAN_LEN + IPV6_LEN + MAX_EXTENSION_SPAN + UDP_LEN + MAX_DESCRIPTOR_SPAN as usize;
+/// Header bytes the parser may read, at most.
+const HEADER_SPAN: usize = ETH_LEN + VLAN_LEN + IPV6_LEN + MAX_EXTENSION_SPAN + UDP_LEN;
+/// Payload bytes the descriptors may read, at most: the span, and the rest
+/// of an 8-byte word that starts in it (`Datagram::payload_word`).
+const DESCRIPTOR_READS: usize = MAX_DESCRIPTOR_SPAN as usize + 8;
 /// Bound on the UDP header's offset (a power of two above any a parsed
 /// packet can have), so the verifier can bound offsets read back as
 /// unknowns.
@@ -52,6 +62,15 @@ pub trait Packet {
     fn data_end(&self) -> usize;
     /// The whole frame's length: what IP and UDP lengths are bounded by.
     fn frame_len(&self) -> usize;
+    /// Makes the frame's first `len` bytes (at most `frame_len`) directly
+    /// readable; false if it could not.
+    fn pull(&self, len: usize) -> bool;
+
+    /// The bytes directly readable.
+    #[inline(always)]
+    fn readable_len(&self) -> usize {
+        self.data_end() - self.data()
+    }
 }
 
 /// The `__sk_buff` behind `ctx`, opaque to the compiler: each field read
@@ -76,6 +95,13 @@ impl Packet for TcContext {
     fn frame_len(&self) -> usize {
         self.len() as usize
     }
+    /// `bpf_skb_pull_data`: the head copied first if it is shared (a clone
+    /// TCP keeps for retransmission), then the bytes moved out of the page
+    /// fragments.
+    #[inline(always)]
+    fn pull(&self, len: usize) -> bool {
+        self.pull_data(len as u32).is_ok()
+    }
 }
 
 impl Packet for XdpContext {
@@ -92,6 +118,11 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn frame_len(&self) -> usize {
         XdpContext::data_end(self) - XdpContext::data(self)
+    }
+    /// The whole frame is readable already.
+    #[inline(always)]
+    fn pull(&self, _len: usize) -> bool {
+        false
     }
 }
 
@@ -117,17 +148,25 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
     Ok(unsafe { p.read_unaligned() })
 }
 
-/// Makes the headers and descriptor span readable when the skb is paged;
-/// the rest of the payload may stay in page fragments.
+/// Makes the frame's first `len` bytes directly readable, counted.
 #[inline(always)]
-pub fn pull_headers(ctx: &TcContext, direction: Direction) {
-    let linear = Packet::data_end(ctx) - ctx.data();
-    let len = ctx.frame_len();
-    if linear < PARSE_SPAN && len > linear {
-        let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
-        count_pull(direction);
-        // On failure the parser sees the short linear part and passes.
-        let _ = ctx.pull_data(want as u32);
+fn pull(pkt: &impl Packet, len: usize, direction: Direction) -> bool {
+    count_pull(direction);
+    pkt.pull(len)
+}
+
+/// Makes the payload bytes a descriptor may read directly readable, if
+/// they are not: called only for a datagram to (request path) or from
+/// (reply path) a member, the one kind of packet whose payload is read.
+/// The rest of the payload may stay in page fragments.
+#[inline(always)]
+pub fn pull_payload(pkt: &impl Packet, dgram: &Datagram, direction: Direction) {
+    let len = pkt.frame_len();
+    let want = dgram.ip.layout.payload() + DESCRIPTOR_READS;
+    let want = if len < want { len } else { want };
+    if pkt.readable_len() < want {
+        // On failure the descriptor's reads see the short linear part.
+        let _ = pull(pkt, want, direction);
     }
 }
 
@@ -135,6 +174,74 @@ pub fn pull_headers(ctx: &TcContext, direction: Direction) {
 #[inline(always)]
 pub fn segmented(ctx: &TcContext) -> bool {
     unsafe { (*ctx.skb.skb).gso_size != 0 }
+}
+
+/// Why the parser stopped.
+#[derive(Clone, Copy)]
+pub enum Stop {
+    /// Pass the packet untouched, counted with this reason.
+    Pass(PassReason),
+    /// The headers run past the bytes directly readable: the reason holds
+    /// if they run past the frame too.
+    Short(PassReason),
+    /// The scratch map is missing (never, in a loaded object): pass
+    /// uncounted.
+    NoScratch,
+}
+
+/// What a packet's headers are.
+#[derive(Clone, Copy)]
+pub enum Headers {
+    /// A UDP datagram, or on the reply path its first fragment.
+    Datagram(Datagram),
+    /// On the reply path, a later fragment: no UDP header.
+    LaterFragment(Ip),
+}
+
+/// Parses a packet's headers from the bytes directly readable. Only when
+/// they run past those in a longer frame (an skb whose headers are not all
+/// in its linear part: rare) are they pulled in, with the descriptor's
+/// bytes, counted, and parsed again. `replies`: the reply path's parse (a
+/// first fragment is a datagram, a later one comes back as one); on the
+/// request path every fragment passes.
+#[inline(always)]
+pub fn parse(pkt: &impl Packet, direction: Direction, replies: bool) -> Result<Headers, Stop> {
+    let reason = match parse_readable(pkt, replies) {
+        Err(Stop::Short(reason)) => reason,
+        parsed => return parsed,
+    };
+    let len = pkt.frame_len();
+    if len <= pkt.readable_len() {
+        return Err(Stop::Pass(reason));
+    }
+    let want = HEADER_SPAN + DESCRIPTOR_READS;
+    let want = if len < want { len } else { want };
+    if !pull(pkt, want, direction) {
+        return Err(Stop::Pass(reason));
+    }
+    match parse_readable(pkt, replies) {
+        Err(Stop::Short(reason)) => Err(Stop::Pass(reason)),
+        parsed => parsed,
+    }
+}
+
+#[inline(always)]
+fn parse_readable(pkt: &impl Packet, replies: bool) -> Result<Headers, Stop> {
+    let ip = forget_layout(parse_ip(pkt)?).ok_or(Stop::NoScratch)?;
+    if replies && ip.fragment && !ip.first_fragment {
+        return Ok(Headers::LaterFragment(ip));
+    }
+    Ok(Headers::Datagram(parse_udp(pkt, ip, replies)?))
+}
+
+/// `N` header bytes at `offset`; past the readable bytes, `Short`.
+#[inline(always)]
+fn header<const N: usize>(
+    pkt: &impl Packet,
+    offset: usize,
+    reason: PassReason,
+) -> Result<[u8; N], Stop> {
+    read_bytes(pkt, offset).map_err(|_| Stop::Short(reason))
 }
 
 /// Where the IP and UDP headers start, and which family.
@@ -241,8 +348,9 @@ pub struct Datagram {
     pub src_port: u16,
     pub dst_port: u16,
     /// UDP payload bytes in this packet (per the UDP header, and for a first
-    /// fragment only what it carries). Only the descriptor span of them is
-    /// linear after `pull_headers`; `bpf_skb_load_bytes` reads the rest.
+    /// fragment only what it carries). Only the descriptor's bytes of them
+    /// are sure to be linear, after `pull_payload`; `bpf_skb_load_bytes`
+    /// reads the rest.
     pub payload_len: usize,
 }
 
@@ -313,36 +421,36 @@ fn is_extension_header(next: u8) -> bool {
 /// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 or
 /// IPv6 header whose payload is UDP.
 #[inline(always)]
-pub fn parse_ip(pkt: &impl Packet) -> Result<Ip, PassReason> {
-    let ethertype: [u8; 2] = read_bytes(pkt, 12).map_err(|_| PassReason::NotIpUdp)?;
+fn parse_ip(pkt: &impl Packet) -> Result<Ip, Stop> {
+    let ethertype: [u8; 2] = header(pkt, 12, PassReason::NotIpUdp)?;
     let mut ethertype = u16::from_be_bytes(ethertype);
     let mut l3 = ETH_LEN;
     if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
-        let inner: [u8; 2] = read_bytes(pkt, 16).map_err(|_| PassReason::NotIpUdp)?;
+        let inner: [u8; 2] = header(pkt, 16, PassReason::NotIpUdp)?;
         ethertype = u16::from_be_bytes(inner);
         l3 += VLAN_LEN;
     }
     match ethertype {
         ETH_P_IPV4 => parse_ipv4(pkt, l3),
         ETH_P_IPV6 => parse_ipv6(pkt, l3),
-        _ => Err(PassReason::NotIpUdp),
+        _ => Err(Stop::Pass(PassReason::NotIpUdp)),
     }
 }
 
 #[inline(always)]
-fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
-    let h: [u8; IPV4_LEN] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
+fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
+    let h: [u8; IPV4_LEN] = header(pkt, l3, PassReason::BadHeader)?;
     if h[0] >> 4 != 4 {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     // Not UDP first: IGMP (its reports carry a Router Alert option) and the
     // like are not ours, not bad, whatever else their header holds.
     if h[9] != IPPROTO_UDP {
-        return Err(PassReason::NotIpUdp);
+        return Err(Stop::Pass(PassReason::NotIpUdp));
     }
     // UDP without options: options are not understood.
     if h[0] != 0x45 {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     // A receiver drops a header whose checksum does not verify.
     let mut sum = 0u32;
@@ -354,17 +462,17 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     if sum != 0xffff {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     let total_len = usize::from(u16::from_be_bytes([h[2], h[3]]));
     let frame_after_l2 = pkt.frame_len() - l3;
     if total_len < IPV4_LEN || total_len > frame_after_l2 {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     let src = [h[12], h[13], h[14], h[15]];
     let dst = [h[16], h[17], h[18], h[19]];
     if !is_unicast_v4(src) || !is_unicast_v4(dst) {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     let frag = u16::from_be_bytes([h[6], h[7]]);
     Ok(Ip {
@@ -389,19 +497,19 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
 /// a later fragment. A second fragment header, or one past the walk,
 /// passes as a fragment; any other next header as not understood.
 #[inline(always)]
-fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
-    let h: [u8; 8] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
+fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
+    let h: [u8; 8] = header(pkt, l3, PassReason::BadHeader)?;
     if h[0] >> 4 != 6 {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     let payload_len = usize::from(u16::from_be_bytes([h[4], h[5]]));
     let frame_after_l2 = pkt.frame_len() - l3;
     // Payload length 0 is a jumbogram (a hop-by-hop option): not parsed.
     if payload_len == 0 || IPV6_LEN + payload_len > frame_after_l2 {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
-    let src: [u8; 16] = read_bytes(pkt, l3 + 8).map_err(|_| PassReason::BadHeader)?;
-    let dst: [u8; 16] = read_bytes(pkt, l3 + 24).map_err(|_| PassReason::BadHeader)?;
+    let src: [u8; 16] = header(pkt, l3 + 8, PassReason::BadHeader)?;
+    let dst: [u8; 16] = header(pkt, l3 + 24, PassReason::BadHeader)?;
     let mut next = h[6];
     let mut extensions = 0usize;
     let mut walked = 0;
@@ -411,23 +519,23 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {}
             IPPROTO_FRAGMENT if !frag.0 => {}
-            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
-            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
-            _ => return Err(PassReason::NotIpUdp),
+            IPPROTO_FRAGMENT => return Err(Stop::Pass(PassReason::Fragment)),
+            n if is_extension_header(n) => return Err(Stop::Pass(PassReason::ExtensionHeader)),
+            _ => return Err(Stop::Pass(PassReason::NotIpUdp)),
         }
         // Every extension header is at least 8 bytes long.
         let at = l3 + IPV6_LEN + extensions;
-        let e: [u8; 4] = read_bytes(pkt, at).map_err(|_| PassReason::ExtensionHeader)?;
+        let e: [u8; 4] = header(pkt, at, PassReason::ExtensionHeader)?;
         // A routing header with segments left: the header's destination is
         // a waypoint, not the final one the UDP checksum and the member
         // match are about.
         if next == IPPROTO_ROUTING && e[3] != 0 {
-            return Err(PassReason::ExtensionHeader);
+            return Err(Stop::Pass(PassReason::ExtensionHeader));
         }
         let mut len = (usize::from(e[1]) + 1) * 8;
         if next == IPPROTO_FRAGMENT {
             // 8 bytes, the second reserved: offset and M, then the id.
-            let id: [u8; 4] = read_bytes(pkt, at + 4).map_err(|_| PassReason::ExtensionHeader)?;
+            let id: [u8; 4] = header(pkt, at + 4, PassReason::ExtensionHeader)?;
             let field = u16::from_be_bytes([e[2], e[3]]);
             frag = (
                 true,
@@ -441,7 +549,7 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
         next = e[0];
         extensions += len;
         if extensions > MAX_EXTENSION_SPAN {
-            return Err(PassReason::ExtensionHeader);
+            return Err(Stop::Pass(PassReason::ExtensionHeader));
         }
         walked += 1;
         // A later fragment: what follows is data, not headers.
@@ -452,18 +560,18 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
     if frag.1 {
         match next {
             IPPROTO_UDP => {}
-            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
-            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
-            _ => return Err(PassReason::NotIpUdp),
+            IPPROTO_FRAGMENT => return Err(Stop::Pass(PassReason::Fragment)),
+            n if is_extension_header(n) => return Err(Stop::Pass(PassReason::ExtensionHeader)),
+            _ => return Err(Stop::Pass(PassReason::NotIpUdp)),
         }
     }
     // Only UDP is checked for unicast: neighbour discovery and MLD to
     // multicast groups are not ours, not bad.
     if !is_unicast_v6(&src) || !is_unicast_v6(&dst) {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     if extensions > payload_len {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     Ok(Ip {
         layout: Layout {
@@ -486,7 +594,7 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
 /// continue as one state into the shared code after the parser instead
 /// of each walking it again.
 #[inline(always)]
-pub fn forget_layout(ip: Ip) -> Option<Ip> {
+fn forget_layout(ip: Ip) -> Option<Ip> {
     let slot = SCRATCH.get_ptr_mut(0)?;
     let l = ip.layout;
     // The fragment fields too: constants on one path would keep its state
@@ -525,26 +633,22 @@ pub fn forget_layout(ip: Ip) -> Option<Ip> {
 /// covers the whole datagram).
 /// Over IPv6 a zero checksum is invalid: such a datagram passes.
 #[inline(always)]
-pub fn parse_udp(
-    pkt: &impl Packet,
-    ip: Ip,
-    allow_first_fragment: bool,
-) -> Result<Datagram, PassReason> {
+fn parse_udp(pkt: &impl Packet, ip: Ip, allow_first_fragment: bool) -> Result<Datagram, Stop> {
     if ip.fragment && !(allow_first_fragment && ip.first_fragment) {
-        return Err(PassReason::Fragment);
+        return Err(Stop::Pass(PassReason::Fragment));
     }
     let l4 = ip.layout.l4;
     if ip.end < l4 + UDP_LEN {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
-    let udp: [u8; UDP_LEN] = read_bytes(pkt, l4).map_err(|_| PassReason::BadHeader)?;
+    let udp: [u8; UDP_LEN] = header(pkt, l4, PassReason::BadHeader)?;
     let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
     let in_packet = ip.end - l4;
     if udp_len < UDP_LEN || (!ip.fragment && udp_len > in_packet) {
-        return Err(PassReason::BadHeader);
+        return Err(Stop::Pass(PassReason::BadHeader));
     }
     if ip.layout.v6 && udp[6] == 0 && udp[7] == 0 {
-        return Err(PassReason::ZeroChecksum);
+        return Err(Stop::Pass(PassReason::ZeroChecksum));
     }
     Ok(Datagram {
         ip,

@@ -7,18 +7,28 @@
 //!   every read is answered, every moved read's reply rewritten to come
 //!   from the primary, every primary reply completing its read;
 //! - reads batched into one GSO send (one skb, several datagrams) pass
-//!   untouched, so each is answered by the primary it was sent to.
+//!   untouched, so each is answered by the primary it was sent to;
+//! - traffic the selector does not steer (bulk TCP both ways with TSO and
+//!   GRO, paged UDP to and from a port no member listens on) is classified
+//!   from its linear headers and never pulled, while each paged reply of a
+//!   member is pulled exactly once.
 
-use std::{net::UdpSocket, thread, time::Duration};
+use std::{
+    io::{Read as _, Write as _},
+    net::{Shutdown, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    thread,
+    time::Duration,
+};
 
 use selector_testbed::{
     Testbed,
     agent::{self, Agent},
     memcached::frame,
+    netns::Namespace,
     paged::{PagedReplica, read_paged, reply_body, set_gso_size},
-    topology::CLIENT_IFACE,
+    topology::{CLIENT_IFACE, replica_addr},
 };
-use selector_user::api::Status;
+use selector_user::{api::Status, telemetry::HeadersPulled};
 
 /// Reads per second, and how many.
 const RATE: u32 = 2000;
@@ -253,5 +263,186 @@ fn reads_batched_in_one_gso_send_pass_untouched_and_are_answered() {
         tb.udp_checksum_errors().unwrap(),
         0,
         "rewritten replies must verify"
+    );
+}
+
+/// Bytes of the bulk TCP transfer, each way.
+const BULK: usize = 32 << 20;
+/// A port on replica 0 that is no member's.
+const OTHER_PORT: u16 = 11300;
+
+/// Segmentation and receive offloads on, as on a host with a real NIC:
+/// TCP then sends (TSO) and receives (GRO) large skbs whose payload is in
+/// page fragments and whose head the sender's TCP still holds a clone of.
+fn offloads_on(ns: &Namespace) {
+    ns.exec(
+        "ethtool",
+        &[
+            "-K",
+            CLIENT_IFACE,
+            "tx",
+            "on",
+            "sg",
+            "on",
+            "tso",
+            "on",
+            "gso",
+            "on",
+            "gro",
+            "on",
+        ],
+    )
+    .expect("offloads on");
+}
+
+/// One TCP connection from the client to `server` (in `server_ns`):
+/// `BULK` bytes up, then `BULK` bytes down. (bytes received up, down).
+fn bulk_tcp(client: &Namespace, server_ns: &Namespace, server: SocketAddrV4) -> (usize, usize) {
+    let listener = server_ns
+        .run(move || TcpListener::bind(server))
+        .unwrap()
+        .expect("listen");
+    let serving = thread::spawn(move || -> std::io::Result<usize> {
+        let (mut conn, _) = listener.accept()?;
+        let mut got = 0;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match conn.read(&mut buf)? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        conn.write_all(&vec![7u8; BULK])?;
+        conn.shutdown(Shutdown::Write)?;
+        Ok(got)
+    });
+    let down = client
+        .run(move || -> std::io::Result<usize> {
+            let mut conn = TcpStream::connect(server)?;
+            conn.write_all(&vec![7u8; BULK])?;
+            conn.shutdown(Shutdown::Write)?;
+            let mut got = Vec::new();
+            conn.read_to_end(&mut got)?;
+            Ok(got.len())
+        })
+        .unwrap()
+        .expect("bulk TCP");
+    let up = serving.join().unwrap().expect("bulk TCP server");
+    (up, down)
+}
+
+/// Paged datagrams from the client to a port nothing listens on: UDP_SEGMENT
+/// batches (one GSO skb of several datagrams) and single segments, their
+/// payload in page fragments.
+fn paged_udp_out(client: &Namespace, to: SocketAddrV4) {
+    client
+        .run(move || -> std::io::Result<()> {
+            // Not connected: the port unreachable errors that come back
+            // are not reported to it.
+            let socket = UdpSocket::bind("0.0.0.0:0")?;
+            set_gso_size(&socket, 1400)?;
+            for i in 0..200u32 {
+                let len = if i % 2 == 0 { 4 * 1400 } else { 1000 };
+                socket.send_to(&vec![i as u8; len], to)?;
+            }
+            Ok(())
+        })
+        .unwrap()
+        .expect("paged UDP out");
+}
+
+/// The agent's count of pulls now.
+fn pulled(tb: &Testbed) -> HeadersPulled {
+    agent::status_json::<Status>(&tb.client, CLIENT_IFACE).headers_pulled
+}
+
+#[test]
+fn only_datagrams_of_members_are_pulled() {
+    let (tb, replicas, agent) = testbed("pgu");
+    offloads_on(&tb.client);
+    offloads_on(&tb.replica_ns[0]);
+
+    // Traffic the selector does not steer, however paged.
+    let tcp_server = SocketAddrV4::new(replica_addr(0), 5001);
+    let (up, down) = bulk_tcp(&tb.client, &tb.replica_ns[0], tcp_server);
+    assert_eq!((up, down), (BULK, BULK), "bulk TCP both ways");
+    paged_udp_out(
+        &tb.client,
+        SocketAddrV4::new(replica_addr(0), OTHER_PORT + 1),
+    );
+    let other = PagedReplica::start(
+        &tb.replica_ns[0],
+        SocketAddrV4::new(replica_addr(0), OTHER_PORT),
+    )
+    .expect("paged server on another port");
+    let other_addr = other.addr;
+    let report = tb
+        .client
+        .spawn(move || read_paged(other_addr, RATE, 500, TIMEOUT))
+        .unwrap()
+        .join()
+        .unwrap()
+        .expect("reads from another port");
+    let other_sent = other.finish().expect("paged server on another port");
+    let untouched = agent::status_json::<Status>(&tb.client, CLIENT_IFACE);
+    let summary = format!(
+        "after bulk TCP ({BULK} bytes each way), paged UDP out, {} paged replies from port \
+         {OTHER_PORT} ({} answered): pulled {:?}; passed not_ip_udp {}, not_backend {}",
+        other_sent,
+        report.answered,
+        untouched.headers_pulled,
+        passed(&untouched, "not_ip_udp"),
+        passed(&untouched, "not_backend"),
+    );
+    println!("{summary}");
+    assert_eq!(report.answered, 500, "{summary}");
+    assert!(passed(&untouched, "not_ip_udp") > 0, "{summary}");
+    assert!(passed(&untouched, "not_backend") > 0, "{summary}");
+    assert_eq!(
+        untouched.headers_pulled,
+        HeadersPulled::default(),
+        "nothing the selector does not steer is pulled: {summary}"
+    );
+
+    // Paged replies of members, some to moved reads: each pulled once.
+    let primary = replicas[0].addr;
+    let load = tb
+        .client
+        .spawn(move || read_paged(primary, RATE, READS, TIMEOUT))
+        .unwrap();
+    let duration = Duration::from_secs_f64(READS as f64 / f64::from(RATE));
+    thread::sleep(duration / 4);
+    replicas[0].pause();
+    thread::sleep(STALL);
+    replicas[0].resume();
+    let report = load.join().unwrap().expect("reads");
+    let sent: u64 = replicas
+        .into_iter()
+        .map(|r| r.finish().expect("paged replica"))
+        .sum();
+    let after = pulled(&tb);
+    let status = settled_status(&tb, agent);
+    let summary = format!(
+        "{} reads, {} answered, {} wrong bodies, {sent} replies sent by members; pulled {after:?}; \
+         moved {}",
+        report.sent, report.answered, report.wrong_bodies, status.backends[0].stats.redirected_away,
+    );
+    println!("{summary}");
+    assert_eq!(
+        report.answered, report.sent,
+        "every read answered: {summary}"
+    );
+    assert_eq!(report.wrong_bodies, 0, "{summary}");
+    assert!(
+        status.backends[0].stats.redirected_away > 0,
+        "reads must leave the stalled primary: {summary}"
+    );
+    assert_eq!(
+        after,
+        HeadersPulled {
+            egress: 0,
+            ingress: sent,
+        },
+        "each member's paged reply pulled once, no request: {summary}"
     );
 }
