@@ -11,7 +11,10 @@
 //! - traffic the selector does not steer (bulk TCP both ways with TSO and
 //!   GRO, paged UDP to and from a port no member listens on) is classified
 //!   from its linear headers and never pulled, while each paged reply of a
-//!   member is pulled exactly once.
+//!   member is pulled exactly once;
+//! - a read whose very headers are not in the linear part (an AF_PACKET
+//!   frame with only its Ethernet header linear) is pulled once, then
+//!   parsed and tracked.
 
 use std::{
     io::{Read as _, Write as _},
@@ -26,7 +29,7 @@ use selector_testbed::{
     memcached::frame,
     netns::Namespace,
     paged::{PagedReplica, read_paged, reply_body, set_gso_size},
-    topology::{CLIENT_IFACE, replica_addr},
+    topology::{CLIENT_ADDR, CLIENT_IFACE, replica_addr, switch_port},
 };
 use selector_user::{api::Status, telemetry::HeadersPulled};
 
@@ -444,5 +447,145 @@ fn only_datagrams_of_members_are_pulled() {
             ingress: sent,
         },
         "each member's paged reply pulled once, no request: {summary}"
+    );
+}
+
+/// A virtio_net_hdr (what PACKET_VNET_HDR puts before a frame) saying how
+/// many of the frame's bytes go in the skb's linear part: no offload.
+fn vnet_header(linear: u16) -> [u8; 10] {
+    let mut h = [0u8; 10];
+    h[2..4].copy_from_slice(&linear.to_le_bytes());
+    h
+}
+
+/// An Ethernet + IPv4 + UDP frame from the client to `to` carrying
+/// `payload` (UDP checksum 0: none, valid over IPv4).
+fn udp_frame(to: SocketAddrV4, payload: &[u8]) -> Vec<u8> {
+    let mut f = vec![0xff; 6];
+    f.extend_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f.extend_from_slice(&0x0800u16.to_be_bytes());
+    let total = (20 + 8 + payload.len()) as u16;
+    let mut ip = [0u8; 20];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = 17;
+    ip[12..16].copy_from_slice(&CLIENT_ADDR.octets());
+    ip[16..20].copy_from_slice(&to.ip().octets());
+    let mut sum: u32 = ip
+        .chunks(2)
+        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+        .sum();
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    ip[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
+    f.extend_from_slice(&ip);
+    f.extend_from_slice(&40000u16.to_be_bytes());
+    f.extend_from_slice(&to.port().to_be_bytes());
+    f.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+    f.extend_from_slice(&[0, 0]);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// Sends `frame` out of the client's interface from an AF_PACKET socket
+/// with PACKET_VNET_HDR, only its first `linear` bytes in the skb's linear
+/// part (the kernel lays out so a frame of a page or more).
+fn send_with_linear(client: &Namespace, frame: Vec<u8>, linear: u16) {
+    client
+        .run(move || -> std::io::Result<()> {
+            let last_error = || Err(std::io::Error::last_os_error());
+            // SAFETY: plain socket calls on a socket of our own, with
+            // valid buffers and lengths.
+            unsafe {
+                let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+                if fd < 0 {
+                    return last_error();
+                }
+                let on: libc::c_int = 1;
+                let rc = libc::setsockopt(
+                    fd,
+                    libc::SOL_PACKET,
+                    libc::PACKET_VNET_HDR,
+                    (&on as *const libc::c_int).cast(),
+                    size_of::<libc::c_int>() as libc::socklen_t,
+                );
+                let name = std::ffi::CString::new(CLIENT_IFACE).unwrap();
+                let mut to: libc::sockaddr_ll = std::mem::zeroed();
+                to.sll_family = libc::AF_PACKET as u16;
+                to.sll_ifindex = libc::if_nametoindex(name.as_ptr()) as i32;
+                to.sll_halen = 6;
+                to.sll_addr[..6].copy_from_slice(&frame[..6]);
+                let packet = [&vnet_header(linear)[..], &frame].concat();
+                let sent = if rc == 0 && to.sll_ifindex != 0 {
+                    libc::sendto(
+                        fd,
+                        packet.as_ptr().cast(),
+                        packet.len(),
+                        0,
+                        (&to as *const libc::sockaddr_ll).cast(),
+                        size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+                    )
+                } else {
+                    -1
+                };
+                let result = if sent < 0 { last_error() } else { Ok(()) };
+                libc::close(fd);
+                result
+            }
+        })
+        .unwrap()
+        .expect("AF_PACKET send");
+}
+
+/// The rare skb whose headers are not all in its linear part: parsed from
+/// the linear part it is short, so it is pulled (once) and parsed again,
+/// and then it is what it is: a read to a member, tracked.
+#[test]
+fn a_read_whose_headers_are_not_linear_is_pulled_once_and_tracked() {
+    let (tb, replicas, agent) = testbed("pgh");
+    // A frame above a page, so the kernel puts all but its first bytes in
+    // page fragments; the links take it whole up to the switch (whether
+    // it reaches the replica, and is answered, does not matter: only the
+    // client's programs do).
+    tb.client
+        .ip(&["link", "set", CLIENT_IFACE, "mtu", "9000"])
+        .expect("mtu");
+    tb.switch
+        .ip(&["link", "set", &switch_port(0), "mtu", "9000"])
+        .expect("switch port mtu");
+    let primary = replicas[0].addr;
+    let mut read = b"get k\r\n".to_vec();
+    read.resize(5000, b'x');
+    send_with_linear(&tb.client, udp_frame(primary, &frame(7, &read)), 14);
+    thread::sleep(Duration::from_millis(200));
+    // An answer, if any, is a paged reply: pulled on the reply path.
+    let answered: u64 = replicas
+        .into_iter()
+        .map(|r| r.finish().expect("paged replica"))
+        .sum();
+    let status = settled_status(&tb, agent);
+    let b = &status.backends;
+    let summary = format!(
+        "pulled {:?}; primary requests {}, issued {}, completed {}, expired {}; answered {answered}",
+        status.headers_pulled, b[0].stats.requests, b[0].issued, b[0].completed, b[0].expired,
+    );
+    println!("{summary}");
+    assert_eq!(
+        status.headers_pulled,
+        HeadersPulled {
+            egress: 1,
+            ingress: answered
+        },
+        "{summary}"
+    );
+    assert_eq!(
+        (
+            b[0].stats.requests,
+            b[0].issued,
+            b[0].completed + b[0].expired
+        ),
+        (1, 1, 1),
+        "the read is tracked at its primary, and ends: {summary}"
     );
 }
