@@ -3,10 +3,12 @@
 //! herding rows' from several client hosts too),
 //! the per-packet cost, the report and the plots are produced, and nothing
 //! is left behind. It asserts that everything appears, never timings.
+//! The rows of traffic the selector does not steer (`--only untouched`)
+//! run on their own, one short segment each.
 
 use std::process::{Command, Stdio};
 
-use selector_testbed::bench::Row;
+use selector_testbed::bench::{Row, untouched::Measure};
 
 #[test]
 fn quick_bench_produces_every_row_and_cleans_up() {
@@ -117,6 +119,57 @@ fn quick_bench_produces_every_row_and_cleans_up() {
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
         .filter(|l| l.starts_with(&format!("bench-{pid}-")))
+        .map(str::to_string)
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
+    // `selector-bench` runs the agent beside it.
+    selector_testbed::agent::selector_binary();
+    let out = std::env::temp_dir().join(format!("selector-untouched-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let child = Command::new(env!("CARGO_BIN_EXE_selector-bench"))
+        .args(["--only", "untouched", "--untouched-rounds", "1"])
+        .args(["--untouched-segment", "1", "--out"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start selector-bench");
+    let pid = child.id();
+    let run = child.wait_with_output().expect("wait for selector-bench");
+    assert!(
+        run.status.success(),
+        "selector-bench failed ({}):\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let read = |name: &str| {
+        std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let (md, csv) = (read("untouched.md"), read("untouched.csv"));
+    for m in Measure::ALL {
+        assert!(md.contains(&format!("| {} |", m.label())), "{md}");
+        for attached in ["no", "yes"] {
+            assert!(
+                csv.lines()
+                    .any(|l| l.starts_with(&format!("{},{attached},1,", m.id()))),
+                "{} {attached}:\n{csv}",
+                m.id()
+            );
+        }
+    }
+    assert!(
+        md.contains("pulled over all its segments: 0 egress, 0 ingress"),
+        "{md}"
+    );
+    let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&format!("untch-{pid}-")))
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
