@@ -14,7 +14,8 @@ use selector_testbed::bench::{Row, untouched::Measure};
 fn quick_bench_produces_every_row_and_cleans_up() {
     let out = std::env::temp_dir().join(format!("selector-bench-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let child = Command::new(env!("CARGO_BIN_EXE_selector-bench"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    child
         .args([
             "--quick",
             "--duration",
@@ -32,19 +33,8 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         // A relative `--out`, as users type it.
         .current_dir(std::env::temp_dir())
         .arg("--out")
-        .arg(out.file_name().unwrap())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start selector-bench");
-    let pid = child.id();
-    let run = child.wait_with_output().expect("wait for selector-bench");
-    assert!(
-        run.status.success(),
-        "selector-bench failed ({}):\n{}",
-        run.status,
-        String::from_utf8_lossy(&run.stderr)
-    );
+        .arg(out.file_name().unwrap());
+    let pid = run_to_success(child);
 
     let read = |name: &str| {
         std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -115,13 +105,7 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         assert!(size(16) > 0 && size(20) > 0, "{plot} is empty");
     }
 
-    let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
-    let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
-        .lines()
-        .filter(|l| l.starts_with(&format!("bench-{pid}-")))
-        .map(str::to_string)
-        .collect();
-    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    assert_no_namespaces_left(&format!("bench-{pid}-"));
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -131,22 +115,12 @@ fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
     selector_testbed::agent::selector_binary();
     let out = std::env::temp_dir().join(format!("selector-untouched-test-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
-    let child = Command::new(env!("CARGO_BIN_EXE_selector-bench"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    child
         .args(["--only", "untouched", "--untouched-rounds", "1"])
         .args(["--untouched-segment", "1", "--out"])
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start selector-bench");
-    let pid = child.id();
-    let run = child.wait_with_output().expect("wait for selector-bench");
-    assert!(
-        run.status.success(),
-        "selector-bench failed ({}):\n{}",
-        run.status,
-        String::from_utf8_lossy(&run.stderr)
-    );
+        .arg(&out);
+    let pid = run_to_success(child);
     let read = |name: &str| {
         std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
     };
@@ -166,12 +140,34 @@ fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
         md.contains("pulled over all its segments: 0 egress, 0 ingress"),
         "{md}"
     );
+    assert_no_namespaces_left(&format!("untch-{pid}-"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Runs `selector-bench` and asserts it succeeded; its process id.
+fn run_to_success(mut command: Command) -> u32 {
+    let child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start selector-bench");
+    let pid = child.id();
+    let run = child.wait_with_output().expect("wait for selector-bench");
+    assert!(
+        run.status.success(),
+        "selector-bench failed ({}):\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    pid
+}
+
+fn assert_no_namespaces_left(prefix: &str) {
     let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
-        .filter(|l| l.starts_with(&format!("untch-{pid}-")))
+        .filter(|l| l.starts_with(prefix))
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&out);
 }

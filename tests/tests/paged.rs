@@ -28,8 +28,8 @@ use selector_testbed::{
     agent::{self, Agent},
     memcached::frame,
     netns::Namespace,
-    paged::{PagedReplica, read_paged, reply_body, set_gso_size},
-    topology::{CLIENT_ADDR, CLIENT_IFACE, replica_addr, switch_port},
+    paged::{PagedReplica, ReadReport, read_paged, reply_body, set_gso_size},
+    topology::{CLIENT_ADDR, CLIENT_IFACE, offloads_on, replica_addr, switch_port},
 };
 use selector_user::{api::Status, telemetry::HeadersPulled};
 
@@ -98,9 +98,18 @@ fn passed(status: &Status, reason: &str) -> u64 {
         .sum()
 }
 
-#[test]
-fn paged_replies_of_moved_reads_are_rewritten_and_none_is_lost() {
-    let (tb, replicas, agent) = testbed("pg");
+/// Stops the replicas: the replies they sent, all together.
+fn finish_all(replicas: Vec<PagedReplica>) -> u64 {
+    replicas
+        .into_iter()
+        .map(|r| r.finish().expect("paged replica"))
+        .sum()
+}
+
+/// `READS` reads from the client to the primary (replica 0) while it stalls
+/// once; then the replicas are stopped. (What the reader saw, replies the
+/// replicas sent.)
+fn reads_with_a_stall(tb: &Testbed, replicas: Vec<PagedReplica>) -> (ReadReport, u64) {
     let primary = replicas[0].addr;
     let load = tb
         .client
@@ -114,10 +123,14 @@ fn paged_replies_of_moved_reads_are_rewritten_and_none_is_lost() {
     thread::sleep(STALL);
     replicas[0].resume();
     let report = load.join().unwrap().expect("reads");
-    let sent: u64 = replicas
-        .into_iter()
-        .map(|r| r.finish().expect("paged replica"))
-        .sum();
+    let sent = finish_all(replicas);
+    (report, sent)
+}
+
+#[test]
+fn paged_replies_of_moved_reads_are_rewritten_and_none_is_lost() {
+    let (tb, replicas, agent) = testbed("pg");
+    let (report, sent) = reads_with_a_stall(&tb, replicas);
 
     // Once every read completed (or, if any reply was missed, expired).
     let status = settled_status(&tb, agent);
@@ -226,10 +239,7 @@ fn reads_batched_in_one_gso_send_pass_untouched_and_are_answered() {
             (batched, answered(&[2 * BATCHES]))
         })
         .unwrap();
-    let sent: u64 = replicas
-        .into_iter()
-        .map(|r| r.finish().expect("paged replica"))
-        .sum();
+    let sent = finish_all(replicas);
     let status = settled_status(&tb, agent);
     let b = &status.backends;
     let summary = format!(
@@ -273,30 +283,6 @@ fn reads_batched_in_one_gso_send_pass_untouched_and_are_answered() {
 const BULK: usize = 32 << 20;
 /// A port on replica 0 that is no member's.
 const OTHER_PORT: u16 = 11300;
-
-/// Segmentation and receive offloads on, as on a host with a real NIC:
-/// TCP then sends (TSO) and receives (GRO) large skbs whose payload is in
-/// page fragments and whose head the sender's TCP still holds a clone of.
-fn offloads_on(ns: &Namespace) {
-    ns.exec(
-        "ethtool",
-        &[
-            "-K",
-            CLIENT_IFACE,
-            "tx",
-            "on",
-            "sg",
-            "on",
-            "tso",
-            "on",
-            "gso",
-            "on",
-            "gro",
-            "on",
-        ],
-    )
-    .expect("offloads on");
-}
 
 /// One TCP connection from the client to `server` (in `server_ns`):
 /// `BULK` bytes up, then `BULK` bytes down. (bytes received up, down).
@@ -362,8 +348,8 @@ fn pulled(tb: &Testbed) -> HeadersPulled {
 #[test]
 fn only_datagrams_of_members_are_pulled() {
     let (tb, replicas, agent) = testbed("pgu");
-    offloads_on(&tb.client);
-    offloads_on(&tb.replica_ns[0]);
+    offloads_on(&tb.client).expect("offloads on");
+    offloads_on(&tb.replica_ns[0]).expect("offloads on");
 
     // Traffic the selector does not steer, however paged.
     let tcp_server = SocketAddrV4::new(replica_addr(0), 5001);
@@ -408,21 +394,7 @@ fn only_datagrams_of_members_are_pulled() {
     );
 
     // Paged replies of members, some to moved reads: each pulled once.
-    let primary = replicas[0].addr;
-    let load = tb
-        .client
-        .spawn(move || read_paged(primary, RATE, READS, TIMEOUT))
-        .unwrap();
-    let duration = Duration::from_secs_f64(READS as f64 / f64::from(RATE));
-    thread::sleep(duration / 4);
-    replicas[0].pause();
-    thread::sleep(STALL);
-    replicas[0].resume();
-    let report = load.join().unwrap().expect("reads");
-    let sent: u64 = replicas
-        .into_iter()
-        .map(|r| r.finish().expect("paged replica"))
-        .sum();
+    let (report, sent) = reads_with_a_stall(&tb, replicas);
     let after = pulled(&tb);
     let status = settled_status(&tb, agent);
     let summary = format!(
@@ -560,10 +532,7 @@ fn a_read_whose_headers_are_not_linear_is_pulled_once_and_tracked() {
     send_with_linear(&tb.client, udp_frame(primary, &frame(7, &read)), 14);
     thread::sleep(Duration::from_millis(200));
     // An answer, if any, is a paged reply: pulled on the reply path.
-    let answered: u64 = replicas
-        .into_iter()
-        .map(|r| r.finish().expect("paged replica"))
-        .sum();
+    let answered = finish_all(replicas);
     let status = settled_status(&tb, agent);
     let b = &status.backends;
     let summary = format!(

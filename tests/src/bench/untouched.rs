@@ -13,7 +13,8 @@
 //!
 //! Segmentation and receive offloads are on at both ends (the testbed
 //! turns them off for its checksum tests), as on a host with a real NIC:
-//! TCP sends and receives large skbs whose payload is in page fragments.
+//! TCP sends and receives large skbs whose payload is in page fragments
+//! (`topology::offloads_on`).
 //! Each row's ratio is the median of its agent segments over the median of
 //! its no-agent segments, all from the same run.
 
@@ -36,7 +37,7 @@ use super::{
 use crate::{
     Testbed,
     netns::Namespace,
-    topology::{CLIENT_IFACE, replica_addr},
+    topology::{CLIENT_IFACE, offloads_on, replica_addr},
 };
 
 /// iperf3's port on replica 0 (TCP and UDP): no member's.
@@ -247,30 +248,6 @@ impl Drop for Server {
     }
 }
 
-/// Offloads on, as on a host with a real NIC.
-fn offloads_on(ns: &Namespace) -> Result<()> {
-    ns.exec(
-        "ethtool",
-        &[
-            "-K",
-            CLIENT_IFACE,
-            "rx",
-            "on",
-            "tx",
-            "on",
-            "sg",
-            "on",
-            "tso",
-            "on",
-            "gso",
-            "on",
-            "gro",
-            "on",
-        ],
-    )?;
-    Ok(())
-}
-
 /// Waits until a TCP socket listens on `port` in `ns` (asked of `ss`, not
 /// by connecting: iperf3 takes any connection for a test's).
 fn wait_listening(ns: &Namespace, port: u16) -> Result<()> {
@@ -301,8 +278,9 @@ pub fn measure(o: &UntouchedOptions, command: &str) -> Result<UntouchedReport> {
     check_agent(&o.agent)?;
     ensure!(!o.measures.is_empty(), "no untouched row selected");
     let tb = Testbed::new("untch", 2)?;
-    offloads_on(&tb.client)?;
-    offloads_on(&tb.replica_ns[0])?;
+    for ns in [&tb.client, &tb.replica_ns[0]] {
+        offloads_on(ns)?;
+    }
     let server = replica_addr(0);
     let (iperf_port, rr_port) = (IPERF_PORT.to_string(), SOCKPERF_PORT.to_string());
     let _iperf = Server::start(&tb.replica_ns[0], "iperf3", &["-s", "-p", &iperf_port])?;
