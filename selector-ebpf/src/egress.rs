@@ -19,7 +19,7 @@ use crate::{
     inflight::{self, NewRequest},
     maps::{BACKENDS, SCRATCH, backend_target, config, count_pass},
     nexthop,
-    packet::{self, Datagram, Headers, Stop},
+    packet::{self, Datagram},
     reject,
     rewrite::{Rewrite, Side},
 };
@@ -38,12 +38,15 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         ctx.set_mark(mark & !config.mark);
         return Ok(TC_CONTINUE);
     }
-    let dgram = match packet::parse(ctx, Direction::Egress, false) {
-        Ok(Headers::Datagram(d)) => d,
-        // Not on the request path: every fragment passes as one.
-        Ok(Headers::LaterFragment(_)) => return pass(PassReason::Fragment),
-        Err(Stop::Pass(reason) | Stop::Short(reason)) => return pass(reason),
-        Err(Stop::NoScratch) => return Err(()),
+    // Classified from the linear part: only a member's datagram is pulled.
+    packet::pull_short_headers(ctx, Direction::Egress);
+    let ip = match packet::parse_ip(ctx) {
+        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
+        Err(reason) => return pass(reason),
+    };
+    let dgram = match packet::parse_udp(ctx, ip, false) {
+        Ok(d) => d,
+        Err(reason) => return pass(reason),
     };
     let l = dgram.ip.layout;
     let dst = Endpoint::new(packet::dst_address(ctx, l)?, dgram.dst_port);

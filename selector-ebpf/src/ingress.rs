@@ -15,7 +15,7 @@ use crate::{
     hedge::{self, Answer},
     inflight::{self, Seen},
     maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass},
-    packet::{self, Datagram, Headers, Ip, Packet, Stop},
+    packet::{self, Datagram, Ip, Packet},
     rewrite::{Rewrite, Side},
 };
 
@@ -29,11 +29,16 @@ pub enum Verdict {
 }
 
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
-    let dgram = match packet::parse(ctx, Direction::Ingress, true) {
-        Ok(Headers::Datagram(d)) => d,
-        Ok(Headers::LaterFragment(ip)) => return later_fragment(ctx, &ip),
-        Err(Stop::Pass(reason) | Stop::Short(reason)) => return pass(reason),
-        Err(Stop::NoScratch) => return Err(()),
+    let ip = match packet::parse_ip(ctx) {
+        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
+        Err(reason) => return pass(reason),
+    };
+    if ip.fragment && !ip.first_fragment {
+        return later_fragment(ctx, &ip);
+    }
+    let dgram = match packet::parse_udp(ctx, ip, true) {
+        Ok(d) => d,
+        Err(reason) => return pass(reason),
     };
     let l = dgram.ip.layout;
     let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);

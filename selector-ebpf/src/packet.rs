@@ -11,7 +11,8 @@
 //! shared skb head and moves payload out of its page fragments, is paid
 //! only by a datagram to or from a member whose protocol bytes are not
 //! linear (`pull_payload`), or by the rare packet whose very headers are
-//! not (`parse`). TCP, and UDP to other ports, is never pulled.
+//! not (`pull_short_headers`). TCP, and UDP to other ports, is never
+//! pulled.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
@@ -150,9 +151,61 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
 
 /// Makes the frame's first `len` bytes directly readable, counted.
 #[inline(always)]
-fn pull(pkt: &impl Packet, len: usize, direction: Direction) -> bool {
+fn pull(pkt: &impl Packet, len: usize, direction: Direction) {
     count_pull(direction);
-    pkt.pull(len)
+    // On failure the parser and the descriptor's reads see the short
+    // linear part.
+    let _ = pkt.pull(len);
+}
+
+/// The header bytes `parse_ip` and `parse_udp` will read from this packet,
+/// at most, as far as its Ethernet type and IP protocol (or IPv6 next
+/// header) tell: the IP header, and the UDP header if the protocol is UDP;
+/// for IPv6 with extension headers, or a packet too short to tell, every
+/// header byte the parser may read.
+#[inline(always)]
+fn header_bytes(pkt: &impl Packet) -> usize {
+    let Ok(ethertype) = read_bytes::<2>(pkt, 12) else {
+        return HEADER_SPAN;
+    };
+    let mut ethertype = u16::from_be_bytes(ethertype);
+    let mut l3 = ETH_LEN;
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        let Ok(inner) = read_bytes::<2>(pkt, 16) else {
+            return HEADER_SPAN;
+        };
+        ethertype = u16::from_be_bytes(inner);
+        l3 += VLAN_LEN;
+    }
+    match ethertype {
+        ETH_P_IPV4 => match read_bytes::<1>(pkt, l3 + 9) {
+            Ok([IPPROTO_UDP]) => l3 + IPV4_LEN + UDP_LEN,
+            Ok(_) => l3 + IPV4_LEN,
+            Err(()) => HEADER_SPAN,
+        },
+        ETH_P_IPV6 => match read_bytes::<1>(pkt, l3 + 6) {
+            Ok([IPPROTO_UDP]) => l3 + IPV6_LEN + UDP_LEN,
+            Ok([next]) if is_extension_header(next) => HEADER_SPAN,
+            Ok(_) => l3 + IPV6_LEN,
+            Err(()) => HEADER_SPAN,
+        },
+        _ => l3,
+    }
+}
+
+/// Pulls the headers in, with the descriptor's bytes, when the parser
+/// would not find them all directly readable in a longer frame: rare (the
+/// stack builds, and GRO merges, an skb's headers in its linear part). Any
+/// other packet is parsed as it is, and only a member's datagram is pulled
+/// (`pull_payload`).
+#[inline(always)]
+pub fn pull_short_headers(pkt: &impl Packet, direction: Direction) {
+    let len = pkt.frame_len();
+    let need = header_bytes(pkt);
+    if pkt.readable_len() < if len < need { len } else { need } {
+        let want = HEADER_SPAN + DESCRIPTOR_READS;
+        pull(pkt, if len < want { len } else { want }, direction);
+    }
 }
 
 /// Makes the payload bytes a descriptor may read directly readable, if
@@ -165,8 +218,7 @@ pub fn pull_payload(pkt: &impl Packet, dgram: &Datagram, direction: Direction) {
     let want = dgram.ip.layout.payload() + DESCRIPTOR_READS;
     let want = if len < want { len } else { want };
     if pkt.readable_len() < want {
-        // On failure the descriptor's reads see the short linear part.
-        let _ = pull(pkt, want, direction);
+        pull(pkt, want, direction);
     }
 }
 
@@ -174,74 +226,6 @@ pub fn pull_payload(pkt: &impl Packet, dgram: &Datagram, direction: Direction) {
 #[inline(always)]
 pub fn segmented(ctx: &TcContext) -> bool {
     unsafe { (*ctx.skb.skb).gso_size != 0 }
-}
-
-/// Why the parser stopped.
-#[derive(Clone, Copy)]
-pub enum Stop {
-    /// Pass the packet untouched, counted with this reason.
-    Pass(PassReason),
-    /// The headers run past the bytes directly readable: the reason holds
-    /// if they run past the frame too.
-    Short(PassReason),
-    /// The scratch map is missing (never, in a loaded object): pass
-    /// uncounted.
-    NoScratch,
-}
-
-/// What a packet's headers are.
-#[derive(Clone, Copy)]
-pub enum Headers {
-    /// A UDP datagram, or on the reply path its first fragment.
-    Datagram(Datagram),
-    /// On the reply path, a later fragment: no UDP header.
-    LaterFragment(Ip),
-}
-
-/// Parses a packet's headers from the bytes directly readable. Only when
-/// they run past those in a longer frame (an skb whose headers are not all
-/// in its linear part: rare) are they pulled in, with the descriptor's
-/// bytes, counted, and parsed again. `replies`: the reply path's parse (a
-/// first fragment is a datagram, a later one comes back as one); on the
-/// request path every fragment passes.
-#[inline(always)]
-pub fn parse(pkt: &impl Packet, direction: Direction, replies: bool) -> Result<Headers, Stop> {
-    let reason = match parse_readable(pkt, replies) {
-        Err(Stop::Short(reason)) => reason,
-        parsed => return parsed,
-    };
-    let len = pkt.frame_len();
-    if len <= pkt.readable_len() {
-        return Err(Stop::Pass(reason));
-    }
-    let want = HEADER_SPAN + DESCRIPTOR_READS;
-    let want = if len < want { len } else { want };
-    if !pull(pkt, want, direction) {
-        return Err(Stop::Pass(reason));
-    }
-    match parse_readable(pkt, replies) {
-        Err(Stop::Short(reason)) => Err(Stop::Pass(reason)),
-        parsed => parsed,
-    }
-}
-
-#[inline(always)]
-fn parse_readable(pkt: &impl Packet, replies: bool) -> Result<Headers, Stop> {
-    let ip = forget_layout(parse_ip(pkt)?).ok_or(Stop::NoScratch)?;
-    if replies && ip.fragment && !ip.first_fragment {
-        return Ok(Headers::LaterFragment(ip));
-    }
-    Ok(Headers::Datagram(parse_udp(pkt, ip, replies)?))
-}
-
-/// `N` header bytes at `offset`; past the readable bytes, `Short`.
-#[inline(always)]
-fn header<const N: usize>(
-    pkt: &impl Packet,
-    offset: usize,
-    reason: PassReason,
-) -> Result<[u8; N], Stop> {
-    read_bytes(pkt, offset).map_err(|_| Stop::Short(reason))
 }
 
 /// Where the IP and UDP headers start, and which family.
@@ -421,36 +405,36 @@ fn is_extension_header(next: u8) -> bool {
 /// Parses Ethernet (one optional 802.1Q/802.1ad tag) and a valid IPv4 or
 /// IPv6 header whose payload is UDP.
 #[inline(always)]
-fn parse_ip(pkt: &impl Packet) -> Result<Ip, Stop> {
-    let ethertype: [u8; 2] = header(pkt, 12, PassReason::NotIpUdp)?;
+pub fn parse_ip(pkt: &impl Packet) -> Result<Ip, PassReason> {
+    let ethertype: [u8; 2] = read_bytes(pkt, 12).map_err(|_| PassReason::NotIpUdp)?;
     let mut ethertype = u16::from_be_bytes(ethertype);
     let mut l3 = ETH_LEN;
     if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
-        let inner: [u8; 2] = header(pkt, 16, PassReason::NotIpUdp)?;
+        let inner: [u8; 2] = read_bytes(pkt, 16).map_err(|_| PassReason::NotIpUdp)?;
         ethertype = u16::from_be_bytes(inner);
         l3 += VLAN_LEN;
     }
     match ethertype {
         ETH_P_IPV4 => parse_ipv4(pkt, l3),
         ETH_P_IPV6 => parse_ipv6(pkt, l3),
-        _ => Err(Stop::Pass(PassReason::NotIpUdp)),
+        _ => Err(PassReason::NotIpUdp),
     }
 }
 
 #[inline(always)]
-fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
-    let h: [u8; IPV4_LEN] = header(pkt, l3, PassReason::BadHeader)?;
+fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
+    let h: [u8; IPV4_LEN] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
     if h[0] >> 4 != 4 {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     // Not UDP first: IGMP (its reports carry a Router Alert option) and the
     // like are not ours, not bad, whatever else their header holds.
     if h[9] != IPPROTO_UDP {
-        return Err(Stop::Pass(PassReason::NotIpUdp));
+        return Err(PassReason::NotIpUdp);
     }
     // UDP without options: options are not understood.
     if h[0] != 0x45 {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     // A receiver drops a header whose checksum does not verify.
     let mut sum = 0u32;
@@ -462,17 +446,17 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     if sum != 0xffff {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     let total_len = usize::from(u16::from_be_bytes([h[2], h[3]]));
     let frame_after_l2 = pkt.frame_len() - l3;
     if total_len < IPV4_LEN || total_len > frame_after_l2 {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     let src = [h[12], h[13], h[14], h[15]];
     let dst = [h[16], h[17], h[18], h[19]];
     if !is_unicast_v4(src) || !is_unicast_v4(dst) {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     let frag = u16::from_be_bytes([h[6], h[7]]);
     Ok(Ip {
@@ -497,19 +481,19 @@ fn parse_ipv4(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
 /// a later fragment. A second fragment header, or one past the walk,
 /// passes as a fragment; any other next header as not understood.
 #[inline(always)]
-fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
-    let h: [u8; 8] = header(pkt, l3, PassReason::BadHeader)?;
+fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, PassReason> {
+    let h: [u8; 8] = read_bytes(pkt, l3).map_err(|_| PassReason::BadHeader)?;
     if h[0] >> 4 != 6 {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     let payload_len = usize::from(u16::from_be_bytes([h[4], h[5]]));
     let frame_after_l2 = pkt.frame_len() - l3;
     // Payload length 0 is a jumbogram (a hop-by-hop option): not parsed.
     if payload_len == 0 || IPV6_LEN + payload_len > frame_after_l2 {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
-    let src: [u8; 16] = header(pkt, l3 + 8, PassReason::BadHeader)?;
-    let dst: [u8; 16] = header(pkt, l3 + 24, PassReason::BadHeader)?;
+    let src: [u8; 16] = read_bytes(pkt, l3 + 8).map_err(|_| PassReason::BadHeader)?;
+    let dst: [u8; 16] = read_bytes(pkt, l3 + 24).map_err(|_| PassReason::BadHeader)?;
     let mut next = h[6];
     let mut extensions = 0usize;
     let mut walked = 0;
@@ -519,23 +503,23 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
         match next {
             IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {}
             IPPROTO_FRAGMENT if !frag.0 => {}
-            IPPROTO_FRAGMENT => return Err(Stop::Pass(PassReason::Fragment)),
-            n if is_extension_header(n) => return Err(Stop::Pass(PassReason::ExtensionHeader)),
-            _ => return Err(Stop::Pass(PassReason::NotIpUdp)),
+            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
+            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
+            _ => return Err(PassReason::NotIpUdp),
         }
         // Every extension header is at least 8 bytes long.
         let at = l3 + IPV6_LEN + extensions;
-        let e: [u8; 4] = header(pkt, at, PassReason::ExtensionHeader)?;
+        let e: [u8; 4] = read_bytes(pkt, at).map_err(|_| PassReason::ExtensionHeader)?;
         // A routing header with segments left: the header's destination is
         // a waypoint, not the final one the UDP checksum and the member
         // match are about.
         if next == IPPROTO_ROUTING && e[3] != 0 {
-            return Err(Stop::Pass(PassReason::ExtensionHeader));
+            return Err(PassReason::ExtensionHeader);
         }
         let mut len = (usize::from(e[1]) + 1) * 8;
         if next == IPPROTO_FRAGMENT {
             // 8 bytes, the second reserved: offset and M, then the id.
-            let id: [u8; 4] = header(pkt, at + 4, PassReason::ExtensionHeader)?;
+            let id: [u8; 4] = read_bytes(pkt, at + 4).map_err(|_| PassReason::ExtensionHeader)?;
             let field = u16::from_be_bytes([e[2], e[3]]);
             frag = (
                 true,
@@ -549,7 +533,7 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
         next = e[0];
         extensions += len;
         if extensions > MAX_EXTENSION_SPAN {
-            return Err(Stop::Pass(PassReason::ExtensionHeader));
+            return Err(PassReason::ExtensionHeader);
         }
         walked += 1;
         // A later fragment: what follows is data, not headers.
@@ -560,18 +544,18 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
     if frag.1 {
         match next {
             IPPROTO_UDP => {}
-            IPPROTO_FRAGMENT => return Err(Stop::Pass(PassReason::Fragment)),
-            n if is_extension_header(n) => return Err(Stop::Pass(PassReason::ExtensionHeader)),
-            _ => return Err(Stop::Pass(PassReason::NotIpUdp)),
+            IPPROTO_FRAGMENT => return Err(PassReason::Fragment),
+            n if is_extension_header(n) => return Err(PassReason::ExtensionHeader),
+            _ => return Err(PassReason::NotIpUdp),
         }
     }
     // Only UDP is checked for unicast: neighbour discovery and MLD to
     // multicast groups are not ours, not bad.
     if !is_unicast_v6(&src) || !is_unicast_v6(&dst) {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     if extensions > payload_len {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     Ok(Ip {
         layout: Layout {
@@ -594,7 +578,7 @@ fn parse_ipv6(pkt: &impl Packet, l3: usize) -> Result<Ip, Stop> {
 /// continue as one state into the shared code after the parser instead
 /// of each walking it again.
 #[inline(always)]
-fn forget_layout(ip: Ip) -> Option<Ip> {
+pub fn forget_layout(ip: Ip) -> Option<Ip> {
     let slot = SCRATCH.get_ptr_mut(0)?;
     let l = ip.layout;
     // The fragment fields too: constants on one path would keep its state
@@ -633,22 +617,26 @@ fn forget_layout(ip: Ip) -> Option<Ip> {
 /// covers the whole datagram).
 /// Over IPv6 a zero checksum is invalid: such a datagram passes.
 #[inline(always)]
-fn parse_udp(pkt: &impl Packet, ip: Ip, allow_first_fragment: bool) -> Result<Datagram, Stop> {
+pub fn parse_udp(
+    pkt: &impl Packet,
+    ip: Ip,
+    allow_first_fragment: bool,
+) -> Result<Datagram, PassReason> {
     if ip.fragment && !(allow_first_fragment && ip.first_fragment) {
-        return Err(Stop::Pass(PassReason::Fragment));
+        return Err(PassReason::Fragment);
     }
     let l4 = ip.layout.l4;
     if ip.end < l4 + UDP_LEN {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
-    let udp: [u8; UDP_LEN] = header(pkt, l4, PassReason::BadHeader)?;
+    let udp: [u8; UDP_LEN] = read_bytes(pkt, l4).map_err(|_| PassReason::BadHeader)?;
     let udp_len = usize::from(u16::from_be_bytes([udp[4], udp[5]]));
     let in_packet = ip.end - l4;
     if udp_len < UDP_LEN || (!ip.fragment && udp_len > in_packet) {
-        return Err(Stop::Pass(PassReason::BadHeader));
+        return Err(PassReason::BadHeader);
     }
     if ip.layout.v6 && udp[6] == 0 && udp[7] == 0 {
-        return Err(Stop::Pass(PassReason::ZeroChecksum));
+        return Err(PassReason::ZeroChecksum);
     }
     Ok(Datagram {
         ip,
