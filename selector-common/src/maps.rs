@@ -57,6 +57,8 @@ pub mod names {
     pub const SEQUENCE: &str = "SEQUENCE";
     pub const STATS: &str = "STATS";
     pub const PASSED: &str = "PASSED";
+    /// `bpf_skb_pull_data` calls, by direction (`Direction as u32`).
+    pub const PULLED: &str = "PULLED";
     pub const LATENCY: &str = "LATENCY";
     pub const FRAGMENTS: &str = "FRAGMENTS";
     pub const NEXT_HOPS: &str = "NEXT_HOPS";

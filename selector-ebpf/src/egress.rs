@@ -38,7 +38,8 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         ctx.set_mark(mark & !config.mark);
         return Ok(TC_CONTINUE);
     }
-    packet::pull_headers(ctx);
+    // Classified from the linear part: only a member's datagram is pulled.
+    packet::pull_short_headers(ctx, Direction::Egress);
     let ip = match packet::parse_ip(ctx) {
         Ok(ip) => packet::forget_layout(ip).ok_or(())?,
         Err(reason) => return pass(reason),
@@ -66,6 +67,8 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         // sent on that VLAN, whose next hops this attachment does not know.
         return pass(PassReason::VlanTagged);
     }
+    // A request to a member: the one packet whose payload is read.
+    packet::pull_payload(ctx, &dgram, Direction::Egress);
     let (group, primary_pos) = split_backend_id(primary);
     // Chosen before the payload is parsed, where the verifier has few
     // paths to walk it on; used only if this is a new read.

@@ -54,6 +54,8 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     };
     // A member being removed still completes the requests it was sent.
     let backend = backend & !BACKEND_RETIRING;
+    // A reply from a member: the one packet whose payload is read.
+    packet::pull_payload(ctx, &dgram, Direction::Ingress);
     let config = config().ok_or(())?;
     let byte = |i| dgram.payload_byte(ctx, i);
     let Some(request_id) = config.descriptor.request_id(byte) else {

@@ -53,7 +53,8 @@ pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
             return TC_CONTINUE;
         }
     }
-    packet::pull_headers(&ctx);
+    // Classified from the linear part: only a member's reply is pulled.
+    packet::pull_short_headers(&ctx, selector_common::Direction::Ingress);
     match ingress::try_ingress(&ctx) {
         Ok(ingress::Verdict::Drop) => TC_DROP,
         _ => TC_CONTINUE,

@@ -91,6 +91,12 @@ pub static STATS: PerCpuArray<BackendStats> = PerCpuArray::with_max_entries(MAX_
 #[map]
 pub static PASSED: PerCpuArray<u64> = PerCpuArray::with_max_entries(2 * PASS_REASONS, 0);
 
+/// Packets whose skb was pulled (`bpf_skb_pull_data`: bytes moved from
+/// page fragments into the linear part, the head copied first when it is
+/// shared), by direction (`Direction as u32`).
+#[map]
+pub static PULLED: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
 /// `backend id * LATENCY_BUCKETS + bucket` -> responses.
 #[map]
 pub static LATENCY: PerCpuArray<u64> =
@@ -137,6 +143,14 @@ pub fn config() -> Option<&'static Config> {
 #[inline(always)]
 pub fn count_pass(direction: Direction, reason: PassReason) {
     if let Some(c) = PASSED.get_ptr_mut(pass_index(direction, reason)) {
+        unsafe { *c += 1 };
+    }
+}
+
+/// Counts one pull (see `PULLED`).
+#[inline(always)]
+pub fn count_pull(direction: Direction) {
+    if let Some(c) = PULLED.get_ptr_mut(direction as u32) {
         unsafe { *c += 1 };
     }
 }

@@ -4,12 +4,21 @@
 //! untouched. Both families come out as one `Ip` (header offsets and a
 //! family flag; addresses read as 16 bytes, IPv4-mapped for IPv4), so the
 //! code after the parser is shared.
+//!
+//! Classify first, pull after: the parser reads only the bytes directly
+//! readable (on TC the skb's linear part, where the stack builds, and GRO
+//! merges, the headers of nearly every skb), and a pull, which may copy a
+//! shared skb head and moves payload out of its page fragments, is paid
+//! only by a datagram to or from a member whose protocol bytes are not
+//! linear (`pull_payload`), or by the rare packet whose very headers are
+//! not (`pull_short_headers`). TCP, and UDP to other ports, is never
+//! pulled.
 
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
-use selector_common::{Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+use selector_common::{Direction, Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
 
-use crate::maps::SCRATCH;
+use crate::maps::{SCRATCH, count_pull};
 
 pub const ETH_LEN: usize = 14;
 const VLAN_LEN: usize = 4;
@@ -21,9 +30,11 @@ const MAX_EXTENSION_HEADERS: usize = 3;
 /// Their bytes, at most (a hop-by-hop header with a router alert, a
 /// routing header with a few segments): longer chains pass untouched.
 pub const MAX_EXTENSION_SPAN: usize = 128;
-/// Bytes the parser and descriptors may need in the linear part.
-pub const PARSE_SPAN: usize =
-    ETH_LEN + VLAN_LEN + IPV6_LEN + MAX_EXTENSION_SPAN + UDP_LEN + MAX_DESCRIPTOR_SPAN as usize;
+/// Header bytes the parser may read, at most.
+const HEADER_SPAN: usize = ETH_LEN + VLAN_LEN + IPV6_LEN + MAX_EXTENSION_SPAN + UDP_LEN;
+/// Payload bytes the descriptors may read, at most: the span, and the rest
+/// of an 8-byte word that starts in it (`Datagram::payload_word`).
+const DESCRIPTOR_READS: usize = MAX_DESCRIPTOR_SPAN as usize + 8;
 /// Bound on the UDP header's offset (a power of two above any a parsed
 /// packet can have), so the verifier can bound offsets read back as
 /// unknowns.
@@ -52,6 +63,15 @@ pub trait Packet {
     fn data_end(&self) -> usize;
     /// The whole frame's length: what IP and UDP lengths are bounded by.
     fn frame_len(&self) -> usize;
+    /// Makes the frame's first `len` bytes (at most `frame_len`) directly
+    /// readable; false if it could not.
+    fn pull(&self, len: usize) -> bool;
+
+    /// The bytes directly readable.
+    #[inline(always)]
+    fn readable_len(&self) -> usize {
+        self.data_end() - self.data()
+    }
 }
 
 /// The `__sk_buff` behind `ctx`, opaque to the compiler: each field read
@@ -76,6 +96,13 @@ impl Packet for TcContext {
     fn frame_len(&self) -> usize {
         self.len() as usize
     }
+    /// `bpf_skb_pull_data`: the head copied first if it is shared (a clone
+    /// TCP keeps for retransmission), then the bytes moved out of the page
+    /// fragments.
+    #[inline(always)]
+    fn pull(&self, len: usize) -> bool {
+        self.pull_data(len as u32).is_ok()
+    }
 }
 
 impl Packet for XdpContext {
@@ -92,6 +119,11 @@ impl Packet for XdpContext {
     #[inline(always)]
     fn frame_len(&self) -> usize {
         XdpContext::data_end(self) - XdpContext::data(self)
+    }
+    /// The whole frame is readable already.
+    #[inline(always)]
+    fn pull(&self, _len: usize) -> bool {
+        false
     }
 }
 
@@ -117,16 +149,76 @@ pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u
     Ok(unsafe { p.read_unaligned() })
 }
 
-/// Makes the headers and descriptor span readable when the skb is paged;
-/// the rest of the payload may stay in page fragments.
+/// Makes the frame's first `len` bytes directly readable, counted.
 #[inline(always)]
-pub fn pull_headers(ctx: &TcContext) {
-    let linear = Packet::data_end(ctx) - ctx.data();
-    let len = ctx.frame_len();
-    if linear < PARSE_SPAN && len > linear {
-        let want = if len < PARSE_SPAN { len } else { PARSE_SPAN };
-        // On failure the parser sees the short linear part and passes.
-        let _ = ctx.pull_data(want as u32);
+fn pull(pkt: &impl Packet, len: usize, direction: Direction) {
+    count_pull(direction);
+    // On failure the parser and the descriptor's reads see the short
+    // linear part.
+    let _ = pkt.pull(len);
+}
+
+/// The header bytes `parse_ip` and `parse_udp` will read from this packet,
+/// at most, as far as its Ethernet type and IP protocol (or IPv6 next
+/// header) tell: the IP header, and the UDP header if the protocol is UDP;
+/// for IPv6 with extension headers, or a packet too short to tell, every
+/// header byte the parser may read.
+#[inline(always)]
+fn header_bytes(pkt: &impl Packet) -> usize {
+    let Ok(ethertype) = read_bytes::<2>(pkt, 12) else {
+        return HEADER_SPAN;
+    };
+    let mut ethertype = u16::from_be_bytes(ethertype);
+    let mut l3 = ETH_LEN;
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        let Ok(inner) = read_bytes::<2>(pkt, 16) else {
+            return HEADER_SPAN;
+        };
+        ethertype = u16::from_be_bytes(inner);
+        l3 += VLAN_LEN;
+    }
+    match ethertype {
+        ETH_P_IPV4 => match read_bytes::<1>(pkt, l3 + 9) {
+            Ok([IPPROTO_UDP]) => l3 + IPV4_LEN + UDP_LEN,
+            Ok(_) => l3 + IPV4_LEN,
+            Err(()) => HEADER_SPAN,
+        },
+        ETH_P_IPV6 => match read_bytes::<1>(pkt, l3 + 6) {
+            Ok([IPPROTO_UDP]) => l3 + IPV6_LEN + UDP_LEN,
+            Ok([next]) if is_extension_header(next) => HEADER_SPAN,
+            Ok(_) => l3 + IPV6_LEN,
+            Err(()) => HEADER_SPAN,
+        },
+        _ => l3,
+    }
+}
+
+/// Pulls the headers in, with the descriptor's bytes, when the parser
+/// would not find them all directly readable in a longer frame: rare (the
+/// stack builds, and GRO merges, an skb's headers in its linear part). Any
+/// other packet is parsed as it is, and only a member's datagram is pulled
+/// (`pull_payload`).
+#[inline(always)]
+pub fn pull_short_headers(pkt: &impl Packet, direction: Direction) {
+    let len = pkt.frame_len();
+    let need = header_bytes(pkt);
+    if pkt.readable_len() < if len < need { len } else { need } {
+        let want = HEADER_SPAN + DESCRIPTOR_READS;
+        pull(pkt, if len < want { len } else { want }, direction);
+    }
+}
+
+/// Makes the payload bytes a descriptor may read directly readable, if
+/// they are not: called only for a datagram to (request path) or from
+/// (reply path) a member, the one kind of packet whose payload is read.
+/// The rest of the payload may stay in page fragments.
+#[inline(always)]
+pub fn pull_payload(pkt: &impl Packet, dgram: &Datagram, direction: Direction) {
+    let len = pkt.frame_len();
+    let want = dgram.ip.layout.payload() + DESCRIPTOR_READS;
+    let want = if len < want { len } else { want };
+    if pkt.readable_len() < want {
+        pull(pkt, want, direction);
     }
 }
 
@@ -248,8 +340,9 @@ pub struct Datagram {
     pub src_port: u16,
     pub dst_port: u16,
     /// UDP payload bytes in this packet (per the UDP header, and for a first
-    /// fragment only what it carries). Only the descriptor span of them is
-    /// linear after `pull_headers`; `bpf_skb_load_bytes` reads the rest.
+    /// fragment only what it carries). Only the descriptor's bytes of them
+    /// are sure to be linear, after `pull_payload`; `bpf_skb_load_bytes`
+    /// reads the rest.
     pub payload_len: usize,
 }
 

@@ -258,6 +258,32 @@ fn plug(switch: &Namespace, port: &str, ns: &Namespace, addr: Ipv4Addr) -> Resul
     Ok(())
 }
 
+/// Transmit checksum, segmentation and receive offloads on at `ns`'s
+/// interface (the testbed turns checksum offloads off, and with them
+/// segmentation), as on a host with a real NIC: TCP then sends (TSO) and
+/// receives (GRO) large skbs whose payload is in page fragments. Receive
+/// checksum offload stays off: received UDP checksums are still verified.
+pub fn offloads_on(ns: &Namespace) -> Result<()> {
+    ns.exec(
+        "ethtool",
+        &[
+            "-K",
+            CLIENT_IFACE,
+            "tx",
+            "on",
+            "sg",
+            "on",
+            "tso",
+            "on",
+            "gso",
+            "on",
+            "gro",
+            "on",
+        ],
+    )?;
+    Ok(())
+}
+
 impl Drop for Testbed {
     fn drop(&mut self) {
         // Replicas before their namespaces.

@@ -3,10 +3,12 @@
 //! herding rows' from several client hosts too),
 //! the per-packet cost, the report and the plots are produced, and nothing
 //! is left behind. It asserts that everything appears, never timings.
+//! The rows of traffic the selector does not steer (`--only untouched`)
+//! run on their own, one short segment each.
 
 use std::process::{Command, Stdio};
 
-use selector_testbed::bench::Row;
+use selector_testbed::bench::{Row, untouched::Measure};
 
 /// Runs the benchmark to its end; fails the test unless it succeeded.
 /// Returns its process id (its namespaces' names carry it).
@@ -122,14 +124,53 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         assert!(size(16) > 0 && size(20) > 0, "{plot} is empty");
     }
 
+    assert_no_namespaces_left(&format!("bench-{pid}-"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
+    // `selector-bench` runs the agent beside it.
+    selector_testbed::agent::selector_binary();
+    let out = std::env::temp_dir().join(format!("selector-untouched-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    child
+        .args(["--only", "untouched", "--untouched-rounds", "1"])
+        .args(["--untouched-segment", "1", "--out"])
+        .arg(&out);
+    let pid = run_to_success(child);
+    let read = |name: &str| {
+        std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
+    };
+    let (md, csv) = (read("untouched.md"), read("untouched.csv"));
+    for m in Measure::ALL {
+        assert!(md.contains(&format!("| {} |", m.label())), "{md}");
+        for attached in ["no", "yes"] {
+            assert!(
+                csv.lines()
+                    .any(|l| l.starts_with(&format!("{},{attached},1,", m.id()))),
+                "{} {attached}:\n{csv}",
+                m.id()
+            );
+        }
+    }
+    assert!(
+        md.contains("pulled over all its segments: 0 egress, 0 ingress"),
+        "{md}"
+    );
+    assert_no_namespaces_left(&format!("untch-{pid}-"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+fn assert_no_namespaces_left(prefix: &str) {
     let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
         .lines()
-        .filter(|l| l.starts_with(&format!("bench-{pid}-")))
+        .filter(|l| l.starts_with(prefix))
         .map(str::to_string)
         .collect();
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&out);
 }
 
 /// The failure rows (`--only failures`, issue 20's dead primary and broken

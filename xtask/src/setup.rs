@@ -37,6 +37,11 @@ const PACKAGES: &[&str] = &[
     "fonts-dejavu-core",
     // A real Prometheus server and promtool for the metrics test.
     "prometheus",
+    // The benchmark's rows of traffic the selector does not steer: TCP
+    // bulk and UDP (iperf3), TCP request/response (sockperf ping-pong;
+    // netperf is not in Debian's main archive).
+    "iperf3",
+    "sockperf",
 ];
 
 pub fn workspace_root() -> PathBuf {

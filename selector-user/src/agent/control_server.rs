@@ -157,6 +157,7 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
         drained: selector.drained()?,
         groups_over_cap: selector.groups_over_cap(),
         passed: telemetry::passed_counts(&now.passed),
+        headers_pulled: now.headers_pulled,
         backends: telemetry::totals(&selector.backends, &now, tails),
         hedges: crate::telemetry::hedges::total(&now.hedges),
         tc_attach: selector.tc_attach.map_or("", |t| t.name()).into(),

@@ -373,6 +373,16 @@ impl Collector for StatusCollector {
             ];
             ConstCounter::new(p.count).encode(family.encode_family(&labels)?)?;
         }
+        let mut family = e.encode_descriptor(
+            "selector_headers_pulled",
+            "Packets whose skb the programs pulled (bytes moved from page fragments into the linear part), by direction.",
+            None,
+            MetricType::Counter,
+        )?;
+        let pulled = status.headers_pulled;
+        for (direction, count) in [("egress", pulled.egress), ("ingress", pulled.ingress)] {
+            ConstCounter::new(count).encode(family.encode_family(&[("direction", direction)])?)?;
+        }
         Ok(())
     }
 }
@@ -456,7 +466,7 @@ pub(crate) mod tests {
     use crate::{
         api::SettingsInForce,
         config::settings::Settings,
-        telemetry::{BackendTail, LastInterval, PassedCount, latency_buckets},
+        telemetry::{BackendTail, HeadersPulled, LastInterval, PassedCount, latency_buckets},
     };
     use selector_common::BackendStats;
 
@@ -520,6 +530,10 @@ pub(crate) mod tests {
                 reason: "not_a_backend".into(),
                 count: 12,
             }],
+            headers_pulled: HeadersPulled {
+                egress: 1,
+                ingress: 7,
+            },
             backends: vec![
                 backend(
                     primary,
@@ -635,6 +649,20 @@ pub(crate) mod tests {
                 r#"selector_passed_total{direction="egress",reason="not_a_backend"}"#
             ),
             12.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_headers_pulled_total{direction="egress"}"#
+            ),
+            1.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                r#"selector_headers_pulled_total{direction="ingress"}"#
+            ),
+            7.0
         );
         assert!(
             text.contains("# UNIT selector_response_latency_seconds seconds\n"),

@@ -38,7 +38,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     config::settings::{OnOverload, Settings},
-    telemetry::{BackendTotals, LastInterval, PassedCount},
+    telemetry::{BackendTotals, HeadersPulled, LastInterval, PassedCount},
 };
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -247,6 +247,9 @@ pub struct Status {
     #[serde(default)]
     pub groups_over_cap: Vec<u32>,
     pub passed: Vec<PassedCount>,
+    /// Packets whose skb the programs pulled, by direction.
+    #[serde(default)]
+    pub headers_pulled: HeadersPulled,
     pub backends: Vec<BackendTotals>,
     /// Hedging totals over all backends.
     #[serde(default)]
@@ -477,6 +480,10 @@ mod tests {
                 reason: "fragment".into(),
                 count: 4,
             }],
+            headers_pulled: HeadersPulled {
+                egress: 0,
+                ingress: 5,
+            },
             backends: vec![BackendTotals {
                 backend: backend(),
                 group: 1,

@@ -97,7 +97,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 19] {
+fn shapes(inflight_max: u32) -> [Shape; 20] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -181,6 +181,7 @@ fn shapes(inflight_max: u32) -> [Shape; 19] {
             u64s,
             2 * PASS_REASONS,
         ),
+        shape(names::PULLED, MapType::PerCpuArray, u32s, u64s, 2),
         shape(
             names::LATENCY,
             MapType::PerCpuArray,

@@ -11,7 +11,11 @@ use selector_common::{
     names, pass_index, split_backend_id,
 };
 
-use crate::{datapath::Selector, host::shared::load, telemetry::Snapshot};
+use crate::{
+    datapath::Selector,
+    host::shared::load,
+    telemetry::{HeadersPulled, Snapshot},
+};
 
 impl Selector {
     pub fn snapshot(&self) -> Result<Snapshot> {
@@ -35,6 +39,7 @@ impl Selector {
                 .into_iter()
                 .map(|(d, r, n)| (d.name().to_string(), r.name().to_string(), n))
                 .collect(),
+            headers_pulled: self.headers_pulled()?,
             hedges: self.hedge_counts()?,
             service_ns: self.service_times(),
             ejection: self.ejection_states(crate::host::sys::monotonic_ns()),
@@ -180,6 +185,17 @@ impl Selector {
             }
         }
         Ok(out)
+    }
+}
+
+impl Selector {
+    /// Packets the programs pulled, by direction, summed over CPUs.
+    pub fn headers_pulled(&self) -> Result<HeadersPulled> {
+        let counts = crate::datapath::percpu_batch::sum_u64(self.map(names::PULLED)?, 0, 2)?;
+        Ok(HeadersPulled {
+            egress: counts[Direction::Egress as usize],
+            ingress: counts[Direction::Ingress as usize],
+        })
     }
 }
 

@@ -29,6 +29,8 @@ pub struct Snapshot {
     pub inflight: usize,
     /// Packets passed untouched: (direction, reason, count).
     pub passed: Vec<(String, String, u64)>,
+    /// Packets pulled, by direction.
+    pub headers_pulled: HeadersPulled,
     /// Hedging counters per backend.
     pub hedges: Vec<hedges::HedgeCounts>,
     /// Service time per backend, ns (0: not measured).
@@ -265,6 +267,16 @@ pub struct PassedCount {
     pub count: u64,
 }
 
+/// Packets whose skb the programs pulled (`bpf_skb_pull_data`: bytes
+/// moved out of page fragments into the linear part, the head copied when
+/// shared): only datagrams to or from a member whose descriptor bytes were
+/// not linear, and packets whose very headers were not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeadersPulled {
+    pub egress: u64,
+    pub ingress: u64,
+}
+
 /// Per-backend totals of a snapshot, in `backends` order, with their part
 /// of the interval tails.
 pub fn totals(backends: &[BackendPlan], now: &Snapshot, tails: &TailHistory) -> Vec<BackendTotals> {
@@ -332,6 +344,7 @@ pub(crate) mod tests {
             latency: vec![hist],
             inflight: 7,
             passed: vec![("egress".into(), "not_a_backend".into(), 3)],
+            headers_pulled: HeadersPulled::default(),
             hedges: vec![],
             service_ns: vec![0],
             ejection: vec![],

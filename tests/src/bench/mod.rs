@@ -16,6 +16,7 @@ pub mod rows;
 pub mod scale;
 pub mod scenario;
 pub mod throughput;
+pub mod untouched;
 
 pub use report::Report;
 pub use rows::Row;

@@ -4,19 +4,26 @@
 //! cost of the kernel programs. `--quick` runs a reduced version in under
 //! two minutes. Results go to `--out` (default `target/bench/`): results.md,
 //! results.csv, herding.csv, overload.csv, packet_cost.csv and PNG plots.
-//! `--only throughput` (closed-loop throughput with the agent attached) and
+//! `--only throughput` (closed-loop throughput with the agent attached),
 //! `--only scale` (64 groups of 8, a large in-flight table: sweep cost and
-//! agent CPU) write throughput.md and scale.md. `--only failures` (issue
-//! 20's dead primary and broken replica, the agent at its defaults against
-//! primary only and ejection off) writes failures.md and failures.csv.
+//! agent CPU), `--only untouched` (TCP and UDP the selector does not
+//! steer, with and without the agent) write throughput.md, scale.md and
+//! untouched.md. `--only failures` (a dead primary and a broken replica,
+//! the agent at its defaults against primary only and ejection off)
+//! writes failures.md and failures.csv.
 
 use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use selector_testbed::bench::{
-    self, agent_process::agent_beside, failures::FailureOptions, packet_cost::CostOptions,
-    scale::ScaleOptions, throughput::ThroughputOptions,
+    self,
+    agent_process::agent_beside,
+    failures::FailureOptions,
+    packet_cost::CostOptions,
+    scale::ScaleOptions,
+    throughput::ThroughputOptions,
+    untouched::{Measure, UntouchedOptions},
 };
 use selector_user::IngressMode;
 
@@ -88,8 +95,10 @@ struct Args {
     /// runs the rows it names at RATE reads/s, as rows of their own
     /// (`hedge@2000,no_stall@2000`), interleaved with the others.
     /// `throughput`, `scale` and `failures` (or `failures_dead`,
-    /// `failures_broken`, a row's id) select those measurements; `cost`, which
-    /// names no row, leaves only the per-packet cost.
+    /// `failures_broken`, a row's id) select those measurements, `untouched`
+    /// the rows of traffic the selector does not steer (or one of them:
+    /// `untouched_tcp_send`, `_tcp_receive`, `_tcp_rr`, `_udp_other`);
+    /// `cost`, which names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Client hosts in the herding rows (each with its own selector and one
@@ -121,6 +130,13 @@ struct Args {
     /// Throughput: segments per row [default: 7, quick: 2].
     #[arg(long)]
     throughput_rounds: Option<usize>,
+    /// Untouched traffic: seconds per segment, whole [default: 3, quick: 1].
+    #[arg(long)]
+    untouched_segment: Option<u64>,
+    /// Untouched traffic: segments per row, with and without the agent each
+    /// [default: 6, quick: 2].
+    #[arg(long)]
+    untouched_rounds: Option<usize>,
     /// Scale: requests per second of the load.
     #[arg(long, default_value_t = 100_000)]
     scale_rate: u32,
@@ -282,6 +298,31 @@ fn main() -> Result<()> {
         std::fs::write(out.join("throughput.md"), t.markdown())?;
         println!("{}", t.markdown());
     }
+    let untouched: Vec<Measure> = Measure::ALL
+        .into_iter()
+        .filter(|m| m.selected_by(&opts.only))
+        .collect();
+    if !untouched.is_empty() {
+        let u = bench::untouched::measure(
+            &UntouchedOptions {
+                measures: untouched,
+                segment: Duration::from_secs(
+                    args.untouched_segment
+                        .unwrap_or(pick(args.quick, 1, 3))
+                        .max(1),
+                ),
+                rounds: args
+                    .untouched_rounds
+                    .unwrap_or(pick(args.quick, 2, 6))
+                    .max(1),
+                agent: agent.clone(),
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("untouched.md"), u.markdown())?;
+        std::fs::write(out.join("untouched.csv"), u.csv())?;
+        println!("{}", u.markdown());
+    }
     if selected("scale") {
         let s = bench::scale::measure(
             &ScaleOptions {
@@ -301,8 +342,9 @@ fn main() -> Result<()> {
         println!("{}", s.markdown());
     }
     let had_only = !opts.only.is_empty();
-    opts.only
-        .retain(|o| !extra.contains(&o.as_str()) && !bench::failures::is_failure_id(o));
+    opts.only.retain(|o| {
+        !extra.contains(&o.as_str()) && !bench::failures::is_failure_id(o) && !Measure::is_name(o)
+    });
     if had_only && opts.only.is_empty() {
         println!("written to {}", out.display());
         return Ok(());
