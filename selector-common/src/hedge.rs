@@ -97,6 +97,23 @@ pub const fn same_instance(word: u64, state: u64) -> bool {
     word != 0 && word >> TAG_SHIFT == tag(state)
 }
 
+/// Whether a reply of the instance of `state` reached the application
+/// (a WON bit in its own hedge word). An answered instance may stay live
+/// for the other member's count, but the application is done with it: it
+/// may reuse the id, and a request with that id is a new instance, not a
+/// retransmit of this one.
+#[inline(always)]
+pub const fn answered(word: u64, state: u64) -> bool {
+    same_instance(word, state) && word & WON != 0
+}
+
+/// Whether the hedge target's count of `word`'s instance is still open:
+/// a copy was sent and neither its reply nor the sweep ended its count.
+#[inline(always)]
+pub const fn target_open(word: u64) -> bool {
+    word & SENT != 0 && word & TARGET_SETTLED == 0
+}
+
 /// The open word with the hedge to member `target` claimed.
 #[inline(always)]
 pub const fn claimed_word(open: u64, target: usize) -> u64 {

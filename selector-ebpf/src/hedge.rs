@@ -159,6 +159,26 @@ pub fn answer(index: u32, state: u64, mine: u64) -> Answer {
     Answer::Gone
 }
 
+/// What `answer` would decide, without deciding anything: for a stale
+/// reply, which reaches the application in no case. `Theirs` if the other
+/// reply won (this one is a loser, as any), `Mine` if this side did,
+/// `Gone` if nobody did yet or the slot holds another instance.
+#[inline(always)]
+pub fn peek(index: u32, state: u64, mine: u64) -> Answer {
+    let Some(p) = word_ptr(index) else {
+        return Answer::Gone;
+    };
+    let word = unsafe { read_volatile(p) };
+    if !same_instance(word, state) {
+        return Answer::Gone;
+    }
+    match answer_step(word, mine) {
+        AnswerStep::AlreadyMine => Answer::Mine { first: false, word },
+        AnswerStep::Lost => Answer::Theirs,
+        AnswerStep::Claim(_) => Answer::Gone,
+    }
+}
+
 /// Ends the hedge target's accounting for the instance of `state` in slot
 /// `index`; true for the one caller (this reply path or the agent's sweep)
 /// that does.

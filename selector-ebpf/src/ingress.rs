@@ -6,7 +6,7 @@ use selector_common::{
     BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason, backend_id,
     fragments::{FragmentEntry, FragmentKey},
     hedge::{WON_CHOSEN, WON_HEDGE, is_sent, target},
-    inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
+    inflight::{PHASE_LIVE, key_hashes, phase},
     split_backend_id,
 };
 
@@ -14,7 +14,7 @@ use crate::{
     accounting,
     hedge::{self, Answer},
     inflight::{self, Seen},
-    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass},
+    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass, reply_scratch},
     packet::{self, Datagram, Ip, Packet},
     rewrite::{Rewrite, Side},
 };
@@ -47,7 +47,11 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     if dgram.ip.fragment {
         // A first fragment starts a datagram: a series its key still names
         // is another datagram's, whose later fragments were lost.
-        let _ = FRAGMENTS.remove(series_key(&dgram.ip, src.addr, client));
+        let scratch = reply_scratch().ok_or(())?;
+        scratch.series = series_key(&dgram.ip, src.addr, client);
+        // By reference: the key stays in map memory, off the stack.
+        #[allow(clippy::needless_borrows_for_generic_args)]
+        let _ = FRAGMENTS.remove(&scratch.series);
     }
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
@@ -60,39 +64,27 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         return pass(PassReason::NoRequestId);
     };
     let (group, _) = split_backend_id(backend);
-    let key = InflightKey::new(client, dgram.dst_port, group, request_id);
-    // Only the backend the request went to, or its hedge was sent to, can
-    // complete it.
-    let hashes = key_hashes(&key);
+    // In map memory, not on the stack (see `ReplyScratch`).
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.key = InflightKey::new(client, dgram.dst_port, group, request_id);
+    let key = &scratch.key;
+    let hashes = key_hashes(key);
     // The claim clears the slot's mark and the client's pending count:
     // start those misses now, beside the slot's own.
     inflight::touch_home_mark(hashes.home, config.inflight_mask);
     accounting::touch_client(hashes.client_slot);
-    let went_here = |s: &Seen| {
-        s.chosen == backend || (is_sent(s.hedge) && backend_id(group, target(s.hedge)) == backend)
-    };
-    let (seen, live) = if let Some(live) = inflight::find(
-        &key,
-        hashes.home,
-        config.inflight_mask,
-        inflight::WHOLE_WINDOW,
-        PHASE_LIVE,
-        went_here,
-    ) {
-        (live, true)
-    } else if let Some(linger) = inflight::find(
-        &key,
-        hashes.home,
-        config.inflight_mask,
-        inflight::WHOLE_WINDOW,
-        PHASE_LINGER,
-        went_here,
-    ) {
-        (linger, false)
-    } else {
+    // Only the backend the request went to, or its hedge was sent to, can
+    // complete it; of several instances of the key (an id reused), the
+    // reply goes to the one it belongs to (`selector_common::inflight::rank`).
+    let Some((seen, stale)) =
+        inflight::match_reply(key, hashes.home, config.inflight_mask, group, backend)
+    else {
         accounting::count(backend, |s| &mut s.unmatched_responses);
         return Ok(Verdict::Pass);
     };
+    // `stale`: an older instance's reply while the application waits on a
+    // newer one with the same id. Its counts end as always, but it is not
+    // the newer one's answer, so it is dropped.
     let verdict = if seen.chosen == backend {
         chosen_reply(
             ctx,
@@ -100,11 +92,11 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
             &dgram,
             hashes.client_slot,
             &seen,
-            live,
+            stale,
             backend,
         )
     } else {
-        hedge_reply(&seen, backend)
+        hedge_reply(&seen, stale, backend)
     };
     if verdict == Verdict::Drop {
         return Ok(Verdict::Drop);
@@ -113,7 +105,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     if primary != backend {
         let target = backend_target(primary).ok_or(())?;
         if dgram.ip.fragment && dgram.ip.more_fragments {
-            remember_series(series_key(&dgram.ip, src.addr, client), target.addr);
+            remember_series(&dgram.ip, src.addr, client, target.addr)?;
         }
         ctx.rewrite(dgram.ip.layout, Side::Source, target)?;
     }
@@ -129,7 +121,8 @@ fn pass(reason: PassReason) -> Result<Verdict, ()> {
 /// A reply from the member the read went to. On a hedgeable read it first
 /// decides, on the hedge word, whether it is the first reply; then it
 /// completes the request as any reply does (a loser too: its own pending
-/// count must end); a loser is dropped.
+/// count must end); a loser is dropped, and so is a `stale` reply (an
+/// older instance's, which decides nothing).
 #[inline(always)]
 fn chosen_reply<C: Packet>(
     ctx: &C,
@@ -137,13 +130,15 @@ fn chosen_reply<C: Packet>(
     dgram: &Datagram,
     client_slot: u32,
     seen: &Seen,
-    live: bool,
+    stale: bool,
     backend: u32,
 ) -> Verdict {
-    let answer = if seen.hedge != 0 {
-        hedge::answer(seen.index, seen.state, WON_CHOSEN)
-    } else {
+    let answer = if seen.hedge == 0 {
         Answer::Gone
+    } else if stale {
+        hedge::peek(seen.index, seen.state, WON_CHOSEN)
+    } else {
+        hedge::answer(seen.index, seen.state, WON_CHOSEN)
     };
     let hedged = match answer {
         Answer::Mine { first, word } => {
@@ -154,9 +149,11 @@ fn chosen_reply<C: Packet>(
             is_sent(word)
         }
         Answer::Theirs => true,
-        Answer::Gone => false,
+        // A stale instance that is still live was answered, so its SENT
+        // bit as read is final.
+        Answer::Gone => stale && is_sent(seen.hedge),
     };
-    if live {
+    if phase(seen.state) == PHASE_LIVE {
         complete(ctx, config, dgram, client_slot, seen, backend, hedged);
     } else {
         // Completed or expired, within the grace period: rewrite only.
@@ -166,18 +163,32 @@ fn chosen_reply<C: Packet>(
         hedge::count(backend, |s| &mut s.replies_dropped);
         return Verdict::Drop;
     }
+    if stale {
+        accounting::count(backend, |s| &mut s.stale_replies);
+        return Verdict::Drop;
+    }
     Verdict::Pass
 }
 
 /// A reply from the hedge target: settles the target's own pending count
-/// (once), then passes if it is the first reply and drops it if not.
+/// (once), then passes if it is the first reply and drops it if not (or if
+/// `stale`).
 #[inline(always)]
-fn hedge_reply(seen: &Seen, backend: u32) -> Verdict {
+fn hedge_reply(seen: &Seen, stale: bool, backend: u32) -> Verdict {
     if hedge::settle_target(seen.index, seen.state) {
         accounting::add_completed(backend);
         accounting::count(backend, |s| &mut s.responses);
     }
-    match hedge::answer(seen.index, seen.state, WON_HEDGE) {
+    let answer = if stale {
+        hedge::peek(seen.index, seen.state, WON_HEDGE)
+    } else {
+        hedge::answer(seen.index, seen.state, WON_HEDGE)
+    };
+    if stale && answer != Answer::Theirs {
+        accounting::count(backend, |s| &mut s.stale_replies);
+        return Verdict::Drop;
+    }
+    match answer {
         Answer::Mine { first, .. } => {
             if first {
                 hedge::count(backend, |s| &mut s.won);
@@ -256,15 +267,26 @@ fn forget_flag(flag: bool) -> u64 {
 
 /// The later fragments of a rewritten reply carry no UDP header: they are
 /// known by (source, destination, IP id, protocol) and get the address its
-/// first fragment got (see `selector_common::fragments`).
+/// first fragment got (see `selector_common::fragments`). Remembers the
+/// series of `ip` from `src` to `dst`, rewritten to `primary_addr`.
 #[inline(always)]
-fn remember_series(key: FragmentKey, primary_addr: [u8; 16]) {
-    let entry = FragmentEntry {
+fn remember_series(
+    ip: &Ip,
+    src: [u8; 16],
+    dst: [u8; 16],
+    primary_addr: [u8; 16],
+) -> Result<(), ()> {
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.series = series_key(ip, src, dst);
+    scratch.entry = FragmentEntry {
         addr: primary_addr,
         first_ns: unsafe { bpf_ktime_get_ns() },
     };
     // Full: the LRU map forgets its least recently used series.
-    let _ = FRAGMENTS.insert(key, entry, 0);
+    // By reference: key and entry stay in map memory, off the stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let _ = FRAGMENTS.insert(&scratch.series, &scratch.entry, 0);
+    Ok(())
 }
 
 /// The series a fragment from `src` to `dst` belongs to (addresses as
@@ -285,11 +307,13 @@ fn series_key(ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> FragmentKey {
 /// fragment not rewritten, not seen yet, or forgotten) passes untouched.
 #[inline(always)]
 fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ip) -> Result<Verdict, ()> {
-    let key = series_key(
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.series = series_key(
         ip,
         packet::src_address(ctx, ip.layout)?,
         packet::dst_address(ctx, ip.layout)?,
     );
+    let key = &scratch.series;
     let Some(entry) = (unsafe { FRAGMENTS.get(key) }).copied() else {
         return pass(PassReason::Fragment);
     };

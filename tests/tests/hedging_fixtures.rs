@@ -8,7 +8,7 @@ use etherparse::PacketBuilder;
 use selector_common::{Descriptor, InflightKey, programs};
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS,
-    egress, replica, request, run_tc, run_xdp, settings_for, verified_endpoints,
+    egress, replica, request, run_tc, run_xdp, settings_for, stats, verified_endpoints,
 };
 use selector_user::{Selector, Settings, host::sys};
 
@@ -44,6 +44,91 @@ fn hedged() -> Selector {
     assert!(sel.plant_hedge(&key(), 1), "hedge claimed");
     assert!(!sel.plant_hedge(&key(), 2), "one hedge per read");
     sel
+}
+
+/// `hedged`, with reads kept at the primary whatever is pending
+/// (threshold 100): a read whose id is reused goes where the first went.
+fn hedged_at_the_primary() -> Selector {
+    let mut sel = Selector::load(&Settings {
+        threshold: 100,
+        ..settings_for(Descriptor::memcached(), replica)
+    })
+    .expect("load");
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert!(sel.plant_hedge(&key(), 1), "hedge claimed");
+    sel
+}
+
+/// The application's id reused once the hedge target's reply answered the
+/// read, while the primary's copy is still pending: a new request, not a
+/// retransmit of the answered one, and the primary's replies are matched in
+/// the order the two were sent, so the new read's answer is not dropped as
+/// the older one's loser. Played:
+/// 1. GET to the primary, a hedge to member 1;
+/// 2. GET again before any reply: a retransmit (not counted);
+/// 3. member 1's reply: wins, passes;
+/// 4. GET again (the same id): a new read, counted, kept at the primary;
+/// 5. the primary's reply: the first read's, dropped as its loser;
+/// 6. the primary's reply again: the new read's answer, passes.
+#[test]
+fn an_id_reused_after_the_hedge_answered_is_a_new_read_and_gets_its_own_reply() {
+    let mut sel = hedged_at_the_primary();
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        sel.accounting().unwrap()[0].0,
+        1,
+        "a retransmit is not counted"
+    );
+    assert_eq!(run_xdp(&mut sel, &reply(replica(1))).0, XDP_PASS);
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        sel.accounting().unwrap()[0].0,
+        2,
+        "the reused id is a new read"
+    );
+    assert_eq!(
+        run_xdp(&mut sel, &reply(replica(0))).0,
+        XDP_DROP,
+        "the first read's loser"
+    );
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(0)));
+    assert_eq!(verdict, XDP_PASS, "the new read's answer");
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(2, 2, 0), (1, 1, 0), (0, 0, 0)]
+    );
+    let h = sel.hedge_counts().unwrap();
+    assert_eq!((h[1].hedges_won, h[0].hedge_replies_dropped), (1, 1));
+    balanced(&sel);
+}
+
+/// Neither copy of a hedged read answered within the timeout; the
+/// application reuses the id for a new read, kept at the primary; the hedge
+/// target's late reply to the first read is not the new read's answer.
+/// Played: GET to the primary, a hedge to member 1; a sweep past the
+/// timeout (both expire); GET again (the same id: a new read); member 1's
+/// reply (dropped: the first read's); the primary's reply (passes).
+#[test]
+fn a_hedge_targets_late_reply_is_not_the_answer_of_a_new_read_with_its_id() {
+    let mut sel = hedged_at_the_primary();
+    let report = sel.sweep(sys::monotonic_ns() + 1_200_000_000).unwrap();
+    assert_eq!((report.expired, report.hedges_expired), (1, 1));
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        run_xdp(&mut sel, &reply(replica(1))).0,
+        XDP_DROP,
+        "the first read's late reply"
+    );
+    assert_eq!(stats(&sel)[1].stale_replies, 1);
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(0)));
+    assert_eq!(verdict, XDP_PASS, "the new read's answer");
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(2, 1, 1), (1, 0, 1), (0, 0, 0)]
+    );
+    balanced(&sel);
 }
 
 /// A loaded selector whose egress program offers reads for hedging (the

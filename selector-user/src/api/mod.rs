@@ -206,6 +206,8 @@ pub enum Reply {
 ///                                  SERVFAIL, NOTIMP, REFUSED; memcached
 ///                                  SERVER_ERROR; --error-marker)
 ///      "error_replies_moved": 0,   ... to reads moved here by the selector
+///      "stale_replies": 0,         replies to an older request whose id the
+///                                  application reused: dropped
 ///      "ejection_state": "healthy", healthy | ejected | half_open
 ///      "ejections": 0,             since start (a failed probe's too)
 ///      "ejected_ns": 0,            time ejected or half-open since start
