@@ -18,8 +18,8 @@ pub const MARK_REDIRECTED: u32 = 0x0100_0000;
 pub const CLIENT_SLOTS: u32 = 65_536;
 
 /// Entries of the per-CPU `SCRATCH` map (two words each): one for the
-/// programs' merges of verifier states, one for the reply path's match.
-pub const SCRATCH_ENTRIES: u32 = 2;
+/// programs' merges of verifier states, two for the reply path's match.
+pub const SCRATCH_ENTRIES: u32 = 3;
 
 /// The reply path's per-CPU working memory (the `REPLY_SCRATCH` map, one
 /// entry): values it hands to map helpers and scans by pointer, kept out of

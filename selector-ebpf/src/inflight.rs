@@ -159,8 +159,10 @@ pub fn match_reply(
     group: u32,
     from: u32,
 ) -> Option<(Seen, bool)> {
-    let slot = SCRATCH.get_ptr_mut(MATCH_SCRATCH)?;
     // [best: rank << 60 | (7 - probe) << 56 | slot index; OR of currents]
+    // and [the best one's state word, unused].
+    let slot = SCRATCH.get_ptr_mut(MATCH_SCRATCH)?;
+    let best_state = SCRATCH.get_ptr_mut(MATCH_SCRATCH + 1)?;
     unsafe { write_volatile(slot, [0, 0]) };
     let mut i = 0;
     while i < PROBE_WINDOW {
@@ -175,18 +177,27 @@ pub fn match_reply(
                     slot,
                     [had ^ ((had ^ mine) & take), currents | u64::from(current)],
                 );
+                let [had_state, _] = read_volatile(best_state);
+                write_volatile(
+                    best_state,
+                    [had_state ^ ((had_state ^ seen.state) & take), 0],
+                );
             }
         }
         i += 1;
     }
-    let [best, currents] = unsafe { read_volatile(slot) };
+    let ([best, currents], [state, _]) =
+        unsafe { (read_volatile(slot), read_volatile(best_state)) };
     let best_rank = best >> 60;
     if best_rank == rank::UNRELATED {
         return None;
     }
-    // Read anew: the slot may have moved on since (claimed, expired or
-    // freed), as it may at any moment after it is read.
-    let seen = read_if_holds((best & 0xffff_ffff) as u32, key)?;
+    // Read anew, and only as the same instance: the slot may have moved on
+    // since (claimed or expired: a later phase, which the reply path
+    // handles as any race with the sweep), or been freed and taken by
+    // another request, whose rank this is not.
+    let seen =
+        read_if_holds((best & 0xffff_ffff) as u32, key).filter(|s| s.state >> 2 == state >> 2)?;
     Some((seen, currents & 1 != 0 && best_rank != rank::CURRENT))
 }
 

@@ -76,7 +76,7 @@ pub static INFLIGHT_MARKS: Array<u64> =
 
 /// Per-CPU scratch words the programs write and read back so the verifier
 /// forgets what it knew of them (see `egress::forget`): entry 0 for that,
-/// entry `MATCH_SCRATCH` for the reply path's match
+/// entries `MATCH_SCRATCH..` for the reply path's match
 /// (`inflight::match_reply`).
 #[map]
 pub static SCRATCH: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(SCRATCH_ENTRIES, 0);
@@ -92,9 +92,9 @@ pub fn reply_scratch() -> Option<&'static mut ReplyScratch> {
     REPLY_SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
 }
 
-/// The `SCRATCH` entry of `inflight::match_reply`.
+/// The first of the two `SCRATCH` entries of `inflight::match_reply`.
 pub const MATCH_SCRATCH: u32 = 1;
-const _: () = assert!(MATCH_SCRATCH < SCRATCH_ENTRIES);
+const _: () = assert!(MATCH_SCRATCH + 2 <= SCRATCH_ENTRIES);
 
 /// Per-CPU request counter: with the CPU id, a unique request instance number.
 #[map]
