@@ -431,3 +431,153 @@ fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
         "hedge counts of the old member"
     );
 }
+
+/// `from`'s memcached `SERVER_ERROR` to GET (request id 0x1234): a failure
+/// of the replica.
+fn error_reply(from: ([u8; 4], u16)) -> Vec<u8> {
+    let mut out = Vec::new();
+    PacketBuilder::ethernet2(PRIMARY_MAC, CLIENT_MAC)
+        .ipv4(from.0, CLIENT, 64)
+        .udp(from.1, CLIENT_PORT)
+        .write(
+            &mut out,
+            b"\x12\x34\0\0\0\x01\0\0SERVER_ERROR out of memory\r\n",
+        )
+        .unwrap();
+    out
+}
+
+fn failures(sel: &Selector) -> Vec<u64> {
+    sel.ejection_states(sys::monotonic_ns())
+        .iter()
+        .map(|e| e.failures_in_a_row)
+        .collect()
+}
+
+/// The hedge target's reply completes its copy like any reply: an error
+/// is counted as the target's failure, and a good one ends its run.
+/// Played: GET to the primary, a hedge to member 1; the primary's good
+/// reply (passes); member 1's `SERVER_ERROR` (dropped, the loser). Then a
+/// second hedged read (id 0x1235) answered by member 1 with a good reply.
+#[test]
+fn a_hedge_targets_error_reply_is_a_failure_of_the_target() {
+    let mut sel = hedged();
+    assert_eq!(run_xdp(&mut sel, &reply(replica(0))).0, XDP_PASS);
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(1))).0, XDP_DROP);
+    let s = stats(&sel);
+    assert_eq!(
+        (s[1].responses, s[1].error_replies, s[1].error_replies_moved),
+        (1, 1, 1),
+        "the copy was the selector's"
+    );
+    assert_eq!(failures(&sel), [0, 1, 0]);
+    balanced(&sel);
+}
+
+/// With a hedge out, an error reply does not reach the application while
+/// the other copy may still answer: the first good reply does. Played,
+/// through XDP and TC ingress, with the error from either member: GET to
+/// the primary, a hedge to member 1; the one member's `SERVER_ERROR`
+/// (dropped, held); the other member's good reply (passes, from the
+/// primary as far as the application sees).
+#[test]
+fn an_error_reply_does_not_win_while_the_other_copy_is_pending() {
+    for tc in [false, true] {
+        for erring in [0, 1] {
+            let case = format!("tc {tc}, error from member {erring}");
+            let mut sel = hedged();
+            let (pass, drop) = if tc {
+                (TC_ACT_PIPE, TC_ACT_SHOT)
+            } else {
+                (XDP_PASS, XDP_DROP)
+            };
+            let run = |sel: &mut Selector, frame: &[u8]| {
+                if tc {
+                    run_tc(sel, programs::INGRESS_TC, frame)
+                } else {
+                    run_xdp(sel, frame)
+                }
+            };
+            let good = 1 - erring;
+            assert_eq!(
+                run(&mut sel, &error_reply(replica(erring))).0,
+                drop,
+                "{case}"
+            );
+            let (verdict, out) = run(&mut sel, &reply(replica(good)));
+            assert_eq!(verdict, pass, "{case}: the good reply");
+            assert_eq!(verified_endpoints(&out).0, replica(0), "{case}");
+            let s = stats(&sel);
+            assert_eq!(s[erring].error_replies, 1, "{case}");
+            assert_eq!(s[good].error_replies, 0, "{case}");
+            let h = sel.hedge_counts().unwrap();
+            assert_eq!(h[erring].hedge_errors_held, 1, "{case}");
+            assert_eq!(h[1].hedges_won, u64::from(good == 1), "{case}");
+            assert_eq!(
+                sel.accounting().unwrap(),
+                vec![(1, 1, 0), (1, 1, 0), (0, 0, 0)],
+                "{case}"
+            );
+            // A duplicate of the held error is dropped too.
+            assert_eq!(
+                run(&mut sel, &error_reply(replica(erring))).0,
+                drop,
+                "{case}"
+            );
+        }
+    }
+}
+
+/// Both copies fail with an error: the second error reaches the
+/// application (an error only when both fail). Played, with either member
+/// first: GET to the primary, a hedge to member 1; one member's
+/// `SERVER_ERROR` (dropped, held); the other's `SERVER_ERROR` (passes).
+#[test]
+fn an_error_reaches_the_application_when_both_copies_fail() {
+    for first in [0, 1] {
+        let mut sel = hedged();
+        assert_eq!(run_xdp(&mut sel, &error_reply(replica(first))).0, XDP_DROP);
+        let (verdict, out) = run_xdp(&mut sel, &error_reply(replica(1 - first)));
+        assert_eq!(verdict, XDP_PASS, "first {first}");
+        assert_eq!(verified_endpoints(&out).0, replica(0));
+        let s = stats(&sel);
+        assert_eq!((s[0].error_replies, s[1].error_replies), (1, 1));
+        assert_eq!(failures(&sel), [1, 1, 0]);
+        balanced(&sel);
+    }
+}
+
+/// An error held while the other copy was pending, and the other copy
+/// never answers in time: nothing reaches the application by the timeout
+/// (the held error was dropped; the kernel keeps no packet), and the
+/// counts end. Played: GET to the primary, a hedge to member 1; the
+/// primary's `SERVER_ERROR` (dropped); a sweep past the timeout (member
+/// 1's copy expires); member 1's late good reply (passes: nothing had
+/// reached the application).
+#[test]
+fn a_held_error_whose_other_copy_expires_leaves_the_read_to_the_application() {
+    let mut sel = hedged();
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(0))).0, XDP_DROP);
+    let report = sel.sweep(sys::monotonic_ns() + 1_200_000_000).unwrap();
+    assert_eq!((report.expired, report.hedges_expired), (0, 1));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(1, 1, 0), (1, 0, 1), (0, 0, 0)]
+    );
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(1)));
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    balanced(&sel);
+}
+
+/// No hedge sent yet: the error is the only reply that can come, so it
+/// passes, and no hedge can start any more.
+#[test]
+fn an_error_reply_to_an_unhedged_read_passes() {
+    let mut sel = offering();
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(0))).0, XDP_PASS);
+    assert!(!sel.plant_hedge(&key(), 1), "answered: no hedge");
+    assert_eq!(stats(&sel)[0].error_replies, 1);
+    balanced(&sel);
+}
