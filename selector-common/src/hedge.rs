@@ -26,8 +26,18 @@
 //! bit  3      WON_HEDGE       the hedge target's reply reached the application
 //! bit  4      CLOSED          the sweep expired the read before any hedge: none may start
 //! bits 5-7    target position in the group (valid with SENT)
-//! bits 8-63   instance tag (from the state word's sequence number)
+//! bit  8      HELD_CHOSEN     the chosen member's reply was an error, dropped while the target's copy was pending
+//! bit  9      HELD_HEDGE      the target's reply was an error, dropped while the chosen member's copy was pending
+//! bits 10-63  instance tag (from the state word's sequence number)
 //! ```
+//!
+//! Error replies ([`answer_step`]): with a hedge out, an error reply does
+//! not win while the other copy may still answer; it is dropped and its
+//! HELD bit set, so that the other copy's reply wins if it is good, and
+//! passes too if it is an error as well (an error reaches the application
+//! only when both copies fail). The kernel keeps no packet: if the other
+//! copy never answers (it expires), nothing reaches the application, which
+//! retries or times out as it would on a lost reply.
 //!
 //! A word of 0 means "never hedged": hedging was off, the read did not fit
 //! the event, or the ring buffer was full. The agent claims only from the
@@ -43,10 +53,12 @@ pub const TARGET_SETTLED: u64 = 1 << 1;
 pub const WON_CHOSEN: u64 = 1 << 2;
 pub const WON_HEDGE: u64 = 1 << 3;
 pub const CLOSED: u64 = 1 << 4;
+pub const HELD_CHOSEN: u64 = 1 << 8;
+pub const HELD_HEDGE: u64 = 1 << 9;
 const WON: u64 = WON_CHOSEN | WON_HEDGE;
 const TARGET_SHIFT: u32 = 5;
 const TARGET_MASK: u64 = 0b111 << TARGET_SHIFT;
-const TAG_SHIFT: u32 = 8;
+const TAG_SHIFT: u32 = 10;
 
 /// Request bytes (UDP payload) an event carries; a longer read is not hedged.
 /// A power of two: the kernel bounds the copy's length with a mask.
@@ -77,12 +89,14 @@ pub mod names {
     pub const STATS: &str = "HEDGE_STATS";
 }
 
-/// The instance tag of a state word: 55 bits of its sequence number and a
+/// The instance tag of a state word: 53 bits of its sequence number and a
 /// top bit, so a tag is never 0 (an open word is never the "never hedged" 0).
+/// 53 bits hold the CPU id and 41 bits of its counter: two instances of
+/// one slot with one tag are 2^41 requests of one CPU apart.
 #[inline(always)]
 pub const fn tag(state: u64) -> u64 {
     let seq = state >> 2;
-    (seq & ((1 << 55) - 1)) | (1 << 55)
+    (seq & ((1 << 53) - 1)) | (1 << 53)
 }
 
 /// The word a hedgeable read starts with: its tag, no bits.
@@ -95,6 +109,23 @@ pub const fn open_word(state: u64) -> u64 {
 #[inline(always)]
 pub const fn same_instance(word: u64, state: u64) -> bool {
     word != 0 && word >> TAG_SHIFT == tag(state)
+}
+
+/// Whether a reply of the instance of `state` reached the application
+/// (a WON bit in its own hedge word). An answered instance may stay live
+/// for the other member's count, but the application is done with it: it
+/// may reuse the id, and a request with that id is a new instance, not a
+/// retransmit of this one.
+#[inline(always)]
+pub const fn answered(word: u64, state: u64) -> bool {
+    same_instance(word, state) && word & WON != 0
+}
+
+/// Whether the hedge target's count of `word`'s instance is still open:
+/// a copy was sent and neither its reply nor the sweep ended its count.
+#[inline(always)]
+pub const fn target_open(word: u64) -> bool {
+    word & SENT != 0 && word & TARGET_SETTLED == 0
 }
 
 /// The open word with the hedge to member `target` claimed.
@@ -130,14 +161,48 @@ pub enum AnswerStep {
     Lost,
     /// Nobody answered yet: try the compare-and-swap to this word.
     Claim(u64),
+    /// An error while the other copy may still answer: try the
+    /// compare-and-swap to this word (this side's HELD bit), then drop it.
+    Hold(u64),
+    /// An error of this side was held already (a duplicate): drop it.
+    Held,
 }
 
+/// The step of a reply of side `mine` (`WON_CHOSEN` or `WON_HEDGE`) on
+/// `word`: `error` if the reply is an error
+/// (`Descriptor::is_error_reply`); `chosen_live` whether the chosen
+/// member's count was still open when the slot was read (its copy may
+/// still answer), for a reply of the hedge target.
+///
+/// The other copy may still answer when a hedge was sent and: for the
+/// chosen member's reply, the target's count is open and no error of the
+/// target was held; for the target's, the chosen member's count is open
+/// and no error of it was held. The target's reply decides on the word
+/// before it settles the target's count, so a settled count with no
+/// HELD_HEDGE means the sweep expired it: that copy failed.
 #[inline(always)]
-pub const fn answer_step(word: u64, mine: u64) -> AnswerStep {
+pub const fn answer_step(word: u64, mine: u64, error: bool, chosen_live: bool) -> AnswerStep {
+    let (held_mine, held_other) = if mine == WON_CHOSEN {
+        (HELD_CHOSEN, HELD_HEDGE)
+    } else {
+        (HELD_HEDGE, HELD_CHOSEN)
+    };
+    let other_pending = word & held_other == 0
+        && if mine == WON_CHOSEN {
+            target_open(word)
+        } else {
+            word & SENT != 0 && chosen_live
+        };
     if word & mine != 0 {
         AnswerStep::AlreadyMine
     } else if word & WON != 0 {
         AnswerStep::Lost
+    } else if error && other_pending {
+        if word & held_mine != 0 {
+            AnswerStep::Held
+        } else {
+            AnswerStep::Hold(word | held_mine)
+        }
     } else {
         AnswerStep::Claim(word | mine)
     }
@@ -259,6 +324,9 @@ pub struct HedgeStats {
     /// Reads to this primary not handed to the agent: longer than
     /// [`PAYLOAD_MAX`].
     pub too_large: u64,
+    /// Error replies from this backend to hedged reads dropped while the
+    /// other copy could still answer (see [`answer_step`]).
+    pub errors_held: u64,
 }
 
 impl HedgeStats {
@@ -268,6 +336,7 @@ impl HedgeStats {
         self.replies_dropped += o.replies_dropped;
         self.ring_full += o.ring_full;
         self.too_large += o.too_large;
+        self.errors_held += o.errors_held;
     }
 }
 
@@ -385,18 +454,86 @@ mod tests {
     #[test]
     fn one_reply_wins_and_further_datagrams_follow_it() {
         let open = claimed_word(open_word(live(1)), 1);
-        let AnswerStep::Claim(chosen_won) = answer_step(open, WON_CHOSEN) else {
+        let AnswerStep::Claim(chosen_won) = answer_step(open, WON_CHOSEN, false, true) else {
             panic!("nobody answered yet");
         };
-        assert_eq!(answer_step(chosen_won, WON_CHOSEN), AnswerStep::AlreadyMine);
-        assert_eq!(answer_step(chosen_won, WON_HEDGE), AnswerStep::Lost);
+        assert_eq!(
+            answer_step(chosen_won, WON_CHOSEN, false, true),
+            AnswerStep::AlreadyMine
+        );
+        assert_eq!(
+            answer_step(chosen_won, WON_HEDGE, false, true),
+            AnswerStep::Lost
+        );
         assert_eq!(winner(chosen_won), WON_CHOSEN);
+    }
+
+    #[test]
+    fn an_error_waits_for_the_other_copy_and_passes_when_both_fail() {
+        use AnswerStep::{Claim, Held, Hold, Lost};
+        let open = open_word(live(9));
+        let sent = claimed_word(open, 1);
+        // No hedge sent: the error is the only reply to come.
+        assert_eq!(
+            answer_step(open, WON_CHOSEN, true, true),
+            Claim(open | WON_CHOSEN)
+        );
+        // The chosen member's error while the target's copy is out: held.
+        let Hold(held) = answer_step(sent, WON_CHOSEN, true, true) else {
+            panic!("not held")
+        };
+        assert_eq!(held, sent | HELD_CHOSEN);
+        assert_eq!(
+            answer_step(held, WON_CHOSEN, true, true),
+            Held,
+            "a duplicate"
+        );
+        // The target's reply then wins, good or an error (both failed).
+        assert_eq!(
+            answer_step(held, WON_HEDGE, false, false),
+            Claim(held | WON_HEDGE)
+        );
+        assert_eq!(
+            answer_step(held, WON_HEDGE, true, false),
+            Claim(held | WON_HEDGE)
+        );
+        // The target's error first, the chosen member's copy out: held;
+        // the chosen member's error then passes, its good reply too.
+        let Hold(target_held) = answer_step(sent, WON_HEDGE, true, true) else {
+            panic!("not held")
+        };
+        assert_eq!(target_held, sent | HELD_HEDGE);
+        let settled = settling_word(target_held).unwrap();
+        assert_eq!(
+            answer_step(settled, WON_CHOSEN, true, true),
+            Claim(settled | WON_CHOSEN)
+        );
+        assert_eq!(
+            answer_step(settled, WON_CHOSEN, false, true),
+            Claim(settled | WON_CHOSEN)
+        );
+        // The other copy already failed by expiry: the error passes.
+        assert_eq!(
+            answer_step(sent, WON_HEDGE, true, false),
+            Claim(sent | WON_HEDGE)
+        );
+        let expired = settling_word(sent).unwrap();
+        assert_eq!(
+            answer_step(expired, WON_CHOSEN, true, true),
+            Claim(expired | WON_CHOSEN)
+        );
+        // An error after the other reply won is a loser, as any.
+        assert_eq!(answer_step(sent | WON_HEDGE, WON_CHOSEN, true, true), Lost);
+        // Holding changes neither the instance nor what is settled.
+        assert!(same_instance(held, live(9)));
+        assert_eq!(settling_word(held), Some(held | TARGET_SETTLED));
+        assert_eq!(closing_word(held), None);
     }
 
     #[test]
     fn an_answered_or_closed_read_cannot_be_hedged() {
         let open = open_word(live(3));
-        let AnswerStep::Claim(answered) = answer_step(open, WON_CHOSEN) else {
+        let AnswerStep::Claim(answered) = answer_step(open, WON_CHOSEN, false, true) else {
             panic!()
         };
         // The agent claims only from the exact open word.
@@ -417,7 +554,7 @@ mod tests {
         assert_eq!(settling_word(settled), None);
         // Settling does not decide the answer, and vice versa.
         assert_eq!(winner(settled), 0);
-        let AnswerStep::Claim(won) = answer_step(settled, WON_HEDGE) else {
+        let AnswerStep::Claim(won) = answer_step(settled, WON_HEDGE, false, true) else {
             panic!()
         };
         assert_eq!(settling_word(won), None);
@@ -520,6 +657,6 @@ mod tests {
     #[test]
     fn event_layout_has_no_implicit_padding() {
         assert_eq!(core::mem::size_of::<HedgeEvent>(), 32 + PAYLOAD_MAX);
-        assert_eq!(core::mem::size_of::<HedgeStats>(), 40);
+        assert_eq!(core::mem::size_of::<HedgeStats>(), 48);
     }
 }

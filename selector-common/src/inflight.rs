@@ -241,6 +241,113 @@ pub const fn window_marks(home: u32, mask: u32, first: u64, next: u64) -> u64 {
     marks
 }
 
+/// Whether the instance of `state` (with hedge word `word`) is the one the
+/// application still waits on: live, and no reply of it has reached the
+/// application. A request whose key a current instance holds is a
+/// retransmit of it; a key holds at most one current instance, the newest
+/// (a new instance is made only when none is current).
+#[inline(always)]
+pub const fn is_current(state: u64, word: u64) -> bool {
+    phase(state) == PHASE_LIVE && !crate::hedge::answered(word, state)
+}
+
+/// Whether a new instance of a key may take the slot of an older one (in
+/// `state`, hedge word `word`) when no slot of its window is free: the
+/// older one lingers (answered or expired) and none of its counts is open
+/// (no hedge target still to settle). Its only use was to rewrite or drop
+/// its late replies, and a newer instance of its key supersedes it: while
+/// the newer one is current, those replies are dropped as stale anyway.
+/// Without this, a client that reuses one id fills its window with
+/// lingering instances (`timeout + grace` each) and its next requests pass
+/// untracked, their replies taken for the lingering ones'.
+#[inline(always)]
+pub const fn superseded(state: u64, word: u64) -> bool {
+    phase(state) == PHASE_LINGER
+        && !(crate::hedge::same_instance(word, state) && crate::hedge::target_open(word))
+}
+
+/// The members (bit per position) at which the instance of `state`
+/// (chosen backend `chosen`, hedge word `word`) has a count open: the
+/// member it was sent to while it is live, and its hedge target until that
+/// is settled. A hedge of another instance of the key is never sent to
+/// one of them: both requests would then await that member's reply to one
+/// id, which tells them apart only by the order it answers them in.
+#[inline(always)]
+pub const fn open_members(state: u64, chosen: u32, word: u64) -> u8 {
+    let mut mask = 0u8;
+    if phase(state) == PHASE_LIVE {
+        mask |= 1 << (chosen as usize % crate::MAX_GROUP_MEMBERS);
+    }
+    if (phase(state) == PHASE_LIVE || phase(state) == PHASE_LINGER)
+        && crate::hedge::same_instance(word, state)
+        && crate::hedge::target_open(word)
+    {
+        mask |= 1 << (crate::hedge::target(word) % crate::MAX_GROUP_MEMBERS);
+    }
+    mask
+}
+
+/// What an instance of a key is to a reply from one backend, by rank: the
+/// reply path gives a reply to the instance of the highest rank in the
+/// key's window ([`reply_rank`]).
+///
+/// Why this order. The application reuses an id once it has its answer,
+/// or gives up on it; so a key may have, beside its one current instance,
+/// older ones: an answered read whose other copy (hedged) is still out, or
+/// a read moved to another replica and answered or expired, lingering so
+/// its late datagrams are rewritten. A reply says only its id and where
+/// it comes from. A backend with the count of an older instance still open
+/// was sent that request before the current one (the current one was made
+/// after the older was answered or ended), so its next reply is the older
+/// one's: FIFO, as a replica answers one client. A backend whose count is
+/// already ended (answered, or expired) sends only duplicates and late
+/// replies; the current instance comes first there, since its reply is
+/// awaited and theirs is not.
+pub mod rank {
+    /// Not sent to this backend.
+    pub const UNRELATED: u64 = 0;
+    /// Sent to this backend, whose count of it has ended (its reply came,
+    /// or it expired): a duplicate or a late reply.
+    pub const LATE: u64 = 1;
+    /// The current instance ([`super::is_current`]), sent to this backend.
+    pub const CURRENT: u64 = 2;
+    /// An older instance whose count at this backend is still open: the
+    /// member it went to, answered by its hedge's reply first, or the
+    /// hedge target of one answered (or ended) by the other member.
+    pub const OPEN: u64 = 3;
+}
+
+/// The [`rank`] of one instance of a key for a reply from backend `from`,
+/// and whether the instance is current: `state` and `word` are the slot's
+/// state and hedge words, `chosen` the backend it was sent to, `group`
+/// the key's group. The reply path reads every instance of the key in its
+/// window and gives the reply to the one of the highest rank; if that one
+/// is not current but a current one exists, the reply is an older
+/// instance's while the application waits on a newer one: its counts end
+/// as always, but it is dropped, not delivered as the newer one's answer.
+#[inline(always)]
+pub fn reply_rank(state: u64, chosen: u32, word: u64, group: u32, from: u32) -> (u64, bool) {
+    use crate::hedge;
+    let word = if hedge::same_instance(word, state) {
+        word
+    } else {
+        0
+    };
+    let live = phase(state) == PHASE_LIVE;
+    let current = is_current(state, word);
+    let to_target = hedge::is_sent(word) && crate::backend_id(group, hedge::target(word)) == from;
+    let rank = if chosen != from && !to_target {
+        rank::UNRELATED
+    } else if current {
+        rank::CURRENT
+    } else if (live && chosen == from) || (to_target && hedge::target_open(word)) {
+        rank::OPEN
+    } else {
+        rank::LATE
+    };
+    (rank, current)
+}
+
 /// The state the agent puts a free slot in while it clears the slot's
 /// stale mark, so no inserter can take the slot, and set the bit, in
 /// between: a writing phase with sequence 0, which no request instance
@@ -375,6 +482,98 @@ mod tests {
         assert_eq!(window_mark_words(1020, 1023), (15, 0));
         let words = words_of(1023, &[1023, 0, 2]);
         assert_eq!(window_marks(1020, 1023, words[15], words[0]), 0b0101_1000);
+    }
+
+    #[test]
+    fn a_reply_goes_to_an_older_open_instance_first_then_the_current_one() {
+        use crate::hedge::{
+            TARGET_SETTLED, WON_CHOSEN, WON_HEDGE, claimed_word, open_word, settling_word,
+        };
+        let (p, r, q) = (0u32, 1u32, 2u32);
+        // A: sent to P, hedged to R, R's reply won: P's count is open.
+        let a = state(sequence(1, 0), PHASE_LIVE);
+        let won_hedge = claimed_word(open_word(a), 1) | WON_HEDGE | TARGET_SETTLED;
+        assert!(is_current(a, open_word(a)));
+        assert!(is_current(a, claimed_word(open_word(a), 1)));
+        assert!(!is_current(a, won_hedge), "answered");
+        assert_eq!(reply_rank(a, p, won_hedge, 0, p), (rank::OPEN, false));
+        assert_eq!(reply_rank(a, p, won_hedge, 0, r), (rank::LATE, false));
+        assert_eq!(reply_rank(a, p, won_hedge, 0, q), (rank::UNRELATED, false));
+        // B: the id reused, sent to P too: current, ranked below A at P.
+        let b = state(sequence(2, 0), PHASE_LIVE);
+        assert!(is_current(b, 0));
+        assert_eq!(reply_rank(b, p, 0, 0, p), (rank::CURRENT, true));
+        assert_eq!(reply_rank(b, p, 0, 0, r), (rank::UNRELATED, true));
+        const { assert!(rank::OPEN > rank::CURRENT && rank::CURRENT > rank::LATE) };
+        // A word of another instance (A's, read in B's slot) is no word.
+        assert_eq!(reply_rank(b, p, won_hedge, 0, p), (rank::CURRENT, true));
+        // P's first reply completed A (it lingers: hedged): P's next is B's.
+        let a_done = with_phase(a, PHASE_LINGER);
+        assert_eq!(reply_rank(a_done, p, won_hedge, 0, p), (rank::LATE, false));
+        // B hedged to R: R's replies are B's, A's count there being ended.
+        let b_hedged = claimed_word(open_word(b), 1);
+        assert_eq!(reply_rank(b, p, b_hedged, 0, r), (rank::CURRENT, true));
+        // A answered by P, its copy to R still out: R's next reply is A's.
+        let won_chosen = claimed_word(open_word(a), 1) | WON_CHOSEN;
+        assert!(!is_current(a, won_chosen));
+        assert_eq!(reply_rank(a_done, p, won_chosen, 0, r), (rank::OPEN, false));
+        let settled = settling_word(won_chosen).unwrap();
+        assert_eq!(reply_rank(a_done, p, settled, 0, r), (rank::LATE, false));
+        // A read moved to R, answered or expired, lingering: late at R.
+        assert_eq!(reply_rank(a_done, r, 0, 0, r), (rank::LATE, false));
+        assert_eq!(reply_rank(a_done, r, 0, 0, p), (rank::UNRELATED, false));
+        // The target is a position in the key's group.
+        let g1 = claimed_word(open_word(b), 1);
+        let (p1, r1) = (crate::backend_id(1, 0), crate::backend_id(1, 1));
+        assert_eq!(reply_rank(b, p1, g1, 1, r1), (rank::CURRENT, true));
+        assert_eq!(reply_rank(b, p1, g1, 1, r), (rank::UNRELATED, true));
+    }
+
+    #[test]
+    fn only_a_lingering_instance_with_no_open_count_is_superseded() {
+        use crate::hedge::{
+            TARGET_SETTLED, WON_CHOSEN, WON_HEDGE, claimed_word, open_word, settling_word,
+        };
+        let live = state(sequence(3, 0), PHASE_LIVE);
+        let linger = with_phase(live, PHASE_LINGER);
+        // Never hedged, or hedgeable and never sent.
+        assert!(superseded(linger, 0));
+        assert!(superseded(linger, open_word(live)));
+        // A hedge sent and its target settled: nothing open.
+        let won = claimed_word(open_word(live), 1) | WON_HEDGE | TARGET_SETTLED;
+        assert!(superseded(linger, won));
+        // Its target's count still open: taking the slot would leak it.
+        let out = claimed_word(open_word(live), 1) | WON_CHOSEN;
+        assert!(!superseded(linger, out));
+        assert!(superseded(linger, settling_word(out).unwrap()));
+        // A word of another instance says nothing of this one's counts.
+        assert!(superseded(
+            linger,
+            open_word(state(sequence(4, 0), PHASE_LIVE))
+        ));
+        // Live (counts open) or being written: never.
+        assert!(!superseded(live, 0));
+        assert!(!superseded(with_phase(live, PHASE_WRITING), 0));
+        assert!(!superseded(FREE, 0));
+    }
+
+    #[test]
+    fn open_members_are_the_live_chosen_and_an_unsettled_target() {
+        use crate::hedge::{TARGET_SETTLED, WON_CHOSEN, WON_HEDGE, claimed_word, open_word};
+        let live = state(sequence(5, 0), PHASE_LIVE);
+        let linger = with_phase(live, PHASE_LINGER);
+        // Chosen backend id 10 is position 2 of group 1.
+        assert_eq!(open_members(live, 10, 0), 0b100);
+        assert_eq!(open_members(linger, 10, 0), 0);
+        let sent = claimed_word(open_word(live), 1);
+        assert_eq!(open_members(live, 10, sent), 0b110);
+        assert_eq!(open_members(linger, 10, sent | WON_CHOSEN), 0b010);
+        assert_eq!(
+            open_members(live, 10, sent | WON_HEDGE | TARGET_SETTLED),
+            0b100
+        );
+        assert_eq!(open_members(linger, 10, sent | TARGET_SETTLED), 0);
+        assert_eq!(open_members(FREE, 10, sent), 0);
     }
 
     #[test]

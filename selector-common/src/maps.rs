@@ -16,6 +16,24 @@ pub const MARK_REDIRECTED: u32 = 0x0100_0000;
 /// Slots of the per-client pending table (`CLIENT_PENDING`). Client sockets
 /// are hashed into it; two sockets sharing a slot share its bound.
 pub const CLIENT_SLOTS: u32 = 65_536;
+
+/// Entries of the per-CPU `SCRATCH` map (two words each): one for the
+/// programs' merges of verifier states, two for the reply path's match.
+pub const SCRATCH_ENTRIES: u32 = 3;
+
+/// The reply path's per-CPU working memory (the `REPLY_SCRATCH` map, one
+/// entry): values it hands to map helpers and scans by pointer, kept out of
+/// the program's 512-byte stack, which the reply path nearly fills.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReplyScratch {
+    /// The in-flight key of the reply being matched.
+    pub key: InflightKey,
+    /// A fragment series' key and entry, for `FRAGMENTS`.
+    pub series: crate::fragments::FragmentKey,
+    pub entry: crate::fragments::FragmentEntry,
+}
+
 /// Longest request timeout the agent accepts (one hour): far from where the
 /// nanosecond arithmetic could wrap.
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
@@ -67,6 +85,9 @@ pub mod names {
     pub const SCRATCH: &str = "SCRATCH";
     /// The reference programs' hash map (benchmark only, never pinned).
     pub const REFERENCE: &str = "REFERENCE";
+    /// The reply path's working memory (never pinned: nothing in it
+    /// outlives a packet).
+    pub const REPLY_SCRATCH: &str = "REPLY_SCRATCH";
 }
 
 /// Program names, as the kernel object declares them.
@@ -292,6 +313,12 @@ pub struct BackendStats {
     /// the selector caused.
     #[cfg_attr(feature = "user", serde(default))]
     pub error_replies_moved: u64,
+    /// Reply datagrams from this backend to an older instance of a request
+    /// id while the application waits on a newer one with the same id (the
+    /// id reused): dropped, not delivered as the newer one's answer (their
+    /// counts end as any reply's; see `inflight::rank`).
+    #[cfg_attr(feature = "user", serde(default))]
+    pub stale_replies: u64,
 }
 
 impl BackendStats {
@@ -311,6 +338,7 @@ impl BackendStats {
         self.redirected_direct += other.redirected_direct;
         self.error_replies += other.error_replies;
         self.error_replies_moved += other.error_replies_moved;
+        self.stale_replies += other.stale_replies;
     }
 }
 

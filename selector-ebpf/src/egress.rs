@@ -9,7 +9,7 @@ use aya_log_ebpf::debug;
 use selector_common::{
     BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, MAX_GROUP_MEMBERS, OnOverload,
     PassReason, Policy, TieBreak, backend_id,
-    inflight::{PHASE_LIVE, key_hashes},
+    inflight::{PHASE_LIVE, is_current, key_hashes},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
 };
@@ -89,7 +89,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     inflight::touch_home(hashes.home, config.inflight_mask);
     accounting::touch_client(hashes.client_slot);
     // Most requests are new: the window's marks say which slots may hold
-    // it, and a new request usually reads none.
+    // it, and a new request usually reads none. A retransmit is a request
+    // whose key a current instance holds: live, and not answered yet. Once
+    // a reply reached the application (a hedged read's first, while the
+    // other member's copy is still out) the application may reuse the id:
+    // that is a new request, tracked on its own.
     let marked = inflight::window_marks(hashes.home, config.inflight_mask);
     if let Some(first) = inflight::find(
         &key,
@@ -97,7 +101,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         config.inflight_mask,
         marked,
         PHASE_LIVE,
-        |_| true,
+        |s| is_current(s.state, s.hedge),
     ) {
         return in_flight_already(ctx, config, &dgram, &first, primary);
     }
@@ -144,7 +148,7 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
         }
     }
     let chosen = backend_id(group, chosen_pos);
-    let Some(slot) = inflight::reserve(hashes.home, config.inflight_mask) else {
+    let Some(slot) = inflight::reserve(&key, hashes.home, config.inflight_mask) else {
         // No free slot: never block traffic.
         accounting::count(primary, |s| &mut s.untracked);
         debug!(

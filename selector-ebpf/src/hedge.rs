@@ -22,8 +22,9 @@ use crate::{
 };
 
 /// Compare-and-swaps a hedge word can see for one instance: at most one each
-/// of SENT, TARGET_SETTLED, CLOSED and a WON bit change it under a reader.
-const WORD_RETRIES: u32 = 5;
+/// of SENT, TARGET_SETTLED, CLOSED, a WON bit and the two HELD bits change
+/// it under a reader.
+const WORD_RETRIES: u32 = 7;
 
 /// Bumps one per-CPU hedging counter of `backend`.
 #[inline(always)]
@@ -124,15 +125,19 @@ pub enum Answer {
     Mine { first: bool, word: u64 },
     /// The other reply did: drop this one.
     Theirs,
+    /// An error, while the other copy may still answer: drop it
+    /// (`selector_common::hedge::answer_step`).
+    Held,
     /// The slot holds another instance now: this reply matches nothing.
     Gone,
 }
 
-/// Decides whether this reply (`mine`: `WON_CHOSEN` or `WON_HEDGE`) reaches
-/// the application, on the hedge word of slot `index` while it holds the
-/// instance of `state`.
+/// Decides whether this reply (`mine`: `WON_CHOSEN` or `WON_HEDGE`; `error`:
+/// an error reply; `chosen_live`: the chosen member's count was open when
+/// the slot was read) reaches the application, on the hedge word of slot
+/// `index` while it holds the instance of `state`.
 #[inline(always)]
-pub fn answer(index: u32, state: u64, mine: u64) -> Answer {
+pub fn answer(index: u32, state: u64, mine: u64, error: bool, chosen_live: bool) -> Answer {
     let Some(p) = word_ptr(index) else {
         return Answer::Gone;
     };
@@ -142,14 +147,20 @@ pub fn answer(index: u32, state: u64, mine: u64) -> Answer {
         if !same_instance(word, state) {
             return Answer::Gone;
         }
-        match answer_step(word, mine) {
+        match answer_step(word, mine, error, chosen_live) {
             AnswerStep::AlreadyMine => {
                 return Answer::Mine { first: false, word };
             }
             AnswerStep::Lost => return Answer::Theirs,
+            AnswerStep::Held => return Answer::Held,
             AnswerStep::Claim(next) => {
                 if cas(p, word, next) {
                     return Answer::Mine { first: true, word };
+                }
+            }
+            AnswerStep::Hold(next) => {
+                if cas(p, word, next) {
+                    return Answer::Held;
                 }
             }
         }
@@ -157,6 +168,26 @@ pub fn answer(index: u32, state: u64, mine: u64) -> Answer {
     }
     // Unreachable by the bound above; never drop what cannot be decided.
     Answer::Gone
+}
+
+/// What `answer` would decide, without deciding anything: for a stale
+/// reply, which reaches the application in no case. `Theirs` if the other
+/// reply won (this one is a loser, as any), `Mine` if this side did,
+/// `Gone` if nobody did yet or the slot holds another instance.
+#[inline(always)]
+pub fn peek(index: u32, state: u64, mine: u64) -> Answer {
+    let Some(p) = word_ptr(index) else {
+        return Answer::Gone;
+    };
+    let word = unsafe { read_volatile(p) };
+    if !same_instance(word, state) {
+        return Answer::Gone;
+    }
+    match answer_step(word, mine, false, false) {
+        AnswerStep::AlreadyMine => Answer::Mine { first: false, word },
+        AnswerStep::Lost => Answer::Theirs,
+        AnswerStep::Claim(_) | AnswerStep::Hold(_) | AnswerStep::Held => Answer::Gone,
+    }
 }
 
 /// Ends the hedge target's accounting for the instance of `state` in slot

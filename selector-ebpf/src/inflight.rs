@@ -16,12 +16,13 @@ use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe,
-        sequence, state, window_mark_words, window_marks as window_marks_of, with_phase,
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe, rank,
+        reply_rank, sequence, state, superseded, window_mark_words,
+        window_marks as window_marks_of, with_phase,
     },
 };
 
-use crate::maps::{INFLIGHT, INFLIGHT_MARKS, SEQUENCE};
+use crate::maps::{INFLIGHT, INFLIGHT_MARKS, MATCH_SCRATCH, SCRATCH, SEQUENCE};
 
 /// What a reader needs of an occupied slot, read consistently, and the
 /// state it was read in.
@@ -139,6 +140,67 @@ pub fn find(
     None
 }
 
+/// Which instance of `key` a reply from backend `from` (of `group`)
+/// belongs to: the one in the key's window of the highest
+/// `selector_common::inflight::rank` (the first of equals), read anew, and
+/// whether the reply is *stale*: an older instance's while the window holds
+/// a current one (the application reused the id and waits on that).
+/// `None`: no instance was sent to `from`.
+///
+/// One pass over the window with no early way out, each slot's rank folded
+/// into a best-so-far word in map memory without a branch: the verifier
+/// does not track map contents, so every way through a slot's checks
+/// continues as one state into the next slot, and one state leaves.
+#[inline(always)]
+pub fn match_reply(
+    key: &InflightKey,
+    hash: u64,
+    mask: u32,
+    group: u32,
+    from: u32,
+) -> Option<(Seen, bool)> {
+    // [best: rank << 60 | (7 - probe) << 56 | slot index; OR of currents]
+    // and [the best one's state word, unused].
+    let slot = SCRATCH.get_ptr_mut(MATCH_SCRATCH)?;
+    let best_state = SCRATCH.get_ptr_mut(MATCH_SCRATCH + 1)?;
+    unsafe { write_volatile(slot, [0, 0]) };
+    let mut i = 0;
+    while i < PROBE_WINDOW {
+        if let Some(seen) = read_if_holds(probe(hash, i, mask), key) {
+            let (r, current) = reply_rank(seen.state, seen.chosen, seen.hedge, group, from);
+            let mine = r << 60 | u64::from(PROBE_WINDOW - 1 - i) << 56 | u64::from(seen.index);
+            unsafe {
+                let [had, currents] = read_volatile(slot);
+                // All ones if `mine` is greater (both below 2^63).
+                let take = 0u64.wrapping_sub(had.wrapping_sub(mine) >> 63);
+                write_volatile(
+                    slot,
+                    [had ^ ((had ^ mine) & take), currents | u64::from(current)],
+                );
+                let [had_state, _] = read_volatile(best_state);
+                write_volatile(
+                    best_state,
+                    [had_state ^ ((had_state ^ seen.state) & take), 0],
+                );
+            }
+        }
+        i += 1;
+    }
+    let ([best, currents], [state, _]) =
+        unsafe { (read_volatile(slot), read_volatile(best_state)) };
+    let best_rank = best >> 60;
+    if best_rank == rank::UNRELATED {
+        return None;
+    }
+    // Read anew, and only as the same instance: the slot may have moved on
+    // since (claimed or expired: a later phase, which the reply path
+    // handles as any race with the sweep), or been freed and taken by
+    // another request, whose rank this is not.
+    let seen =
+        read_if_holds((best & 0xffff_ffff) as u32, key).filter(|s| s.state >> 2 == state >> 2)?;
+    Some((seen, currents & 1 != 0 && best_rank != rank::CURRENT))
+}
+
 /// Moves slot `index` from `from` to `to`; true if this caller made the move.
 #[inline(always)]
 pub fn cas(index: u32, from: u64, to: u64) -> bool {
@@ -204,9 +266,11 @@ impl Reserved {
     }
 }
 
-/// Takes the first free slot in the key's window.
+/// Takes the first free slot in the window of `key`, else the first slot
+/// of an older instance of `key` it supersedes
+/// (`selector_common::inflight::superseded`).
 #[inline(always)]
-pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
+pub fn reserve(key: &InflightKey, hash: u64, mask: u32) -> Option<Reserved> {
     let seq = next_sequence()?;
     let writing = state(seq, PHASE_WRITING);
     let mut i = 0;
@@ -218,7 +282,17 @@ pub fn reserve(hash: u64, mask: u32) -> Option<Reserved> {
         }
         i += 1;
     }
-    None
+    // Taken from the exact state read: an actor still holding the older
+    // instance's state (a late reply, the sweep, the hedge thread) fails
+    // its compare-and-swap, and its hedge word gets this one's tag.
+    let old = find(key, hash, mask, WHOLE_WINDOW, PHASE_LINGER, |s| {
+        superseded(s.state, s.hedge)
+    })?;
+    // Still marked: it was lingering.
+    cas(old.index, old.state, writing).then_some(Reserved {
+        index: old.index,
+        seq,
+    })
 }
 
 /// Sets slot `index`'s mark, after the slot was taken, so the agent's sweep

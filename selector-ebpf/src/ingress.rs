@@ -6,7 +6,7 @@ use selector_common::{
     BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason, backend_id,
     fragments::{FragmentEntry, FragmentKey},
     hedge::{WON_CHOSEN, WON_HEDGE, is_sent, target},
-    inflight::{PHASE_LINGER, PHASE_LIVE, key_hashes, phase},
+    inflight::{PHASE_LIVE, key_hashes, phase},
     split_backend_id,
 };
 
@@ -14,8 +14,8 @@ use crate::{
     accounting,
     hedge::{self, Answer},
     inflight::{self, Seen},
-    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass},
-    packet::{self, Datagram, Ip, Packet},
+    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass, reply_scratch},
+    packet::{self, Ip, Packet},
     rewrite::{Rewrite, Side},
 };
 
@@ -28,6 +28,10 @@ pub enum Verdict {
     Drop,
 }
 
+/// Inlined into each entry point, as `egress::try_egress` is: a frame of
+/// its own would be rounded up on Linux 6.1 and, with the entry's and the
+/// descriptor's small one, come to its 512-byte limit.
+#[inline(always)]
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     let ip = match packet::parse_ip(ctx) {
         Ok(ip) => packet::forget_layout(ip).ok_or(())?,
@@ -47,7 +51,11 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     if dgram.ip.fragment {
         // A first fragment starts a datagram: a series its key still names
         // is another datagram's, whose later fragments were lost.
-        let _ = FRAGMENTS.remove(series_key(&dgram.ip, src.addr, client));
+        let scratch = reply_scratch().ok_or(())?;
+        scratch.series = series_key(&dgram.ip, src.addr, client);
+        // By reference: the key stays in map memory, off the stack.
+        #[allow(clippy::needless_borrows_for_generic_args)]
+        let _ = FRAGMENTS.remove(&scratch.series);
     }
     let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
         return pass(PassReason::NotBackend);
@@ -62,51 +70,43 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         return pass(PassReason::NoRequestId);
     };
     let (group, _) = split_backend_id(backend);
-    let key = InflightKey::new(client, dgram.dst_port, group, request_id);
-    // Only the backend the request went to, or its hedge was sent to, can
-    // complete it.
-    let hashes = key_hashes(&key);
+    // In map memory, not on the stack (see `ReplyScratch`).
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.key = InflightKey::new(client, dgram.dst_port, group, request_id);
+    let key = &scratch.key;
+    let hashes = key_hashes(key);
     // The claim clears the slot's mark and the client's pending count:
     // start those misses now, beside the slot's own.
     inflight::touch_home_mark(hashes.home, config.inflight_mask);
     accounting::touch_client(hashes.client_slot);
-    let went_here = |s: &Seen| {
-        s.chosen == backend || (is_sent(s.hedge) && backend_id(group, target(s.hedge)) == backend)
-    };
-    let (seen, live) = if let Some(live) = inflight::find(
-        &key,
-        hashes.home,
-        config.inflight_mask,
-        inflight::WHOLE_WINDOW,
-        PHASE_LIVE,
-        went_here,
-    ) {
-        (live, true)
-    } else if let Some(linger) = inflight::find(
-        &key,
-        hashes.home,
-        config.inflight_mask,
-        inflight::WHOLE_WINDOW,
-        PHASE_LINGER,
-        went_here,
-    ) {
-        (linger, false)
-    } else {
+    // Only the backend the request went to, or its hedge was sent to, can
+    // complete it; of several instances of the key (an id reused), the
+    // reply goes to the one it belongs to (`selector_common::inflight::rank`).
+    let Some((seen, stale)) =
+        inflight::match_reply(key, hashes.home, config.inflight_mask, group, backend)
+    else {
         accounting::count(backend, |s| &mut s.unmatched_responses);
         return Ok(Verdict::Pass);
     };
+    // `stale`: an older instance's reply while the application waits on a
+    // newer one with the same id. Its counts end as always, but it is not
+    // the newer one's answer, so it is dropped.
+    let (seq, total) = config
+        .descriptor
+        .reply_datagram(|i| dgram.payload_byte(ctx, i));
+    // An error reply is a failure of the replica, as a lost request is; it
+    // is classified before anything is decided, since with a hedge out it
+    // does not win while the other copy may still answer.
+    let error = forget_flag(
+        config
+            .descriptor
+            .is_error_reply(|i| dgram.payload_word(ctx, i), total <= 1),
+    );
+    let datagram = ReplyDatagram { seq, total, error };
     let verdict = if seen.chosen == backend {
-        chosen_reply(
-            ctx,
-            config,
-            &dgram,
-            hashes.client_slot,
-            &seen,
-            live,
-            backend,
-        )
+        chosen_reply(hashes.client_slot, &seen, stale, backend, &datagram)
     } else {
-        hedge_reply(&seen, backend)
+        hedge_reply(&seen, stale, backend, &datagram)
     };
     if verdict == Verdict::Drop {
         return Ok(Verdict::Drop);
@@ -115,7 +115,7 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
     if primary != backend {
         let target = backend_target(primary).ok_or(())?;
         if dgram.ip.fragment && dgram.ip.more_fragments {
-            remember_series(series_key(&dgram.ip, src.addr, client), target.addr);
+            remember_series(&dgram.ip, src.addr, client, target.addr)?;
         }
         ctx.rewrite(dgram.ip.layout, Side::Source, target)?;
     }
@@ -128,24 +128,40 @@ fn pass(reason: PassReason) -> Result<Verdict, ()> {
     Ok(Verdict::Pass)
 }
 
+/// What the reply path needs of a reply datagram: its place in a
+/// multi-datagram reply, and whether it is an error (1) or not (0).
+struct ReplyDatagram {
+    seq: u16,
+    total: u16,
+    error: u64,
+}
+
 /// A reply from the member the read went to. On a hedgeable read it first
 /// decides, on the hedge word, whether it is the first reply; then it
 /// completes the request as any reply does (a loser too: its own pending
-/// count must end); a loser is dropped.
+/// count must end); a loser is dropped, an error held while the hedge's
+/// copy may still answer too, and so is a `stale` reply (an older
+/// instance's, which decides nothing).
 #[inline(always)]
-fn chosen_reply<C: Packet>(
-    ctx: &C,
-    config: &selector_common::Config,
-    dgram: &Datagram,
+fn chosen_reply(
     client_slot: u32,
     seen: &Seen,
-    live: bool,
+    stale: bool,
     backend: u32,
+    datagram: &ReplyDatagram,
 ) -> Verdict {
-    let answer = if seen.hedge != 0 {
-        hedge::answer(seen.index, seen.state, WON_CHOSEN)
-    } else {
+    let answer = if seen.hedge == 0 {
         Answer::Gone
+    } else if stale {
+        hedge::peek(seen.index, seen.state, WON_CHOSEN)
+    } else {
+        hedge::answer(
+            seen.index,
+            seen.state,
+            WON_CHOSEN,
+            datagram.error != 0,
+            true,
+        )
     };
     let hedged = match answer {
         Answer::Mine { first, word } => {
@@ -155,31 +171,66 @@ fn chosen_reply<C: Packet>(
             }
             is_sent(word)
         }
-        Answer::Theirs => true,
-        Answer::Gone => false,
+        // Held: only with a hedge sent.
+        Answer::Theirs | Answer::Held => true,
+        // A stale instance that is still live was answered, so its SENT
+        // bit as read is final.
+        Answer::Gone => stale && is_sent(seen.hedge),
     };
-    if live {
-        complete(ctx, config, dgram, client_slot, seen, backend, hedged);
+    if phase(seen.state) == PHASE_LIVE {
+        complete(client_slot, seen, backend, hedged, datagram);
     } else {
         // Completed or expired, within the grace period: rewrite only.
         accounting::count(backend, |s| &mut s.late_responses);
     }
-    if answer == Answer::Theirs {
-        hedge::count(backend, |s| &mut s.replies_dropped);
-        return Verdict::Drop;
+    match answer {
+        Answer::Theirs => {
+            hedge::count(backend, |s| &mut s.replies_dropped);
+            Verdict::Drop
+        }
+        Answer::Held => {
+            hedge::count(backend, |s| &mut s.errors_held);
+            Verdict::Drop
+        }
+        _ if stale => {
+            accounting::count(backend, |s| &mut s.stale_replies);
+            Verdict::Drop
+        }
+        _ => Verdict::Pass,
     }
-    Verdict::Pass
 }
 
-/// A reply from the hedge target: settles the target's own pending count
-/// (once), then passes if it is the first reply and drops it if not.
+/// A reply from the hedge target: decides on the hedge word whether it is
+/// the first reply (an error is held while the chosen member's copy may
+/// still answer), then settles the target's own count (once), classified
+/// as any reply's (an error is the target's failure); passes if it won,
+/// drops it if not (or if `stale`).
 #[inline(always)]
-fn hedge_reply(seen: &Seen, backend: u32) -> Verdict {
+fn hedge_reply(seen: &Seen, stale: bool, backend: u32, datagram: &ReplyDatagram) -> Verdict {
+    // Decided before the count is settled: the chosen member's error
+    // reply takes a settled target count with no HELD_HEDGE for an
+    // expired copy, and would pass before this reply could win.
+    let answer = if stale {
+        hedge::peek(seen.index, seen.state, WON_HEDGE)
+    } else {
+        hedge::answer(
+            seen.index,
+            seen.state,
+            WON_HEDGE,
+            datagram.error != 0,
+            phase(seen.state) == PHASE_LIVE,
+        )
+    };
     if hedge::settle_target(seen.index, seen.state) {
         accounting::add_completed(backend);
         accounting::count(backend, |s| &mut s.responses);
+        count_error(seen, backend, datagram.error);
     }
-    match hedge::answer(seen.index, seen.state, WON_HEDGE) {
+    if stale && answer != Answer::Theirs {
+        accounting::count(backend, |s| &mut s.stale_replies);
+        return Verdict::Drop;
+    }
+    match answer {
         Answer::Mine { first, .. } => {
             if first {
                 hedge::count(backend, |s| &mut s.won);
@@ -190,27 +241,31 @@ fn hedge_reply(seen: &Seen, backend: u32) -> Verdict {
             hedge::count(backend, |s| &mut s.replies_dropped);
             Verdict::Drop
         }
+        Answer::Held => {
+            hedge::count(backend, |s| &mut s.errors_held);
+            Verdict::Drop
+        }
         Answer::Gone => Verdict::Pass,
     }
+}
+
+/// A reply that ended `backend`'s count of the request in `seen`: an
+/// error (`error` 1) counts as its failure, a good reply ends its run of
+/// failures (outlier ejection).
+#[inline(always)]
+fn count_error(seen: &Seen, backend: u32, error: u64) {
+    let moved = u64::from(seen.primary != backend);
+    accounting::count_n(backend, |s| &mut s.error_replies, error);
+    accounting::count_n(backend, |s| &mut s.error_replies_moved, error & moved);
+    crate::health::replied(backend, error);
 }
 
 /// A reply datagram for a live request: completes it once every datagram
 /// of the reply has arrived. Whoever moves the slot out of `LIVE` (this
 /// path or the agent's sweep) accounts for it, exactly once.
 #[inline(always)]
-fn complete<C: Packet>(
-    ctx: &C,
-    config: &selector_common::Config,
-    dgram: &Datagram,
-    client_slot: u32,
-    live: &Seen,
-    backend: u32,
-    hedged: bool,
-) {
-    let (seq, total) = config
-        .descriptor
-        .reply_datagram(|i| dgram.payload_byte(ctx, i));
-    if !inflight::datagram_arrived(live.index, seq, total) {
+fn complete(client_slot: u32, live: &Seen, backend: u32, hedged: bool, datagram: &ReplyDatagram) {
+    if !inflight::datagram_arrived(live.index, datagram.seq, datagram.total) {
         // More datagrams to come: the request stays pending.
         return;
     }
@@ -225,16 +280,7 @@ fn complete<C: Packet>(
         let now = unsafe { bpf_ktime_get_ns() };
         accounting::record_latency(backend, now.saturating_sub(live.sent_ns));
         accounting::record_service(backend, now);
-        // An error reply is a failure of the replica, as a lost request is.
-        let error = forget_flag(
-            config
-                .descriptor
-                .is_error_reply(|i| dgram.payload_word(ctx, i), total <= 1),
-        );
-        let moved = u64::from(live.primary != backend);
-        accounting::count_n(backend, |s| &mut s.error_replies, error);
-        accounting::count_n(backend, |s| &mut s.error_replies_moved, error & moved);
-        crate::health::replied(backend, error);
+        count_error(live, backend, datagram.error);
     } else if phase(live.state) == PHASE_LIVE {
         // The sweep expired it a moment ago: a late reply, still rewritten.
         accounting::count(backend, |s| &mut s.late_responses);
@@ -258,15 +304,26 @@ fn forget_flag(flag: bool) -> u64 {
 
 /// The later fragments of a rewritten reply carry no UDP header: they are
 /// known by (source, destination, IP id, protocol) and get the address its
-/// first fragment got (see `selector_common::fragments`).
+/// first fragment got (see `selector_common::fragments`). Remembers the
+/// series of `ip` from `src` to `dst`, rewritten to `primary_addr`.
 #[inline(always)]
-fn remember_series(key: FragmentKey, primary_addr: [u8; 16]) {
-    let entry = FragmentEntry {
+fn remember_series(
+    ip: &Ip,
+    src: [u8; 16],
+    dst: [u8; 16],
+    primary_addr: [u8; 16],
+) -> Result<(), ()> {
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.series = series_key(ip, src, dst);
+    scratch.entry = FragmentEntry {
         addr: primary_addr,
         first_ns: unsafe { bpf_ktime_get_ns() },
     };
     // Full: the LRU map forgets its least recently used series.
-    let _ = FRAGMENTS.insert(key, entry, 0);
+    // By reference: key and entry stay in map memory, off the stack.
+    #[allow(clippy::needless_borrows_for_generic_args)]
+    let _ = FRAGMENTS.insert(&scratch.series, &scratch.entry, 0);
+    Ok(())
 }
 
 /// The series a fragment from `src` to `dst` belongs to (addresses as
@@ -287,11 +344,13 @@ fn series_key(ip: &Ip, src: [u8; 16], dst: [u8; 16]) -> FragmentKey {
 /// fragment not rewritten, not seen yet, or forgotten) passes untouched.
 #[inline(always)]
 fn later_fragment<C: Packet + Rewrite>(ctx: &C, ip: &Ip) -> Result<Verdict, ()> {
-    let key = series_key(
+    let scratch = reply_scratch().ok_or(())?;
+    scratch.series = series_key(
         ip,
         packet::src_address(ctx, ip.layout)?,
         packet::dst_address(ctx, ip.layout)?,
     );
+    let key = &scratch.series;
     let Some(entry) = (unsafe { FRAGMENTS.get(key) }).copied() else {
         return pass(PassReason::Fragment);
     };

@@ -16,7 +16,7 @@ use aya_ebpf::{
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
     GroupCounters, GroupHealth, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
-    NextHopMac, PASS_REASONS, PassReason,
+    NextHopMac, PASS_REASONS, PassReason, ReplyScratch, SCRATCH_ENTRIES,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, mark_words, slots_for},
@@ -74,10 +74,27 @@ pub static INFLIGHT: Array<InflightSlot> =
 pub static INFLIGHT_MARKS: Array<u64> =
     Array::with_max_entries(mark_words(slots_for(DEFAULT_INFLIGHT_MAX)), BPF_F_MMAPABLE);
 
-/// Per-CPU scratch words the request path writes and reads back so the
-/// verifier forgets what it knew of them (see `egress::forget`).
+/// Per-CPU scratch words the programs write and read back so the verifier
+/// forgets what it knew of them (see `egress::forget`): entry 0 for that,
+/// entries `MATCH_SCRATCH..` for the reply path's match
+/// (`inflight::match_reply`).
 #[map]
-pub static SCRATCH: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
+pub static SCRATCH: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(SCRATCH_ENTRIES, 0);
+
+/// The reply path's working memory (`selector_common::ReplyScratch`).
+#[map]
+pub static REPLY_SCRATCH: PerCpuArray<ReplyScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// The reply path's working memory of this CPU (never missing).
+#[inline(always)]
+pub fn reply_scratch() -> Option<&'static mut ReplyScratch> {
+    // SAFETY: a per-CPU element, not shared while the program runs.
+    REPLY_SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
+}
+
+/// The first of the two `SCRATCH` entries of `inflight::match_reply`.
+pub const MATCH_SCRATCH: u32 = 1;
+const _: () = assert!(MATCH_SCRATCH + 2 <= SCRATCH_ENTRIES);
 
 /// Per-CPU request counter: with the CPU id, a unique request instance number.
 #[map]

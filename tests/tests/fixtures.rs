@@ -14,9 +14,9 @@ use selector_common::{
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, DNS_NOT_QUERIES, DNS_QUERY, ETH_ADDRS, GET, IP_CHECK, IP_DST,
     IP_SRC, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_REDIRECT, TC_ACT_SHOT, UDP_CHECK, UDP_DST,
-    UDP_SRC, VALUE, XDP_PASS, assert_only_changed, counters, dns_server, egress, egress_gso,
-    egress_marked, fits_skb_test_run, passed, replica, request, run_tc, run_xdp, set_issued,
-    settings_for, stats, udp, verified_endpoints, verified_ipv4,
+    UDP_SRC, VALUE, XDP_DROP, XDP_PASS, assert_only_changed, counters, dns_server, egress,
+    egress_gso, egress_marked, fits_skb_test_run, passed, replica, request, run_tc, run_xdp,
+    set_issued, settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
 use selector_user::{Selector, Settings, host::sys};
 
@@ -563,6 +563,97 @@ fn sweep_expires_only_old_entries_and_settles_pending() {
         .map(|s| s.unmatched_responses)
         .sum();
     assert_eq!(unmatched, 1);
+}
+
+/// An id reused for a new request while an older instance of its key
+/// lingers at the replica it was moved to: a reply from that replica
+/// belongs to the older instance, so it is not delivered as the new
+/// request's answer (before, it was rewritten to come from the primary, and
+/// the application took it for the answer to its new request). Played,
+/// through XDP and TC ingress, with the older read answered or expired:
+/// 1. GET, primary loaded (5 pending): moved to replica 1;
+/// 2. replica 1's reply (answered: passes, rewritten) or a sweep past the
+///    timeout (expired);
+/// 3. the primary unloaded, GET again with the same id: a new request, kept
+///    at the primary;
+/// 4. replica 1's reply again (a duplicate, or the late answer to step 1):
+///    dropped;
+/// 5. the primary's reply: the new request's answer, passes.
+#[test]
+fn a_reply_from_where_an_older_instance_went_is_not_a_new_requests_answer() {
+    for tc in [false, true] {
+        for answered in [true, false] {
+            let case = format!("tc {tc}, answered {answered}");
+            let mut sel = selector();
+            let (pass, drop) = if tc {
+                (TC_ACT_PIPE, TC_ACT_SHOT)
+            } else {
+                (XDP_PASS, XDP_DROP)
+            };
+            let reply = |sel: &mut Selector, from: usize| {
+                let input = response_from(from);
+                if tc {
+                    run_tc(sel, programs::INGRESS_TC, &input)
+                } else {
+                    run_xdp(sel, &input)
+                }
+            };
+            set_issued(&mut sel, 0, 5);
+            assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_REDIRECT);
+            if answered {
+                let (verdict, out) = reply(&mut sel, 1);
+                assert_eq!(verdict, pass, "{case}");
+                assert_eq!(verified_endpoints(&out).0, replica(0), "{case}");
+            } else {
+                let report = sel.sweep(sys::monotonic_ns() + 1_200_000_000).unwrap();
+                assert_eq!(report.expired, 1, "{case}");
+            }
+            set_issued(&mut sel, 0, 0);
+            assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE, "{case}");
+            assert_eq!(
+                counters(&sel).issued[..3],
+                [1, 1, 0],
+                "{case}: a new request"
+            );
+            let (verdict, _) = reply(&mut sel, 1);
+            assert_eq!(verdict, drop, "{case}: the older instance's reply");
+            assert_eq!(stats(&sel)[1].stale_replies, 1, "{case}");
+            let input = response_from(0);
+            assert_eq!(reply(&mut sel, 0), (pass, input), "{case}: the new answer");
+            assert_eq!(sel.pending().unwrap(), vec![0, 0, 0], "{case}");
+            for (b, (issued, completed, expired)) in
+                sel.accounting().unwrap().into_iter().enumerate()
+            {
+                assert_eq!(issued, completed + expired, "{case}: backend {b}");
+            }
+        }
+    }
+}
+
+/// A client that reuses one id for reads the selector moves leaves an
+/// instance lingering (`timeout + grace`) after each answer, all in the
+/// key's one probe window. Once the window is full of them, the next read
+/// takes the slot of one it supersedes instead of passing untracked (its
+/// reply then taken for a lingering instance's). Played 12 times: GET with
+/// the primary loaded (moved to replica 1), replica 1's reply (rewritten).
+#[test]
+fn a_reused_id_takes_the_slot_of_a_lingering_instance_when_its_window_is_full() {
+    let mut sel = selector();
+    set_issued(&mut sel, 0, 5);
+    for n in 0..12 {
+        assert_eq!(
+            egress(&mut sel, &request(GET)).0,
+            TC_ACT_REDIRECT,
+            "read {n}"
+        );
+        let (verdict, out) = run_xdp(&mut sel, &response_from(1));
+        assert_eq!(verdict, XDP_PASS, "read {n}");
+        assert_eq!(verified_endpoints(&out).0, replica(0), "read {n}");
+    }
+    let s = stats(&sel);
+    assert_eq!((s[0].requests, s[0].untracked), (12, 0));
+    assert_eq!((s[1].responses, s[1].late_responses), (12, 0));
+    assert_eq!(sel.accounting().unwrap()[1], (12, 12, 0));
 }
 
 /// An observing selector (nothing moves), the request id of `GET`, and

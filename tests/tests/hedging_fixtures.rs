@@ -8,7 +8,7 @@ use etherparse::PacketBuilder;
 use selector_common::{Descriptor, InflightKey, programs};
 use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS,
-    egress, replica, request, run_tc, run_xdp, settings_for, verified_endpoints,
+    egress, replica, request, run_tc, run_xdp, settings_for, stats, verified_endpoints,
 };
 use selector_user::{Selector, Settings, host::sys};
 
@@ -44,6 +44,91 @@ fn hedged() -> Selector {
     assert!(sel.plant_hedge(&key(), 1), "hedge claimed");
     assert!(!sel.plant_hedge(&key(), 2), "one hedge per read");
     sel
+}
+
+/// `hedged`, with reads kept at the primary whatever is pending
+/// (threshold 100): a read whose id is reused goes where the first went.
+fn hedged_at_the_primary() -> Selector {
+    let mut sel = Selector::load(&Settings {
+        threshold: 100,
+        ..settings_for(Descriptor::memcached(), replica)
+    })
+    .expect("load");
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert!(sel.plant_hedge(&key(), 1), "hedge claimed");
+    sel
+}
+
+/// The application's id reused once the hedge target's reply answered the
+/// read, while the primary's copy is still pending: a new request, not a
+/// retransmit of the answered one, and the primary's replies are matched in
+/// the order the two were sent, so the new read's answer is not dropped as
+/// the older one's loser. Played:
+/// 1. GET to the primary, a hedge to member 1;
+/// 2. GET again before any reply: a retransmit (not counted);
+/// 3. member 1's reply: wins, passes;
+/// 4. GET again (the same id): a new read, counted, kept at the primary;
+/// 5. the primary's reply: the first read's, dropped as its loser;
+/// 6. the primary's reply again: the new read's answer, passes.
+#[test]
+fn an_id_reused_after_the_hedge_answered_is_a_new_read_and_gets_its_own_reply() {
+    let mut sel = hedged_at_the_primary();
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        sel.accounting().unwrap()[0].0,
+        1,
+        "a retransmit is not counted"
+    );
+    assert_eq!(run_xdp(&mut sel, &reply(replica(1))).0, XDP_PASS);
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        sel.accounting().unwrap()[0].0,
+        2,
+        "the reused id is a new read"
+    );
+    assert_eq!(
+        run_xdp(&mut sel, &reply(replica(0))).0,
+        XDP_DROP,
+        "the first read's loser"
+    );
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(0)));
+    assert_eq!(verdict, XDP_PASS, "the new read's answer");
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(2, 2, 0), (1, 1, 0), (0, 0, 0)]
+    );
+    let h = sel.hedge_counts().unwrap();
+    assert_eq!((h[1].hedges_won, h[0].hedge_replies_dropped), (1, 1));
+    balanced(&sel);
+}
+
+/// Neither copy of a hedged read answered within the timeout; the
+/// application reuses the id for a new read, kept at the primary; the hedge
+/// target's late reply to the first read is not the new read's answer.
+/// Played: GET to the primary, a hedge to member 1; a sweep past the
+/// timeout (both expire); GET again (the same id: a new read); member 1's
+/// reply (dropped: the first read's); the primary's reply (passes).
+#[test]
+fn a_hedge_targets_late_reply_is_not_the_answer_of_a_new_read_with_its_id() {
+    let mut sel = hedged_at_the_primary();
+    let report = sel.sweep(sys::monotonic_ns() + 1_200_000_000).unwrap();
+    assert_eq!((report.expired, report.hedges_expired), (1, 1));
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(
+        run_xdp(&mut sel, &reply(replica(1))).0,
+        XDP_DROP,
+        "the first read's late reply"
+    );
+    assert_eq!(stats(&sel)[1].stale_replies, 1);
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(0)));
+    assert_eq!(verdict, XDP_PASS, "the new read's answer");
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(2, 1, 1), (1, 0, 1), (0, 0, 0)]
+    );
+    balanced(&sel);
 }
 
 /// A loaded selector whose egress program offers reads for hedging (the
@@ -345,4 +430,154 @@ fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
         },
         "hedge counts of the old member"
     );
+}
+
+/// `from`'s memcached `SERVER_ERROR` to GET (request id 0x1234): a failure
+/// of the replica.
+fn error_reply(from: ([u8; 4], u16)) -> Vec<u8> {
+    let mut out = Vec::new();
+    PacketBuilder::ethernet2(PRIMARY_MAC, CLIENT_MAC)
+        .ipv4(from.0, CLIENT, 64)
+        .udp(from.1, CLIENT_PORT)
+        .write(
+            &mut out,
+            b"\x12\x34\0\0\0\x01\0\0SERVER_ERROR out of memory\r\n",
+        )
+        .unwrap();
+    out
+}
+
+fn failures(sel: &Selector) -> Vec<u64> {
+    sel.ejection_states(sys::monotonic_ns())
+        .iter()
+        .map(|e| e.failures_in_a_row)
+        .collect()
+}
+
+/// The hedge target's reply completes its copy like any reply: an error
+/// is counted as the target's failure, and a good one ends its run.
+/// Played: GET to the primary, a hedge to member 1; the primary's good
+/// reply (passes); member 1's `SERVER_ERROR` (dropped, the loser). Then a
+/// second hedged read (id 0x1235) answered by member 1 with a good reply.
+#[test]
+fn a_hedge_targets_error_reply_is_a_failure_of_the_target() {
+    let mut sel = hedged();
+    assert_eq!(run_xdp(&mut sel, &reply(replica(0))).0, XDP_PASS);
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(1))).0, XDP_DROP);
+    let s = stats(&sel);
+    assert_eq!(
+        (s[1].responses, s[1].error_replies, s[1].error_replies_moved),
+        (1, 1, 1),
+        "the copy was the selector's"
+    );
+    assert_eq!(failures(&sel), [0, 1, 0]);
+    balanced(&sel);
+}
+
+/// With a hedge out, an error reply does not reach the application while
+/// the other copy may still answer: the first good reply does. Played,
+/// through XDP and TC ingress, with the error from either member: GET to
+/// the primary, a hedge to member 1; the one member's `SERVER_ERROR`
+/// (dropped, held); the other member's good reply (passes, from the
+/// primary as far as the application sees).
+#[test]
+fn an_error_reply_does_not_win_while_the_other_copy_is_pending() {
+    for tc in [false, true] {
+        for erring in [0, 1] {
+            let case = format!("tc {tc}, error from member {erring}");
+            let mut sel = hedged();
+            let (pass, drop) = if tc {
+                (TC_ACT_PIPE, TC_ACT_SHOT)
+            } else {
+                (XDP_PASS, XDP_DROP)
+            };
+            let run = |sel: &mut Selector, frame: &[u8]| {
+                if tc {
+                    run_tc(sel, programs::INGRESS_TC, frame)
+                } else {
+                    run_xdp(sel, frame)
+                }
+            };
+            let good = 1 - erring;
+            assert_eq!(
+                run(&mut sel, &error_reply(replica(erring))).0,
+                drop,
+                "{case}"
+            );
+            let (verdict, out) = run(&mut sel, &reply(replica(good)));
+            assert_eq!(verdict, pass, "{case}: the good reply");
+            assert_eq!(verified_endpoints(&out).0, replica(0), "{case}");
+            let s = stats(&sel);
+            assert_eq!(s[erring].error_replies, 1, "{case}");
+            assert_eq!(s[good].error_replies, 0, "{case}");
+            let h = sel.hedge_counts().unwrap();
+            assert_eq!(h[erring].hedge_errors_held, 1, "{case}");
+            assert_eq!(h[1].hedges_won, u64::from(good == 1), "{case}");
+            assert_eq!(
+                sel.accounting().unwrap(),
+                vec![(1, 1, 0), (1, 1, 0), (0, 0, 0)],
+                "{case}"
+            );
+            // A duplicate of the held error is dropped too.
+            assert_eq!(
+                run(&mut sel, &error_reply(replica(erring))).0,
+                drop,
+                "{case}"
+            );
+        }
+    }
+}
+
+/// Both copies fail with an error: the second error reaches the
+/// application (an error only when both fail). Played, with either member
+/// first: GET to the primary, a hedge to member 1; one member's
+/// `SERVER_ERROR` (dropped, held); the other's `SERVER_ERROR` (passes).
+#[test]
+fn an_error_reaches_the_application_when_both_copies_fail() {
+    for first in [0, 1] {
+        let mut sel = hedged();
+        assert_eq!(run_xdp(&mut sel, &error_reply(replica(first))).0, XDP_DROP);
+        let (verdict, out) = run_xdp(&mut sel, &error_reply(replica(1 - first)));
+        assert_eq!(verdict, XDP_PASS, "first {first}");
+        assert_eq!(verified_endpoints(&out).0, replica(0));
+        let s = stats(&sel);
+        assert_eq!((s[0].error_replies, s[1].error_replies), (1, 1));
+        assert_eq!(failures(&sel), [1, 1, 0]);
+        balanced(&sel);
+    }
+}
+
+/// An error held while the other copy was pending, and the other copy
+/// never answers in time: nothing reaches the application by the timeout
+/// (the held error was dropped; the kernel keeps no packet), and the
+/// counts end. Played: GET to the primary, a hedge to member 1; the
+/// primary's `SERVER_ERROR` (dropped); a sweep past the timeout (member
+/// 1's copy expires); member 1's late good reply (passes: nothing had
+/// reached the application).
+#[test]
+fn a_held_error_whose_other_copy_expires_leaves_the_read_to_the_application() {
+    let mut sel = hedged();
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(0))).0, XDP_DROP);
+    let report = sel.sweep(sys::monotonic_ns() + 1_200_000_000).unwrap();
+    assert_eq!((report.expired, report.hedges_expired), (0, 1));
+    assert_eq!(
+        sel.accounting().unwrap(),
+        vec![(1, 1, 0), (1, 0, 1), (0, 0, 0)]
+    );
+    let (verdict, out) = run_xdp(&mut sel, &reply(replica(1)));
+    assert_eq!(verdict, XDP_PASS);
+    assert_eq!(verified_endpoints(&out).0, replica(0));
+    balanced(&sel);
+}
+
+/// No hedge sent yet: the error is the only reply that can come, so it
+/// passes, and no hedge can start any more.
+#[test]
+fn an_error_reply_to_an_unhedged_read_passes() {
+    let mut sel = offering();
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
+    assert_eq!(run_xdp(&mut sel, &error_reply(replica(0))).0, XDP_PASS);
+    assert!(!sel.plant_hedge(&key(), 1), "answered: no hedge");
+    assert_eq!(stats(&sel)[0].error_replies, 1);
+    balanced(&sel);
 }

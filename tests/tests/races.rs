@@ -31,7 +31,8 @@ use selector_common::{
 };
 use selector_testbed::frames::{
     CLIENT, IP_CHECK, IP_DST, IP_SRC, REPLICAS, TC_ACT_PIPE, TC_ACT_REDIRECT, UDP_CHECK, UDP_DST,
-    UDP_SRC, XDP_PASS, assert_only_changed, replica, settings_for, stats, udp, verified_endpoints,
+    UDP_SRC, XDP_DROP, XDP_PASS, assert_only_changed, replica, settings_for, stats, udp,
+    verified_endpoints,
 };
 use selector_user::{Selector, datapath::sweep::SweepReport, host::sys};
 
@@ -257,16 +258,23 @@ struct ReplyTally {
     sent: [u64; REPLICAS],
     /// Of them, rewritten by the ingress program.
     rewritten: [u64; REPLICAS],
+    /// Of them, dropped: an older instance's reply while a newer request
+    /// with its id waited (the id is reused as soon as it is answered).
+    dropped: [u64; REPLICAS],
 }
 
 /// Runs one reply from replica `from` through XDP and checks the result: a
 /// reply is passed, and if rewritten, only its source changed, to the
-/// primary, with valid checksums.
+/// primary, with valid checksums; or dropped as stale.
 fn send_reply(prog: BorrowedFd<'_>, key: usize, from: usize, tally: &mut ReplyTally) {
     let input = reply(key, from);
     let (verdict, out) = test_run(prog, &input);
-    assert_eq!(verdict, XDP_PASS);
     tally.sent[from] += 1;
+    if verdict == XDP_DROP {
+        tally.dropped[from] += 1;
+        return;
+    }
+    assert_eq!(verdict, XDP_PASS);
     if out == input {
         return;
     }
@@ -392,6 +400,7 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
         for i in 0..REPLICAS {
             replies.sent[i] += answers.sent[i];
             replies.rewritten[i] += answers.rewritten[i];
+            replies.dropped[i] += answers.dropped[i];
         }
         (requests, replies)
     });
@@ -425,6 +434,10 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
         st.iter().map(|s| s.responses).collect::<Vec<_>>()
     );
     println!("late responses: {late:?}, unmatched: {unmatched:?}");
+    println!(
+        "stale (older instances' replies dropped): {:?}",
+        st.iter().map(|s| s.stale_replies).collect::<Vec<_>>()
+    );
     println!(
         "sweep: expired {}, lost race {}, freed {} (the final sweeps expired {})",
         swept.expired, swept.lost_race, swept.freed, last.expired
@@ -470,7 +483,9 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
 
     // Ingress: each reply completed, was late or matched nothing; only the
     // winner of a claim counted and timed it; a redirected read's reply is
-    // rewritten exactly when it matched, a reply from the primary never.
+    // rewritten exactly when it matched and was not stale (an older
+    // instance's while a newer one waited: dropped), a reply from the
+    // primary never. No hedging here, so nothing else is dropped.
     for i in 0..REPLICAS {
         let (_, completed, _) = accounting[i];
         assert_eq!(st[i].responses, completed, "backend {i}");
@@ -480,7 +495,15 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
             replies.sent[i],
             "backend {i}: replies"
         );
-        let matched = if i == 0 { 0 } else { completed + late[i] };
+        assert_eq!(
+            replies.dropped[i], st[i].stale_replies,
+            "backend {i}: dropped"
+        );
+        let matched = if i == 0 {
+            0
+        } else {
+            completed + late[i] - st[i].stale_replies
+        };
         assert_eq!(replies.rewritten[i], matched, "backend {i}: rewritten");
     }
 
@@ -497,4 +520,126 @@ fn replies_sweeps_and_id_reuse_race_without_drift() {
         swept.lost_race + late[0] > 0,
         "the reply path and the sweep never raced for a slot"
     );
+}
+
+/// A client that reuses one request id for every read, the moment it has
+/// its answer, through hedged reads and a primary that stalls again and
+/// again, in network namespaces with real memcached replicas: the hedge
+/// target answers a stalled read, the client's next read (the same id)
+/// goes to the still stalled primary (threshold 100 keeps it there) while
+/// the first read's copy waits there too; when the primary resumes it
+/// answers both, in order. Every read must get its own key's value and none
+/// may be lost. Before, the next read was taken for a retransmit of the
+/// answered one (not tracked, not hedged) and the primary's answer to it
+/// was dropped as the first read's loser: the client lost it.
+#[test]
+fn a_client_reusing_one_id_gets_every_answer_while_hedges_race_a_stalling_primary() {
+    use selector_common::Policy;
+    use selector_testbed::{
+        Testbed,
+        agent::SweptSelector,
+        memcached::{frame, key_for, parse_get_response, value_for},
+    };
+    use selector_user::{
+        Settings,
+        config::hedge::{HedgeAfter, HedgeSettings},
+    };
+
+    const KEYS: usize = 50;
+    /// Stalls of the primary the client reads through.
+    const STALLS: u64 = 25;
+    const TIMEOUT: Duration = Duration::from_millis(500);
+    const STALL: Duration = Duration::from_millis(12);
+    let tb = Testbed::with_memcached("rid", 3, KEYS).expect("testbed");
+    let group = tb.replica_group();
+    let running = SweptSelector::start(
+        &tb,
+        Settings {
+            policy: Policy::Threshold,
+            threshold: 100,
+            timeout: TIMEOUT,
+            hedging: HedgeSettings {
+                after: HedgeAfter::Fixed(Duration::from_millis(2)),
+                budget_percent: 100,
+            },
+            ..Settings::new(
+                selector_testbed::topology::CLIENT_IFACE,
+                vec![group.clone()],
+            )
+        },
+    );
+    // The client reads until the primary has stalled `STALLS` times, 12 ms
+    // in every 24.
+    let done = std::sync::Arc::new(AtomicBool::new(false));
+    let primary = group[0];
+    let reader = {
+        let done = done.clone();
+        tb.client
+            .spawn(move || {
+                let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+                socket.connect(primary).unwrap();
+                let mut buf = [0u8; 2048];
+                let (mut reads, mut right, mut wrong, mut lost) = (0u64, 0u64, 0u64, 0u64);
+                while !done.load(Ordering::Relaxed) {
+                    let i = reads as usize % KEYS;
+                    reads += 1;
+                    socket
+                        .send(&frame(0x0707, format!("get {}\r\n", key_for(i)).as_bytes()))
+                        .unwrap();
+                    // Waits well past a stall for the answer; anything else
+                    // with the id (a late reply to an earlier read) is a
+                    // wrong answer.
+                    socket
+                        .set_read_timeout(Some(Duration::from_millis(300)))
+                        .unwrap();
+                    match socket.recv(&mut buf) {
+                        Ok(len) if len >= 8 && buf[..2] == [0x07, 0x07] => {
+                            if parse_get_response(&buf[8..len]) == Some(value_for(i).as_bytes()) {
+                                right += 1;
+                            } else {
+                                wrong += 1;
+                            }
+                        }
+                        Ok(_) => wrong += 1,
+                        Err(_) => lost += 1,
+                    }
+                }
+                (reads, right, wrong, lost)
+            })
+            .unwrap()
+    };
+    let pid = tb.replicas[0].pid();
+    for _ in 0..STALLS {
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        std::thread::sleep(STALL);
+        unsafe { libc::kill(pid, libc::SIGCONT) };
+        std::thread::sleep(STALL);
+    }
+    done.store(true, Ordering::Relaxed);
+    let (reads, right, wrong, lost) = reader.join().unwrap();
+    tb.replicas[0].resume();
+    let sel = running.selector.lock().unwrap();
+    let hedges = sel.hedge_counts().unwrap();
+    let stats = sel.stats().unwrap();
+    println!(
+        "{reads} reads, {STALLS} stalls: right {right}, wrong {wrong}, lost {lost}; \
+         hedges won {:?}, the primary's replies dropped {}; requests {}, untracked {}",
+        hedges.iter().map(|h| h.hedges_won).collect::<Vec<_>>(),
+        hedges[0].hedge_replies_dropped,
+        stats[0].requests,
+        stats[0].untracked,
+    );
+    drop(sel);
+    // The race happened: reads were answered by hedges while the primary
+    // still held their copies.
+    assert!(
+        hedges.iter().map(|h| h.hedges_won).sum::<u64>() > 0,
+        "no hedge won: the stalls did not race the reads"
+    );
+    assert_eq!((right, wrong, lost), (reads, 0, 0));
+    let settled = running.settle(TIMEOUT);
+    for (b, (issued, completed, expired)) in settled.accounting.iter().enumerate() {
+        assert_eq!(*issued, completed + expired, "backend {b} drifted");
+    }
+    assert_eq!(settled.pending, vec![0, 0, 0]);
 }

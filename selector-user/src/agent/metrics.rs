@@ -110,7 +110,7 @@ impl Collector for StatusCollector {
         let backends = &status.backends;
         let e = &mut encoder;
         crate::api::build_info::encode_metric(e, &status.build)?;
-        let counters: [BackendCounter; 12] = [
+        let counters: [BackendCounter; 13] = [
             (
                 "selector_requests",
                 "Requests the application addressed to the backend (as primary).",
@@ -165,6 +165,11 @@ impl Collector for StatusCollector {
                 "selector_error_replies_moved",
                 "Error replies from the backend to reads the selector moved to it.",
                 |b| b.stats.error_replies_moved,
+            ),
+            (
+                "selector_stale_replies",
+                "Reply datagrams from the backend to an older request whose id the application reused for a request still waiting: dropped.",
+                |b| b.stats.stale_replies,
             ),
             (
                 "selector_ejections",

@@ -226,7 +226,7 @@ pub fn render_hedging(settings: &HedgeSettings, counts: &[(SocketAddr, HedgeCoun
         all.add(c);
     }
     let mut out = format!(
-        "hedging: after {} ms, budget {}%: sent {}  won {}  lost {}  replies dropped {}\n\
+        "hedging: after {} ms, budget {}%: sent {}  won {}  lost {}  replies dropped {}  errors held {}\n\
          not hedged: over budget {}  no target {}  queue full {}  ring full {}  too large {}  send failed {}\n",
         settings.after,
         settings.budget_percent,
@@ -234,6 +234,7 @@ pub fn render_hedging(settings: &HedgeSettings, counts: &[(SocketAddr, HedgeCoun
         all.hedges_won,
         all.hedges_lost,
         all.hedge_replies_dropped,
+        all.hedge_errors_held,
         all.hedge_over_budget,
         all.hedge_no_target,
         all.hedge_queue_full,

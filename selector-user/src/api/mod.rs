@@ -196,6 +196,8 @@ pub enum Reply {
 ///      "hedges_won": 2,            ... whose reply reached the application first
 ///      "hedges_lost": 1,           ... beaten by the first member's reply
 ///      "hedge_replies_dropped": 2, later replies from it dropped in the kernel
+///      "hedge_errors_held": 0,     its error replies to hedged reads dropped
+///                                  while the other copy could still answer
 ///      "hedge_over_budget": 0, "hedge_no_target": 0, "hedge_queue_full": 0,
 ///      "hedge_ring_full": 0, "hedge_too_large": 0,   reads to it (as primary) not hedged
 ///      "hedge_send_failed": 0,     copies to it the socket refused
@@ -206,6 +208,8 @@ pub enum Reply {
 ///                                  SERVFAIL, NOTIMP, REFUSED; memcached
 ///                                  SERVER_ERROR; --error-marker)
 ///      "error_replies_moved": 0,   ... to reads moved here by the selector
+///      "stale_replies": 0,         replies to an older request whose id the
+///                                  application reused: dropped
 ///      "ejection_state": "healthy", healthy | ejected | half_open
 ///      "ejections": 0,             since start (a failed probe's too)
 ///      "ejected_ns": 0,            time ejected or half-open since start

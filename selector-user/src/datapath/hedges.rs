@@ -240,6 +240,7 @@ impl Selector {
                     hedges_won: k.won,
                     hedges_lost: k.lost,
                     hedge_replies_dropped: k.replies_dropped,
+                    hedge_errors_held: k.errors_held,
                     hedge_over_budget: get(&a.over_budget),
                     hedge_no_target: get(&a.no_target),
                     hedge_queue_full: get(&a.queue_full),

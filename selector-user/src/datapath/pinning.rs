@@ -51,10 +51,14 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/selector";
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// Maps private to each load: aya-log's records, the read-only constants
-/// (`.rodata*`, frozen at load) and the map of the benchmark's reference
-/// programs, which are never attached. Anything else holds state.
+/// (`.rodata*`, frozen at load), the map of the benchmark's reference
+/// programs, which are never attached, and the reply path's per-packet
+/// working memory. Anything else holds state.
 pub fn is_private_map(name: &str) -> bool {
-    name == "AYA_LOGS" || name.starts_with(".rodata") || name == selector_common::names::REFERENCE
+    name == "AYA_LOGS"
+        || name.starts_with(".rodata")
+        || name == selector_common::names::REFERENCE
+        || name == selector_common::names::REPLY_SCRATCH
 }
 
 /// A link the selector pins.
@@ -166,7 +170,13 @@ fn shapes(inflight_max: u32) -> [Shape; 20] {
             size_of::<GroupHealth>(),
             MAX_GROUPS,
         ),
-        shape(names::SCRATCH, MapType::PerCpuArray, u32s, 2 * u64s, 1),
+        shape(
+            names::SCRATCH,
+            MapType::PerCpuArray,
+            u32s,
+            2 * u64s,
+            selector_common::SCRATCH_ENTRIES,
+        ),
         shape(
             names::STATS,
             MapType::PerCpuArray,

@@ -33,7 +33,7 @@ use selector_common::{
         self, HedgeEvent, TokenBucket, choose_target, claimed_word, hedge_usable, open_word,
         within_max_pending,
     },
-    inflight::{InflightSlot, client_slot},
+    inflight::{InflightSlot, PROBE_WINDOW, client_slot, key_hashes, open_members, probe},
     policy::GroupLoad,
     split_backend_id,
 };
@@ -361,6 +361,7 @@ impl HedgeLoop {
             bits,
             self.control.max_pending.load(Ordering::Relaxed),
             chosen_pos,
+            self.others_open(i, &slot),
         );
         let client_slot = client_slot(&slot.client_addr, slot.client_port) as usize;
         let client_pending = if client_slot < self.client_pending.len() {
@@ -427,23 +428,51 @@ impl HedgeLoop {
     }
 }
 
+impl HedgeLoop {
+    /// The members at which another instance of the key of `slot` (slot
+    /// `index`) has a count open (`selector_common::inflight::open_members`):
+    /// an older one, when the application reused the id once the older was
+    /// answered. Read from the key's probe window as it is now, without the
+    /// slot protocol's checks: a slot changing under the read only makes
+    /// the choice of target a worse one, never a count wrong.
+    fn others_open(&self, index: usize, slot: &InflightSlot) -> u8 {
+        let key = slot.key();
+        let mask = self.slots.len() as u32 - 1;
+        let home = key_hashes(&key).home;
+        let mut open = 0;
+        for n in 0..PROBE_WINDOW {
+            let j = probe(home, n, mask) as usize;
+            if j == index {
+                continue;
+            }
+            let other = self.slots.read(j);
+            if other.key() == key {
+                open |= open_members(other.state, u32::from(other.chosen), other.hedge);
+            }
+        }
+        open
+    }
+}
+
 /// The hedge target for a read that went to member `chosen` of a group
 /// with `members`, `counters` and health word `health_bits`: the least
 /// pending other member that is neither drained nor ejected nor waiting
-/// for its half-open probe.
+/// for its half-open probe, nor in `avoid` (members an older instance of
+/// the read's id still awaits a reply from).
 pub(crate) fn hedge_target(
     members: &Group,
     counters: &GroupCounters,
     health_bits: u64,
     max_pending: u32,
     chosen: usize,
+    avoid: u8,
 ) -> Option<usize> {
     let mut load = GroupLoad::of(members, counters);
     load.usable = within_max_pending(
         hedge_usable(load.usable, health_bits),
         &load.pending,
         max_pending,
-    );
+    ) & !avoid;
     choose_target(&load, chosen)
 }
 
@@ -476,28 +505,37 @@ mod tests {
     fn the_hedge_target_skips_ejected_and_probing_members() {
         let (g, c) = group([9, 3, 0]);
         // Healthy: the least pending.
-        assert_eq!(hedge_target(&g, &c, 0, 0, 0), Some(2));
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0, 0), Some(2));
         // Ejected, though least pending: the next one.
-        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 0, 0), Some(1));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 0, 0, 0), Some(1));
         // Half-open with its probe not taken: its one probe is egress's.
-        assert_eq!(hedge_target(&g, &c, probe_bit(2), 0, 0), Some(1));
+        assert_eq!(hedge_target(&g, &c, probe_bit(2), 0, 0, 0), Some(1));
         // Every other member out: no hedge at all.
         assert_eq!(
-            hedge_target(&g, &c, ejected_bit(1) | ejected_bit(2), 0, 0),
+            hedge_target(&g, &c, ejected_bit(1) | ejected_bit(2), 0, 0, 0),
             None
         );
         // An ejected primary is no target for a read moved off it.
-        assert_eq!(hedge_target(&g, &c, ejected_bit(0), 0, 2), Some(1));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(0), 0, 2, 0), Some(1));
     }
 
     #[test]
     fn the_hedge_target_is_under_max_pending() {
         let (g, c) = group([9, 3, 0]);
-        assert_eq!(hedge_target(&g, &c, 0, 0, 0), Some(2));
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0, 0), Some(2));
         // Member 2 has none pending: still a target under a bound of 1.
-        assert_eq!(hedge_target(&g, &c, 0, 1, 0), Some(2));
-        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 3, 0), None);
-        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 4, 0), Some(1));
+        assert_eq!(hedge_target(&g, &c, 0, 1, 0, 0), Some(2));
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 3, 0, 0), None);
+        assert_eq!(hedge_target(&g, &c, ejected_bit(2), 4, 0, 0), Some(1));
+    }
+
+    #[test]
+    fn the_hedge_target_is_no_member_an_older_instance_of_the_id_awaits() {
+        let (g, c) = group([9, 3, 0]);
+        // Member 2 is the least pending, but an older read with the same
+        // id still awaits its reply there.
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0, 0b100), Some(1));
+        assert_eq!(hedge_target(&g, &c, 0, 0, 0, 0b110), None);
     }
 
     #[test]

@@ -17,6 +17,10 @@ pub struct HedgeCounts {
     /// Reply datagrams from this backend dropped in the kernel as the later
     /// reply of a hedged read.
     pub hedge_replies_dropped: u64,
+    /// Error replies from this backend to hedged reads dropped while the
+    /// other copy could still answer (an error reaches the application only
+    /// when both copies fail).
+    pub hedge_errors_held: u64,
     /// Reads to this primary not hedged, by reason: over the budget, no
     /// other usable member (or the client socket at
     /// `--max-pending-client`), timer queue full, ring buffer full, longer than
@@ -37,6 +41,7 @@ impl HedgeCounts {
         self.hedges_won += o.hedges_won;
         self.hedges_lost += o.hedges_lost;
         self.hedge_replies_dropped += o.hedge_replies_dropped;
+        self.hedge_errors_held += o.hedge_errors_held;
         self.hedge_over_budget += o.hedge_over_budget;
         self.hedge_no_target += o.hedge_no_target;
         self.hedge_queue_full += o.hedge_queue_full;
