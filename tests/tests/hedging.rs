@@ -27,7 +27,6 @@ use selector_testbed::{
 use selector_user::{
     IngressMode, Settings,
     config::hedge::{HedgeAfter, HedgeSettings},
-    hedging::auto::AUTO_STEP,
 };
 
 const KEYS: usize = 50;
@@ -242,12 +241,13 @@ fn auto_hedges_a_stall_right_after_it_begins() {
         Some(ceiling),
         "the ceiling before any reply"
     );
+    // That the estimate comes within a warm-up step of enough replies, not
+    // a whole step after `auto` began, is the unit test
+    // `a_backend_gets_its_first_delay_within_a_warmup_step_of_enough_replies`
+    // (on a clock of its own): here the wall clock of a loaded machine
+    // decides nothing (it once took 256 ms, against a 250 ms step).
     let estimated = prime_until_estimated(&tb, &running, ceiling);
-    assert!(
-        estimated - began < AUTO_STEP,
-        "estimated {:?} after the start, not before the first step",
-        estimated - began
-    );
+    println!("estimated {:?} after the start", estimated - began);
     // Priming reads slower than the estimate may have been hedged too.
     let before = running.selector.lock().unwrap().hedge_counts().unwrap();
     let (replies, first) =
