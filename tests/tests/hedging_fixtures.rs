@@ -20,14 +20,18 @@ fn key() -> InflightKey {
 
 /// `from`'s answer to GET (request id 0x1234).
 fn reply(from: ([u8; 4], u16)) -> Vec<u8> {
+    memcached_reply(from, b"VALUE foo 0 3\r\nbar\r\nEND\r\n")
+}
+
+/// `from`'s reply to GET (request id 0x1234, one datagram) with `body`.
+fn memcached_reply(from: ([u8; 4], u16), body: &[u8]) -> Vec<u8> {
+    let mut payload = b"\x12\x34\0\0\0\x01\0\0".to_vec();
+    payload.extend_from_slice(body);
     let mut out = Vec::new();
     PacketBuilder::ethernet2(PRIMARY_MAC, CLIENT_MAC)
         .ipv4(from.0, CLIENT, 64)
         .udp(from.1, CLIENT_PORT)
-        .write(
-            &mut out,
-            b"\x12\x34\0\0\0\x01\0\0VALUE foo 0 3\r\nbar\r\nEND\r\n",
-        )
+        .write(&mut out, &payload)
         .unwrap();
     out
 }
@@ -435,16 +439,7 @@ fn a_reused_position_starts_without_the_old_members_service_time_and_hedges() {
 /// `from`'s memcached `SERVER_ERROR` to GET (request id 0x1234): a failure
 /// of the replica.
 fn error_reply(from: ([u8; 4], u16)) -> Vec<u8> {
-    let mut out = Vec::new();
-    PacketBuilder::ethernet2(PRIMARY_MAC, CLIENT_MAC)
-        .ipv4(from.0, CLIENT, 64)
-        .udp(from.1, CLIENT_PORT)
-        .write(
-            &mut out,
-            b"\x12\x34\0\0\0\x01\0\0SERVER_ERROR out of memory\r\n",
-        )
-        .unwrap();
-    out
+    memcached_reply(from, b"SERVER_ERROR out of memory\r\n")
 }
 
 fn failures(sel: &Selector) -> Vec<u64> {
