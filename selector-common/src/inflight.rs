@@ -99,8 +99,9 @@ pub struct InflightSlot {
     pub chosen: u16,
     /// `bpf_ktime_get_ns` (CLOCK_MONOTONIC) at send.
     pub sent_ns: u64,
-    /// Bit `min(seq, 63)` set for each reply datagram seen (multi-datagram
-    /// replies complete when every datagram has arrived).
+    /// Bit `min(seq, 47)` set for each reply datagram seen (multi-datagram
+    /// replies complete when every datagram has arrived), under a tag of
+    /// the instance in the top 16 bits ([`datagram_step`]).
     pub datagrams_seen: u64,
     /// The hedge word (`crate::hedge`): 0 if the read may never be hedged,
     /// else its instance tag and the hedge's progress bits. The one field
@@ -285,6 +286,46 @@ pub const fn open_members(state: u64, chosen: u32, word: u64) -> u8 {
         mask |= 1 << (crate::hedge::target(word) % crate::MAX_GROUP_MEMBERS);
     }
     mask
+}
+
+/// Bits of [`InflightSlot::datagrams_seen`] for datagrams; the 16 above
+/// them tag the instance.
+pub const DATAGRAM_BITS: u32 = 48;
+
+#[inline(always)]
+const fn datagram_tag(state: u64) -> u64 {
+    mix(state >> 2) & 0xffff
+}
+
+/// The datagram word an instance in `state` starts with: its tag, no
+/// datagram seen.
+#[inline(always)]
+pub const fn datagrams_open(state: u64) -> u64 {
+    datagram_tag(state) << DATAGRAM_BITS
+}
+
+/// Reply datagram `seq` of `total` arriving for the instance of `state`,
+/// whose slot's datagram word reads `word`: the word with its bit set, and
+/// whether that makes the reply whole (true for one caller of several
+/// racing last datagrams, the one whose compare-and-swap sets it). `None`
+/// if the word is another instance's: the slot was freed and taken since
+/// the reply read it, and the bit must not count for the new request. A
+/// reply of more than 48 datagrams is whole once datagrams 0-46 and any
+/// later one have arrived.
+#[inline(always)]
+pub const fn datagram_step(word: u64, state: u64, seq: u16, total: u16) -> Option<(u64, bool)> {
+    if word >> DATAGRAM_BITS != datagram_tag(state) {
+        return None;
+    }
+    let last = DATAGRAM_BITS as u16 - 1;
+    let bit = 1u64 << if seq < last { seq } else { last };
+    let all = if total >= DATAGRAM_BITS as u16 {
+        (1u64 << DATAGRAM_BITS) - 1
+    } else {
+        (1u64 << total) - 1
+    };
+    let next = word | bit;
+    Some((next, word & all != all && next & all == all))
 }
 
 /// What an instance of a key is to a reply from one backend, by rank: the
@@ -574,6 +615,35 @@ mod tests {
         );
         assert_eq!(open_members(linger, 10, sent | TARGET_SETTLED), 0);
         assert_eq!(open_members(FREE, 10, sent), 0);
+    }
+
+    #[test]
+    fn datagrams_count_only_for_their_own_instance() {
+        let a = state(sequence(11, 2), PHASE_LIVE);
+        let b = state(sequence(12, 2), PHASE_LIVE);
+        let open = datagrams_open(a);
+        assert_eq!(open & ((1 << DATAGRAM_BITS) - 1), 0);
+        // Three datagrams: only the last to arrive completes, once.
+        let (w, done) = datagram_step(open, a, 2, 3).unwrap();
+        assert!(!done);
+        let (w, done) = datagram_step(w, a, 0, 3).unwrap();
+        assert!(!done);
+        let (w, done) = datagram_step(w, a, 1, 3).unwrap();
+        assert!(done);
+        assert_eq!(datagram_step(w, a, 1, 3), Some((w, false)), "a duplicate");
+        // The slot taken by another instance: the bit is not its.
+        assert_ne!(datagrams_open(b), open);
+        assert_eq!(datagram_step(datagrams_open(b), a, 0, 3), None);
+        // Same instance in another phase: same tag.
+        assert_eq!(datagrams_open(with_phase(a, PHASE_LINGER)), open);
+        // Long replies: datagrams 0-46 and any later one.
+        let mut w = open;
+        for seq in 0..47 {
+            let (next, done) = datagram_step(w, a, seq, 100).unwrap();
+            assert!(!done, "{seq}");
+            w = next;
+        }
+        assert!(datagram_step(w, a, 99, 100).unwrap().1);
     }
 
     #[test]

@@ -16,8 +16,8 @@ use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, mark_of, phase, probe, rank,
-        reply_rank, sequence, state, superseded, window_mark_words,
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, datagram_step, datagrams_open,
+        mark_of, phase, probe, rank, reply_rank, sequence, state, superseded, window_mark_words,
         window_marks as window_marks_of, with_phase,
     },
 };
@@ -336,7 +336,10 @@ impl Reserved {
             write_volatile(&raw mut (*p).primary, req.primary as u16);
             write_volatile(&raw mut (*p).chosen, req.chosen as u16);
             write_volatile(&raw mut (*p).sent_ns, req.sent_ns);
-            write_volatile(&raw mut (*p).datagrams_seen, 0);
+            write_volatile(
+                &raw mut (*p).datagrams_seen,
+                datagrams_open(state(self.seq, PHASE_LIVE)),
+            );
             write_volatile(&raw mut (*p).hedge, req.hedge);
             atomic_xchg::<u64, { AtomicOrdering::SeqCst }>(
                 &raw mut (*p).state,
@@ -346,27 +349,39 @@ impl Reserved {
     }
 }
 
-/// Records reply datagram `seq` of `total` on a live slot; true when every
-/// datagram has now arrived (always, for a one-datagram reply). Exactly one
-/// of several concurrent last datagrams sees true.
+/// Records reply datagram `seq` of `total` on slot `index` for the instance
+/// of `state`; true when every datagram has now arrived (always, for a
+/// one-datagram reply). Exactly one of several concurrent last datagrams
+/// sees true, and a datagram of an instance whose slot has been freed and
+/// taken since counts for nothing (`selector_common::inflight::datagram_step`).
 #[inline(always)]
-pub fn datagram_arrived(index: u32, seq: u16, total: u16) -> bool {
+pub fn datagram_arrived(index: u32, state: u64, seq: u16, total: u16) -> bool {
     if total <= 1 {
         return true;
     }
     let Some(p) = INFLIGHT.get_ptr_mut(index) else {
-        return true;
+        return false;
     };
-    let bit = 1u64 << if seq < 63 { seq } else { 63 };
-    let all = if total >= 64 {
-        u64::MAX
-    } else {
-        (1u64 << total) - 1
-    };
-    let before = unsafe {
-        atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(&raw mut (*p).datagrams_seen, bit)
-    };
-    before & all != all && (before | bit) & all == all
+    let word = unsafe { &raw mut (*p).datagrams_seen };
+    // Each failed compare-and-swap is another datagram of the reply
+    // arriving at the same moment: a few at most.
+    let mut i = 0;
+    while i < 4 {
+        let seen = unsafe { read_volatile(word) };
+        let Some((next, whole)) = datagram_step(seen, state, seq, total) else {
+            return false;
+        };
+        let (_, won) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                word, seen, next,
+            )
+        };
+        if won {
+            return whole;
+        }
+        i += 1;
+    }
+    false
 }
 
 /// The state a claimed request moves to: a redirected read lingers so its

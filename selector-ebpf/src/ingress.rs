@@ -265,7 +265,7 @@ fn count_error(seen: &Seen, backend: u32, error: u64) {
 /// path or the agent's sweep) accounts for it, exactly once.
 #[inline(always)]
 fn complete(client_slot: u32, live: &Seen, backend: u32, hedged: bool, datagram: &ReplyDatagram) {
-    if !inflight::datagram_arrived(live.index, datagram.seq, datagram.total) {
+    if !inflight::datagram_arrived(live.index, live.state, datagram.seq, datagram.total) {
         // More datagrams to come: the request stays pending.
         return;
     }

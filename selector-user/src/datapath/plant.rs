@@ -15,8 +15,8 @@ use selector_common::{
 use selector_common::{
     InflightKey,
     inflight::{
-        AGENT_HOLD, FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, key_hashes,
-        mark_of, probe, sequence, state,
+        AGENT_HOLD, FREE, InflightSlot, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, datagrams_open,
+        key_hashes, mark_of, probe, sequence, state,
     },
     split_backend_id,
 };
@@ -68,6 +68,7 @@ impl Selector {
                 primary: primary as u16,
                 chosen: chosen as u16,
                 sent_ns,
+                datagrams_seen: datagrams_open(writing),
                 ..Default::default()
             };
             // SAFETY: this slot is ours while WRITING.
