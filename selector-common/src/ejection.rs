@@ -52,10 +52,59 @@ pub const fn probe_bit(position: usize) -> u64 {
     1 << (PROBE_SHIFT as usize + position % MAX_GROUP_MEMBERS)
 }
 
-/// The members the policy may not choose, from the health word.
+/// In [`crate::GroupHealth::bits`]: bit `FAILING_SHIFT + p` set by the
+/// reply path when member `p`'s failures in a row reach `eject_after`
+/// (below): not chosen from that reply on, until the agent's next check
+/// ejects it or, over the cap, releases it. Without it the replies that
+/// arrive between the run's last failure and the check (10 ms; a moved
+/// read reaches a broken replica every 2 ms while a primary stalls) would
+/// all be moved to the failing member and reach the application as errors.
+pub const FAILING_SHIFT: u32 = 16;
+/// Every member's failing bit.
+pub const FAILING_MASK: u64 = 0xff << FAILING_SHIFT;
+/// In [`crate::GroupHealth::bits`]: the agent's `eject_after` from bit
+/// `EJECT_AFTER_SHIFT` up (0: ejection off, or a run too long for the
+/// field, which the reply path then leaves to the agent).
+pub const EJECT_AFTER_SHIFT: u32 = 48;
+/// The `eject_after` field.
+pub const EJECT_AFTER_MASK: u64 = 0xffff << EJECT_AFTER_SHIFT;
+
+#[inline(always)]
+pub const fn failing_bit(position: usize) -> u64 {
+    1 << (FAILING_SHIFT as usize + position % MAX_GROUP_MEMBERS)
+}
+
+/// The members the policy may not choose, from the health word: ejected,
+/// or failing until the agent's next check.
 #[inline(always)]
 pub const fn ejected_mask(bits: u64) -> u32 {
-    (bits & 0xff) as u32
+    ((bits | bits >> FAILING_SHIFT) & 0xff) as u32
+}
+
+/// The `eject_after` field for the health word: `eject_after` if it fits,
+/// else 0 (the reply path marks nothing failing; the agent still ejects).
+#[inline(always)]
+pub const fn eject_after_field(eject_after: u64) -> u64 {
+    if eject_after > 0xffff {
+        0
+    } else {
+        eject_after << EJECT_AFTER_SHIFT
+    }
+}
+
+/// The health word's bit to set after a reply that left member `position`
+/// with `run` failures in a row (0 after a good reply): its failing bit
+/// when the run has just reached the agent's `eject_after`, else 0. Only
+/// at that one count, so that a run the agent chose not to eject (its
+/// group over the cap) is not marked again by each of its later failures.
+#[inline(always)]
+pub const fn failing_after(bits: u64, position: usize, run: u64) -> u64 {
+    let eject_after = bits >> EJECT_AFTER_SHIFT;
+    if eject_after != 0 && run == eject_after {
+        failing_bit(position)
+    } else {
+        0
+    }
 }
 
 /// The health word once `position`'s probe is taken: ejected again until
@@ -732,5 +781,24 @@ mod tests {
         let taken = take_probe(bits, 2).unwrap();
         assert_eq!(ejected_mask(taken), 0b110);
         assert_eq!(take_probe(taken, 2), None);
+    }
+
+    #[test]
+    fn the_reply_that_completes_a_run_marks_the_member_failing_once() {
+        let bits = eject_after_field(5) | probe_bit(0);
+        assert_eq!(ejected_mask(bits), 0, "the field is no member");
+        for run in [0, 1, 4, 6, 7] {
+            assert_eq!(failing_after(bits, 2, run), 0, "run {run}");
+        }
+        let failing = bits | failing_after(bits, 2, 5);
+        assert_eq!(ejected_mask(failing), 0b100);
+        assert_eq!(failing & FAILING_MASK, failing_bit(2));
+        // The probe word is untouched by it, and the probe still taken.
+        assert_eq!(ejected_mask(take_probe(failing, 0).unwrap()), 0b101);
+        // Ejection off, or a run too long for the field: never marked.
+        assert_eq!(failing_after(eject_after_field(0), 1, 0), 0);
+        assert_eq!(eject_after_field(70_000), 0);
+        assert_eq!(failing_after(eject_after_field(70_000), 1, 70_000), 0);
+        assert_eq!(eject_after_field(65_535) >> EJECT_AFTER_SHIFT, 65_535);
     }
 }

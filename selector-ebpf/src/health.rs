@@ -3,7 +3,7 @@
 //! the failures in a row and good replies the reply path counts. The agent
 //! decides; these only read its word and count.
 
-use core::intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xadd};
+use core::intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd};
 
 use selector_common::{ejection, split_backend_id};
 
@@ -42,10 +42,12 @@ pub fn take_probe(group: u32, position: usize) -> bool {
 
 /// A reply from `backend` completed its request: an error (`error` 1)
 /// adds one to its failures in a row, a good reply (0) ends the run and
-/// counts one good reply. Without a branch: a plain store of
-/// `(failures + 1) * error`, which may overwrite a failure the sweep added
-/// at the same moment (ejection then comes one failure later; no count of
-/// requests depends on it).
+/// counts one good reply. A plain store of `(failures + 1) * error`, which
+/// may overwrite a failure the sweep added at the same moment (ejection
+/// then comes one failure later; no count of requests depends on it). The
+/// error that brings the run to the agent's `eject_after` marks the member
+/// failing: no read is moved to it from here on, not only from the agent's
+/// next check.
 #[inline(always)]
 pub fn replied(backend: u32, error: u64) {
     let (group, position) = split_backend_id(backend);
@@ -55,8 +57,13 @@ pub fn replied(backend: u32, error: u64) {
     let position = member_index(position);
     unsafe {
         let failures = &raw mut (*h).failures[position];
-        let run = core::ptr::read_volatile(failures).wrapping_add(1);
-        core::ptr::write_volatile(failures, run * error);
+        let run = core::ptr::read_volatile(failures).wrapping_add(1) * error;
+        core::ptr::write_volatile(failures, run);
+        let bits = &raw mut (*h).bits;
+        let failing = ejection::failing_after(core::ptr::read_volatile(bits), position, run);
+        if failing != 0 {
+            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(bits, failing);
+        }
         atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(
             &raw mut (*h).good[position],
             1 - error,

@@ -187,8 +187,11 @@ fn a_refusing_replica_is_ejected_and_the_application_sees_few_errors() {
     // is asserted): never healthy, since it refuses everything.
     assert_ne!(b[2].ejection.ejection_state, "healthy", "{:?}", b[2]);
     assert!(b[2].ejection.ejections >= 1);
+    // The bound. The reply path holds the refuser out of the
+    // choice from the error that makes the run of five, so what passes
+    // beyond five is what was already on its way to it.
     assert!(
-        on.errors <= 15,
+        on.errors <= 10,
         "{} error answers with ejection on",
         on.errors
     );

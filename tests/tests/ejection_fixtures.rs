@@ -197,6 +197,60 @@ fn an_ejected_replica_is_never_chosen_and_an_ejected_primary_is_left_at_once() {
     assert_eq!(sel.ejection_states(sys::monotonic_ns())[0].ejections, 1);
 }
 
+/// The error that makes a run of `--eject-after` holds its member out of
+/// the choice at once, before the agent's next check: a broken replica
+/// answers in microseconds, and every read moved to it until the check
+/// (10 ms) would come back an error. The check then ejects it, or, with
+/// its group over the cap, lets it be chosen again.
+#[test]
+fn the_error_that_completes_a_run_stops_moved_reads_before_the_agents_check() {
+    for tc in [false, true] {
+        let mut sel = memcached();
+        let server_error = |id: u16| mc_reply(id, b"SERVER_ERROR x\r\n");
+        for id in 100..104 {
+            answer(&mut sel, tc, id, 0, 1, &server_error(id));
+        }
+        // The primary far over the threshold, replica 1 the least loaded.
+        set_issued(&mut sel, 0, 20);
+        set_issued(&mut sel, 2, 3);
+        let (verdict, out) = egress(&mut sel, &request(&mc_get(0x10)));
+        assert_eq!(verdict, TC_ACT_REDIRECT);
+        assert_eq!(
+            verified_endpoints(&out).1,
+            replica(1),
+            "four errors: chosen"
+        );
+        answer(&mut sel, tc, 104, 0, 1, &server_error(104));
+        assert_eq!(states(&sel), ["healthy"; 3], "no check yet, tc {tc}");
+        let (_, out) = egress(&mut sel, &request(&mc_get(0x11)));
+        assert_eq!(
+            verified_endpoints(&out).1,
+            replica(2),
+            "the fifth error holds replica 1 out (1 pending against 3), tc {tc}"
+        );
+        sel.check_ejection(sys::monotonic_ns());
+        assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
+
+        // A group over the cap: member 0 ejected, member 1 failing too.
+        let mut sel = memcached();
+        fail(&mut sel, 0, 200);
+        for id in 300..305 {
+            answer(&mut sel, tc, id, 1, 1, &server_error(id));
+        }
+        set_issued(&mut sel, 2, 3);
+        let (_, out) = egress(&mut sel, &request(&mc_get(0x20)));
+        assert_eq!(verified_endpoints(&out).1, replica(2), "tc {tc}");
+        sel.check_ejection(sys::monotonic_ns());
+        assert_eq!(sel.groups_over_cap(), [1], "tc {tc}");
+        // Released by the check: steered by counts alone, replica 1 (0
+        // pending) is chosen again, and its later errors mark nothing.
+        answer(&mut sel, tc, 305, 1, 1, &server_error(305));
+        set_issued(&mut sel, 0, 20);
+        let (_, out) = egress(&mut sel, &request(&mc_get(0x21)));
+        assert_eq!(verified_endpoints(&out).1, replica(1), "tc {tc}");
+    }
+}
+
 #[test]
 fn a_half_open_member_gets_one_probe_and_a_good_reply_restores_it() {
     let mut settings = settings_for(Descriptor::memcached(), replica);

@@ -2,14 +2,18 @@
 //! good replies the kernel (and the sweep) counted in `HEALTH`, runs
 //! `selector_common::ejection::step_group` per group, and writes the
 //! ejected and probe bits back, atomically, beside the kernel's probe
-//! compare-and-swap.
+//! compare-and-swap and failing bits (a run the reply path saw reach
+//! `eject_after`, held out of the choice until this step answers it).
 
 use std::{collections::HashMap, net::SocketAddr, sync::atomic::Ordering};
 
 use aya::maps::Array;
 use selector_common::{
     Group, MAX_GROUP_MEMBERS,
-    ejection::{self, Event, GoodWatch, Member, Seen, ejected_bit, probe_bit},
+    ejection::{
+        self, EJECT_AFTER_MASK, Event, FAILING_MASK, GoodWatch, Member, Seen, eject_after_field,
+        ejected_bit, probe_bit,
+    },
     names, split_backend_id,
 };
 
@@ -210,6 +214,15 @@ impl Selector {
                     }),
                 }
             }
+            // The reply path's failing bits seen by this step have had
+            // their answer (ejected, or released over the cap); a bit set
+            // since waits for the next step. The field the reply path
+            // compares runs with follows `eject_after` (set, reload).
+            self.change_bits(
+                group,
+                EJECT_AFTER_MASK | (bits & FAILING_MASK),
+                eject_after_field(params.eject_after),
+            );
         }
         lines
     }
@@ -254,13 +267,15 @@ impl Selector {
     }
 
     /// Forgets every ejection and clears the kernel's bits (a fresh agent,
-    /// also on adopted pins: its records start healthy).
+    /// also on adopted pins: its records start healthy), leaving only the
+    /// `eject_after` the reply path compares runs with.
     pub(crate) fn reset_ejection(&mut self) {
         self.ejection.groups.clear();
+        let word = eject_after_field(self.settings.ejection.eject_after.into());
         for g in 0..self.health.len() {
             let h = self.health.ptr(g);
             // SAFETY: a field of a live shared element.
-            unsafe { atomic(&raw mut (*h).bits).store(0, Ordering::SeqCst) };
+            unsafe { atomic(&raw mut (*h).bits).store(word, Ordering::SeqCst) };
         }
     }
 }
