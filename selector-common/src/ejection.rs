@@ -62,6 +62,13 @@ pub const fn probe_bit(position: usize) -> u64 {
 pub const FAILING_SHIFT: u32 = 16;
 /// Every member's failing bit.
 pub const FAILING_MASK: u64 = 0xff << FAILING_SHIFT;
+/// In [`crate::GroupHealth::bits`]: bit `EJECTABLE_SHIFT + p` set by the
+/// agent when member `p` may be marked failing: it is eligible (not
+/// drained) and healthy, and its group may have one more member out
+/// ([`ejectable`]).
+pub const EJECTABLE_SHIFT: u32 = 24;
+/// Every member's ejectable bit.
+pub const EJECTABLE_MASK: u64 = 0xff << EJECTABLE_SHIFT;
 /// In [`crate::GroupHealth::bits`]: the agent's `eject_after` from bit
 /// `EJECT_AFTER_SHIFT` up (0: ejection off, or a run too long for the
 /// field, which the reply path then leaves to the agent).
@@ -94,17 +101,41 @@ pub const fn eject_after_field(eject_after: u64) -> u64 {
 
 /// The health word's bit to set after a reply that left member `position`
 /// with `run` failures in a row (0 after a good reply): its failing bit
-/// when the run has just reached the agent's `eject_after`, else 0. Only
-/// at that one count, so that a run the agent chose not to eject (its
-/// group over the cap) is not marked again by each of its later failures.
+/// when the run has just reached the agent's `eject_after`, the agent
+/// marked the member ejectable, and no other member is failing, else 0.
+/// Only at that one count, so that a run the agent chose not to eject is
+/// not marked again by each of its later failures; and one member at a
+/// time, so that what is out of the choice never exceeds what the cap
+/// allows (the agent marks none ejectable when its group has no room).
 #[inline(always)]
 pub const fn failing_after(bits: u64, position: usize, run: u64) -> u64 {
     let eject_after = bits >> EJECT_AFTER_SHIFT;
-    if eject_after != 0 && run == eject_after {
+    let ejectable = bits & (1 << (EJECTABLE_SHIFT as usize + position % MAX_GROUP_MEMBERS)) != 0;
+    if eject_after != 0 && run == eject_after && ejectable && bits & FAILING_MASK == 0 {
         failing_bit(position)
     } else {
         0
     }
+}
+
+/// The ejectable bits of a group after a step: its eligible healthy
+/// members, if the group may have one more member out (not over the cap,
+/// fewer out than [`allowed`]); none if ejection is off.
+pub fn ejectable(members: &[Member], seen: &[Seen], over_cap: bool, p: &Params) -> u64 {
+    let n = members.len().min(seen.len()).min(MAX_GROUP_MEMBERS);
+    if p.eject_after == 0 || over_cap {
+        return 0;
+    }
+    let eligible = (0..n).filter(|&i| seen[i].eligible).count();
+    let out = (0..n)
+        .filter(|&i| seen[i].eligible && members[i].state != State::Healthy)
+        .count();
+    if out >= allowed(eligible, p.max_ejected_percent) {
+        return 0;
+    }
+    (0..n)
+        .filter(|&i| seen[i].eligible && members[i].state == State::Healthy)
+        .fold(0, |mask, i| mask | 1 << (EJECTABLE_SHIFT as usize + i))
 }
 
 /// The health word once `position`'s probe is taken: ejected again until
@@ -785,14 +816,19 @@ mod tests {
 
     #[test]
     fn the_reply_that_completes_a_run_marks_the_member_failing_once() {
-        let bits = eject_after_field(5) | probe_bit(0);
-        assert_eq!(ejected_mask(bits), 0, "the field is no member");
+        let bits = eject_after_field(5) | probe_bit(0) | EJECTABLE_MASK;
+        assert_eq!(ejected_mask(bits), 0, "the fields are no member");
         for run in [0, 1, 4, 6, 7] {
             assert_eq!(failing_after(bits, 2, run), 0, "run {run}");
         }
         let failing = bits | failing_after(bits, 2, 5);
         assert_eq!(ejected_mask(failing), 0b100);
         assert_eq!(failing & FAILING_MASK, failing_bit(2));
+        // One member at a time, and only an ejectable one.
+        assert_eq!(failing_after(failing, 1, 5), 0);
+        let not_ejectable = bits & !(1 << (EJECTABLE_SHIFT + 1));
+        assert_eq!(failing_after(not_ejectable, 1, 5), 0);
+        assert_eq!(failing_after(not_ejectable, 3, 5), failing_bit(3));
         // The probe word is untouched by it, and the probe still taken.
         assert_eq!(ejected_mask(take_probe(failing, 0).unwrap()), 0b101);
         // Ejection off, or a run too long for the field: never marked.
@@ -800,5 +836,40 @@ mod tests {
         assert_eq!(eject_after_field(70_000), 0);
         assert_eq!(failing_after(eject_after_field(70_000), 1, 70_000), 0);
         assert_eq!(eject_after_field(65_535) >> EJECT_AFTER_SHIFT, 65_535);
+    }
+
+    #[test]
+    fn ejectable_members_respect_the_cap_drains_and_the_last_member() {
+        let p = params();
+        let healthy = [Member::default(); 4];
+        let all = [seen(0, 0); 4];
+        let bits = |mask: u64| mask << EJECTABLE_SHIFT;
+        assert_eq!(ejectable(&healthy, &all, false, &p), bits(0b1111));
+        // Half of four: two may be out; with one out, the others remain.
+        let mut one_out = healthy;
+        one_out[1].state = State::Ejected { until_ns: 1 };
+        assert_eq!(ejectable(&one_out, &all, false, &p), bits(0b1101));
+        let mut two_out = one_out;
+        two_out[2].state = State::HalfOpen {
+            good_at: 0,
+            taken_ns: 0,
+        };
+        assert_eq!(ejectable(&two_out, &all, false, &p), 0);
+        // Drained members are neither ejectable nor counted: with one
+        // eligible member left, none.
+        let mut drained = all;
+        for s in &mut drained[1..] {
+            s.eligible = false;
+        }
+        assert_eq!(ejectable(&healthy, &drained, false, &p), 0);
+        drained[1].eligible = true;
+        assert_eq!(ejectable(&healthy, &drained, false, &p), bits(0b11));
+        // Over the cap, or ejection off: none.
+        assert_eq!(ejectable(&healthy, &all, true, &p), 0);
+        let off = Params {
+            eject_after: 0,
+            ..p
+        };
+        assert_eq!(ejectable(&healthy, &all, false, &off), 0);
     }
 }

@@ -304,6 +304,13 @@ pub const fn datagrams_open(state: u64) -> u64 {
     datagram_tag(state) << DATAGRAM_BITS
 }
 
+/// The bit of reply datagram `seq` in the datagram word.
+#[inline(always)]
+pub const fn datagram_bit(seq: u16) -> u64 {
+    let last = DATAGRAM_BITS as u16 - 1;
+    1u64 << if seq < last { seq } else { last }
+}
+
 /// Reply datagram `seq` of `total` arriving for the instance of `state`,
 /// whose slot's datagram word reads `word`: the word with its bit set, and
 /// whether that makes the reply whole (true for one caller of several
@@ -312,13 +319,17 @@ pub const fn datagrams_open(state: u64) -> u64 {
 /// the reply read it, and the bit must not count for the new request. A
 /// reply of more than 48 datagrams is whole once datagrams 0-46 and any
 /// later one have arrived.
+///
+/// A word with tag 0 is taken as any instance's: slots written by an
+/// earlier build (adopted pins, an upgrade's moment with the old egress
+/// still attached) hold no tag, and their replies must still complete.
 #[inline(always)]
 pub const fn datagram_step(word: u64, state: u64, seq: u16, total: u16) -> Option<(u64, bool)> {
-    if word >> DATAGRAM_BITS != datagram_tag(state) {
+    let tag = word >> DATAGRAM_BITS;
+    if tag != 0 && tag != datagram_tag(state) {
         return None;
     }
-    let last = DATAGRAM_BITS as u16 - 1;
-    let bit = 1u64 << if seq < last { seq } else { last };
+    let bit = datagram_bit(seq);
     let all = if total >= DATAGRAM_BITS as u16 {
         (1u64 << DATAGRAM_BITS) - 1
     } else {
@@ -634,6 +645,11 @@ mod tests {
         // The slot taken by another instance: the bit is not its.
         assert_ne!(datagrams_open(b), open);
         assert_eq!(datagram_step(datagrams_open(b), a, 0, 3), None);
+        // An untagged word (an earlier build's slot) is any instance's.
+        assert_ne!(datagrams_open(a), 0);
+        let (w, done) = datagram_step(0, a, 1, 2).unwrap();
+        assert_eq!((w, done), (datagram_bit(1), false));
+        assert_eq!(datagram_step(w, a, 0, 2), Some((0b11, true)));
         // Same instance in another phase: same tag.
         assert_eq!(datagrams_open(with_phase(a, PHASE_LINGER)), open);
         // Long replies: datagrams 0-46 and any later one.

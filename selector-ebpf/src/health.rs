@@ -3,7 +3,7 @@
 //! the failures in a row and good replies the reply path counts. The agent
 //! decides; these only read its word and count.
 
-use core::intrinsics::{AtomicOrdering, atomic_cxchg, atomic_or, atomic_xadd};
+use core::intrinsics::{AtomicOrdering, atomic_cxchg, atomic_xadd};
 
 use selector_common::{ejection, split_backend_id};
 
@@ -46,8 +46,9 @@ pub fn take_probe(group: u32, position: usize) -> bool {
 /// may overwrite a failure the sweep added at the same moment (ejection
 /// then comes one failure later; no count of requests depends on it). The
 /// error that brings the run to the agent's `eject_after` marks the member
-/// failing: no read is moved to it from here on, not only from the agent's
-/// next check.
+/// failing, if the agent says its group has room for it
+/// (`ejection::failing_after`): no read is moved to it from here on, not
+/// only from the agent's next check.
 #[inline(always)]
 pub fn replied(backend: u32, error: u64) {
     let (group, position) = split_backend_id(backend);
@@ -60,9 +61,16 @@ pub fn replied(backend: u32, error: u64) {
         let run = core::ptr::read_volatile(failures).wrapping_add(1) * error;
         core::ptr::write_volatile(failures, run);
         let bits = &raw mut (*h).bits;
-        let failing = ejection::failing_after(core::ptr::read_volatile(bits), position, run);
+        let word = core::ptr::read_volatile(bits);
+        let failing = ejection::failing_after(word, position, run);
         if failing != 0 {
-            atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(bits, failing);
+            // Lost to a concurrent change of the word: the agent's check
+            // ejects the member a moment later all the same.
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                bits,
+                word,
+                word | failing,
+            );
         }
         atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(
             &raw mut (*h).good[position],

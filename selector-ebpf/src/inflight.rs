@@ -16,9 +16,9 @@ use aya_ebpf::helpers::bpf_get_smp_processor_id;
 use selector_common::{
     InflightKey,
     inflight::{
-        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, datagram_step, datagrams_open,
-        mark_of, phase, probe, rank, reply_rank, sequence, state, superseded, window_mark_words,
-        window_marks as window_marks_of, with_phase,
+        FREE, PHASE_LINGER, PHASE_LIVE, PHASE_WRITING, PROBE_WINDOW, datagram_bit, datagram_step,
+        datagrams_open, mark_of, phase, probe, rank, reply_rank, sequence, state, superseded,
+        window_mark_words, window_marks as window_marks_of, with_phase,
     },
 };
 
@@ -381,7 +381,13 @@ pub fn datagram_arrived(index: u32, state: u64, seq: u16, total: u16) -> bool {
         }
         i += 1;
     }
-    false
+    // Still contended: set the bit unconditionally, as before tags, so
+    // that no datagram is lost (a reply that could never be whole would
+    // expire though answered); the rare price is a bit in a slot retaken
+    // at this very moment.
+    let before =
+        unsafe { atomic_or::<u64, u64, { AtomicOrdering::SeqCst }>(word, datagram_bit(seq)) };
+    matches!(datagram_step(before, state, seq, total), Some((_, true)))
 }
 
 /// The state a claimed request moves to: a redirected read lingers so its

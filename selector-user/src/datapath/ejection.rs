@@ -11,8 +11,8 @@ use aya::maps::Array;
 use selector_common::{
     Group, MAX_GROUP_MEMBERS,
     ejection::{
-        self, EJECT_AFTER_MASK, Event, FAILING_MASK, GoodWatch, Member, Seen, eject_after_field,
-        ejected_bit, probe_bit,
+        self, EJECT_AFTER_MASK, EJECTABLE_MASK, Event, FAILING_MASK, GoodWatch, Member, Seen,
+        eject_after_field, ejected_bit, probe_bit,
     },
     names, split_backend_id,
 };
@@ -215,13 +215,20 @@ impl Selector {
                 }
             }
             // The reply path's failing bits seen by this step have had
-            // their answer (ejected, or released over the cap); a bit set
-            // since waits for the next step. The field the reply path
-            // compares runs with follows `eject_after` (set, reload).
+            // their answer (ejected, or released); a bit set since waits
+            // for the next step. The field the reply path compares runs
+            // with follows `eject_after` (set, reload), and the members it
+            // may mark follow the group's room under the cap.
+            let ejectable = ejection::ejectable(
+                &record.members[..len],
+                &seen[..len],
+                record.over_cap,
+                &params,
+            );
             self.change_bits(
                 group,
-                EJECT_AFTER_MASK | (bits & FAILING_MASK),
-                eject_after_field(params.eject_after),
+                EJECT_AFTER_MASK | EJECTABLE_MASK | (bits & FAILING_MASK),
+                eject_after_field(params.eject_after) | ejectable,
             );
         }
         lines
