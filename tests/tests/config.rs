@@ -456,6 +456,75 @@ fn hedges_to_a_reused_position_go_to_the_new_member() {
     tb.replicas.clear();
 }
 
+/// Members added by a reload, of a family the agent did not start with:
+/// an agent started with an IPv4 group only is reloaded with an IPv6
+/// group as well; a read to the stalled primary of the new group gets its
+/// hedge copy sent to the added member over IPv6, and that copy answers
+/// (the hedge thread once knew only the start's addresses and families).
+#[test]
+fn hedges_go_to_members_a_reload_added_in_a_new_family() {
+    let mut tb = Testbed::dual_stack("selc6", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    let r6 = tb.replica_endpoints6();
+    selector_testbed::preload(&tb.client, &r, 10).unwrap();
+    selector_testbed::preload(&tb.client, &r6, 10).unwrap();
+    let _etc = NetnsEtc::new(&tb.client, "");
+    let file = ConfigFile::new("family");
+    let top = "hedge-after = \"2\"\ngrace = 100\n";
+    file.write(&config(top, &[&r[0].to_string(), &r[1].to_string()]));
+    let (mut child, _out) = Output::of(agent::spawn_agent(&tb.client, &["--config", file.arg()]));
+    let v6_group = format!(
+        "\n[[group]]\nname = \"users6\"\nmembers = [\"{}\", \"{}\"]\n",
+        r6[0], r6[2]
+    );
+    file.write(&(config(top, &[&r[0].to_string(), &r[1].to_string()]) + &v6_group));
+    let (code, msg) = reload(&tb);
+    assert_eq!(code, 0, "{msg}");
+    let s = status(&tb);
+    assert!(
+        backends(&s).contains(&r6[2].to_string()),
+        "the added member: {s}"
+    );
+
+    // The primary (both families: one memcached) stalls: the IPv6 read's
+    // hedge goes to the added member, whose reply answers it.
+    tb.replicas[0].stop();
+    let to = r6[0];
+    let answered = tb
+        .client
+        .spawn(move || {
+            let client = MemcachedClient::connect(to).unwrap();
+            let reply = client.request(
+                format!("get {}\r\n", key_for(1)).as_bytes(),
+                Duration::from_secs(5),
+            );
+            reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(1).as_bytes()))
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    tb.replicas[0].resume();
+    let s = status(&tb);
+    assert!(answered, "the hedge was answered: {s}");
+    let added = s["backends"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["backend"] == r6[2].to_string())
+        .cloned()
+        .unwrap();
+    assert_eq!(
+        (added["hedges_sent"].as_u64(), added["hedges_won"].as_u64()),
+        (Some(1), Some(1)),
+        "{s}"
+    );
+
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.wait().unwrap().success());
+    tb.replicas.clear();
+}
+
 #[test]
 fn a_bad_file_at_start_names_its_line_and_key_and_nothing_runs() {
     let tb = Testbed::new("selcb", 0).unwrap();
