@@ -150,7 +150,14 @@ pub fn find(
 /// One pass over the window with no early way out, each slot's rank folded
 /// into a best-so-far word in map memory without a branch: the verifier
 /// does not track map contents, so every way through a slot's checks
-/// continues as one state into the next slot, and one state leaves.
+/// continues as one state into the next slot, and one state leaves. Only
+/// marked slots are read (`window_marks`, whose home word the reply path
+/// started to fetch): a slot in use never loses its mark (the agent
+/// clears a free slot's under its hold), but for the moment a claim that
+/// frees it clears the mark before its compare-and-swap, when the slot is
+/// being answered by that claim; so an instance a reply can belong to is
+/// always marked. The unmarked slots' cache lines are not touched: a
+/// quarter of the reply path's time on an idle window.
 #[inline(always)]
 pub fn match_reply(
     key: &InflightKey,
@@ -164,9 +171,12 @@ pub fn match_reply(
     let slot = SCRATCH.get_ptr_mut(MATCH_SCRATCH)?;
     let best_state = SCRATCH.get_ptr_mut(MATCH_SCRATCH + 1)?;
     unsafe { write_volatile(slot, [0, 0]) };
+    let probes = window_marks(hash, mask);
     let mut i = 0;
     while i < PROBE_WINDOW {
-        if let Some(seen) = read_if_holds(probe(hash, i, mask), key) {
+        if (probes >> i) & 1 != 0
+            && let Some(seen) = read_if_holds(probe(hash, i, mask), key)
+        {
             let (r, current) = reply_rank(seen.state, seen.chosen, seen.hedge, group, from);
             let mine = r << 60 | u64::from(PROBE_WINDOW - 1 - i) << 56 | u64::from(seen.index);
             unsafe {
