@@ -115,6 +115,40 @@ fn differences(doc: &BTreeSet<String>, code: &BTreeSet<String>) -> String {
     format!("missing from the doc: {missing:?}; in the doc but not in the code: {extra:?}")
 }
 
+/// The config reference's "reload" column says "restart" for exactly the
+/// keys a reload refuses to change (`agent::reload::RESTART_KEYS`), and
+/// "yes" for every tunable (what `selector set` changes too).
+#[test]
+fn the_config_reference_marks_the_restart_keys_the_reload_refuses() {
+    use selector_user::{agent::reload::RESTART_KEYS, config::tunables::TunablesPatch};
+    let doc_text = read("docs/reference/config.md");
+    let reload_column: Vec<(String, String)> = doc_text
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| {
+            let (name, rest) = l.split_once('`')?;
+            let columns: Vec<&str> = rest.split('|').map(str::trim).collect();
+            Some((name.to_owned(), columns.get(3)?.to_string()))
+        })
+        .collect();
+    let restart: BTreeSet<String> = reload_column
+        .iter()
+        .filter(|(_, reload)| reload == "restart")
+        .map(|(name, _)| name.clone())
+        .collect();
+    let code: BTreeSet<String> = RESTART_KEYS.iter().map(|k| k.to_string()).collect();
+    assert_eq!(restart, code, "{}", differences(&restart, &code));
+    for flag in TunablesPatch::flags() {
+        let key = flag.trim_start_matches('-');
+        let row = reload_column.iter().find(|(name, _)| name == key);
+        assert_eq!(
+            row.map(|(_, reload)| reload.as_str()),
+            Some("yes"),
+            "tunable {key}"
+        );
+    }
+}
+
 /// Every key of the config file (`selector_user::config::file::Options` and
 /// its groups) has a row in docs/reference/config.md and no row names
 /// another; its full example parses with the agent's own parser (unknown
@@ -123,7 +157,7 @@ fn differences(doc: &BTreeSet<String>, code: &BTreeSet<String>) -> String {
 fn the_config_reference_names_every_key() {
     use selector_user::config::file::{ConfigFile, GroupSpec, Options};
     let keys = |v: Value| -> Vec<String> { v.as_object().unwrap().keys().cloned().collect() };
-    let mut code: BTreeSet<String> = keys(serde_json::to_value(Options::default()).unwrap())
+    let mut code: BTreeSet<String> = Options::keys()
         .into_iter()
         .filter(|k| k != "group")
         .collect();
@@ -139,11 +173,10 @@ fn the_config_reference_names_every_key() {
     let example = fenced(&doc_text, "toml");
     let file = ConfigFile::parse(Path::new("config.md"), example.to_owned())
         .unwrap_or_else(|e| panic!("the example does not parse: {e:#}"));
-    let given: Value = serde_json::to_value(&file.options).unwrap();
     let unset: Vec<&String> = code
         .iter()
         .filter(|k| !k.starts_with("group."))
-        .filter(|k| given[k.as_str()].is_null())
+        .filter(|k| !file.options.gives(k))
         .collect();
     assert!(unset.is_empty(), "the example does not set {unset:?}");
     let groups = file.options.groups.expect("the example has a group");

@@ -15,7 +15,8 @@ use tokio::{
 use crate::{
     agent::limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
     agent::reload::Reloader,
-    api::{MAX_REQUEST_BYTES, Reply, Request, SettingsChange, Status, socket::RunningLock},
+    api::{MAX_REQUEST_BYTES, Reply, Request, Status, socket::RunningLock},
+    config::tunables::TunablesPatch,
     datapath::Selector,
     telemetry::{self, TailHistory},
 };
@@ -170,7 +171,7 @@ fn status(selector: &Selector, reloader: &Reloader, tails: &TailHistory) -> Resu
     })
 }
 
-fn set(selector: &mut Selector, change: &SettingsChange) -> Result<Reply> {
+fn set(selector: &mut Selector, change: &TunablesPatch) -> Result<Reply> {
     let wanted = change.applied_to(&selector.settings)?;
     let previous = std::mem::replace(&mut selector.settings, wanted);
     if let Err(e) = selector.write_config() {

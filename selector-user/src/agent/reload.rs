@@ -60,6 +60,22 @@ impl ReloadRecord {
     }
 }
 
+/// The keys (and flags) a reload cannot change: the attachment and the
+/// agent's own loop; changing one needs a restart. Everything else is
+/// applied in place. docs/reference/config.md marks exactly these
+/// "restart" (its test checks).
+pub const RESTART_KEYS: [&str; 9] = [
+    "iface",
+    "inflight-max",
+    "ingress",
+    "mark",
+    "interval",
+    "duration",
+    "pin",
+    "netns",
+    "metrics-addr",
+];
+
 /// What the agent needs to reload: where the file is, the flags it was
 /// started with (they still win over the file), and the tables.
 #[derive(Debug)]
@@ -157,41 +173,34 @@ impl Reloader {
                 .map_or("none".into(), |p| p.display().to_string())
         };
         let address = |a: Option<SocketAddr>| a.map_or("none".to_string(), |a| a.to_string());
-        let fixed: Vec<String> = [
-            ("iface", running.iface.clone(), new.iface.clone()),
+        let values = [
+            (running.iface.clone(), new.iface.clone()),
             (
-                "inflight-max",
                 running.inflight_max.to_string(),
                 new.inflight_max.to_string(),
             ),
+            (running.ingress.name().into(), new.ingress.name().into()),
             (
-                "ingress",
-                running.ingress.name().into(),
-                new.ingress.name().into(),
-            ),
-            (
-                "mark",
                 format!("{:#010x}", running.mark),
                 format!("{:#010x}", new.mark),
             ),
             (
-                "interval",
                 format!("{:?}", self.interval),
                 format!("{:?}", wanted.interval),
             ),
-            ("duration", seconds(self.duration), seconds(wanted.duration)),
-            ("pin", path(&self.pin), path(&wanted.pin)),
-            ("netns", path(&self.netns), path(&wanted.netns)),
-            (
-                "metrics-addr",
-                address(self.metrics_addr),
-                address(wanted.metrics_addr),
-            ),
-        ]
-        .into_iter()
-        .filter(|(_, old, new)| old != new)
-        .map(|(key, old, new)| format!("{key} {old} -> {new}"))
-        .collect();
+            (seconds(self.duration), seconds(wanted.duration)),
+            (path(&self.pin), path(&wanted.pin)),
+            (path(&self.netns), path(&wanted.netns)),
+            (address(self.metrics_addr), address(wanted.metrics_addr)),
+        ];
+        let fixed: Vec<String> = RESTART_KEYS
+            .into_iter()
+            .zip(values)
+            .map(|(key, (old, new))| (key, old, new))
+            .into_iter()
+            .filter(|(_, old, new)| old != new)
+            .map(|(key, old, new)| format!("{key} {old} -> {new}"))
+            .collect();
         if !fixed.is_empty() {
             bail!(
                 "{} cannot change while the agent runs (restart it to change them)",

@@ -13,8 +13,8 @@
 //! ```text
 //! {"request":"status"}
 //! {"request":"set","policy":"threshold","threshold":2,"max_pending":5,
-//!  "max_pending_client":0,"on_overload":"drop","budget_us":2000,
-//!  "tie_break":"random"}                          (every field optional)
+//!  "max_pending_client":0,"on_overload":"drop","budget":2,
+//!  "tie_break":"random"}    (every field optional; `TunablesPatch`)
 //! {"request":"drain","backend":"10.0.0.2:11211","drained":true}
 //! {"request":"reload"}
 //!
@@ -30,14 +30,11 @@ pub mod socket;
 
 pub use socket::send;
 
-use std::time::Duration;
-
-use anyhow::Result;
-use selector_common::{Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::settings::{OnOverload, Settings},
+    config::settings::Settings,
+    config::tunables::TunablesPatch,
     telemetry::{BackendTotals, HeadersPulled, LastInterval, PassedCount},
 };
 
@@ -47,7 +44,7 @@ pub enum Request {
     /// Settings, totals and pending counts.
     Status,
     /// Change the run-time tunables.
-    Set(SettingsChange),
+    Set(TunablesPatch),
     /// Drain (never choose) or undrain a backend.
     Drain {
         backend: std::net::SocketAddr,
@@ -55,62 +52,6 @@ pub enum Request {
     },
     /// Read the config file again and apply it (see [`crate::agent::reload`]).
     Reload,
-}
-
-/// The tunables `selector set` changes; absent fields keep their value.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SettingsChange {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub policy: Option<Policy>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub threshold: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_pending: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_pending_client: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_overload: Option<OnOverload>,
-    /// `"off"`, `"auto"` or milliseconds as a string (`"2"`, `"0.5"`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hedge_after: Option<crate::config::hedge::HedgeAfter>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hedge_budget: Option<u32>,
-    /// The latency policy's budget, microseconds.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub budget_us: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tie_break: Option<TieBreak>,
-}
-
-impl SettingsChange {
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-
-    /// `settings` with this change applied, checked as `selector run` would.
-    pub fn applied_to(&self, settings: &Settings) -> Result<Settings> {
-        let changed = Settings {
-            policy: self.policy.unwrap_or(settings.policy),
-            threshold: self.threshold.unwrap_or(settings.threshold),
-            max_pending: self.max_pending.unwrap_or(settings.max_pending),
-            max_pending_client: self
-                .max_pending_client
-                .unwrap_or(settings.max_pending_client),
-            on_overload: self.on_overload.unwrap_or(settings.on_overload),
-            hedging: crate::config::hedge::HedgeSettings {
-                after: self.hedge_after.unwrap_or(settings.hedging.after),
-                budget_percent: self.hedge_budget.unwrap_or(settings.hedging.budget_percent),
-            },
-            budget: self
-                .budget_us
-                .map_or(settings.budget, Duration::from_micros),
-            tie_break: self.tie_break.unwrap_or(settings.tie_break),
-            ..settings.clone()
-        };
-        changed.check_tunables()?;
-        Ok(changed)
-    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -383,8 +324,10 @@ pub const MAX_REQUEST_BYTES: u64 = 4096;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::settings::OnOverload;
     use crate::telemetry::{BackendTail, LatencyBucket};
     use selector_common::BackendStats;
+    use selector_common::{Policy, TieBreak};
 
     fn round_trip<T: Serialize + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug>(
         value: &T,
@@ -402,7 +345,7 @@ mod tests {
     fn requests_round_trip() {
         for r in [
             Request::Status,
-            Request::Set(SettingsChange {
+            Request::Set(TunablesPatch {
                 policy: Some(Policy::Absolute),
                 threshold: Some(12),
                 max_pending: Some(5),
@@ -410,10 +353,13 @@ mod tests {
                 on_overload: Some(OnOverload::Reject),
                 hedge_after: Some("0.5".parse().unwrap()),
                 hedge_budget: Some(10),
-                budget_us: Some(2500),
+                budget: Some(crate::config::tunables::Millis(
+                    std::time::Duration::from_micros(2500),
+                )),
                 tie_break: Some(TieBreak::Random),
+                ..Default::default()
             }),
-            Request::Set(SettingsChange {
+            Request::Set(TunablesPatch {
                 threshold: Some(3),
                 ..Default::default()
             }),
@@ -433,7 +379,7 @@ mod tests {
 
     #[test]
     fn the_wire_form_is_the_documented_one() {
-        let set = Request::Set(SettingsChange {
+        let set = Request::Set(TunablesPatch {
             max_pending: Some(5),
             on_overload: Some(OnOverload::Drop),
             ..Default::default()
@@ -441,6 +387,17 @@ mod tests {
         assert_eq!(
             serde_json::to_string(&set).unwrap(),
             r#"{"request":"set","max_pending":5,"on_overload":"drop"}"#
+        );
+        // A request of an older client: `budget_us` in microseconds.
+        let old: Request =
+            serde_json::from_str(r#"{"request":"set","max_pending":5,"budget_us":2000}"#).unwrap();
+        let Request::Set(old) = old else {
+            panic!("not a set request: {old:?}");
+        };
+        let settings = old.applied_to(&Settings::new("eth0", vec![vec![backend()]]));
+        assert_eq!(
+            settings.unwrap().budget,
+            std::time::Duration::from_millis(2)
         );
         assert_eq!(
             serde_json::to_string(&Request::Status).unwrap(),
@@ -659,7 +616,7 @@ mod tests {
     #[test]
     fn a_change_is_checked_like_the_run_flags() {
         let settings = Settings::new("eth0", vec![vec![backend()]]);
-        let change = SettingsChange {
+        let change = TunablesPatch {
             max_pending: Some(5),
             on_overload: Some(OnOverload::Drop),
             ..Default::default()
@@ -670,7 +627,7 @@ mod tests {
             (5, OnOverload::Drop)
         );
         assert_eq!(changed.threshold, settings.threshold);
-        let zero = SettingsChange {
+        let zero = TunablesPatch {
             threshold: Some(0),
             ..Default::default()
         };
@@ -679,11 +636,11 @@ mod tests {
             descriptor: selector_common::Descriptor::custom(4, 4, 0, b"").unwrap(),
             ..settings
         };
-        let reject = SettingsChange {
+        let reject = TunablesPatch {
             on_overload: Some(OnOverload::Reject),
             ..Default::default()
         };
         assert!(reject.applied_to(&custom).is_err());
-        assert!(SettingsChange::default().is_empty());
+        assert!(TunablesPatch::default().is_empty());
     }
 }

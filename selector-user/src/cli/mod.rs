@@ -9,7 +9,6 @@ mod find_agent;
 mod generate;
 mod run;
 mod run_args;
-mod tunables;
 
 use std::net::SocketAddr;
 
@@ -21,9 +20,9 @@ pub use detach::DetachArgs;
 pub use generate::{CompletionsArgs, ManArgs};
 pub use run::run;
 pub use run_args::RunArgs;
-pub use tunables::{TUNABLE_FLAGS, Tunables};
 
 use crate::api::{self, Reply, Request};
+use crate::config::tunables::TunablesPatch;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -115,7 +114,7 @@ pub struct SetArgs {
     #[command(flatten)]
     pub netns: NetnsArg,
     #[command(flatten)]
-    pub tunables: Tunables,
+    pub tunables: TunablesPatch,
 }
 
 #[derive(Debug, Args)]
@@ -142,11 +141,13 @@ pub fn control(command: Command) -> Result<()> {
         Command::Status(a) => (a.iface, a.netns, Request::Status, a.json),
         Command::Reload(a) => (a.iface, a.netns, Request::Reload, false),
         Command::Set(a) => {
-            let change = a.tunables.change();
-            if change.is_empty() {
-                bail!("set needs at least one of {TUNABLE_FLAGS}");
+            if a.tunables.is_empty() {
+                bail!(
+                    "set needs at least one of {}",
+                    TunablesPatch::flags().join(", ")
+                );
             }
-            (a.iface, a.netns, Request::Set(change), false)
+            (a.iface, a.netns, Request::Set(a.tunables), false)
         }
         Command::Drain(a) => (
             a.iface,

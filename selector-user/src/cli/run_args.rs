@@ -6,10 +6,10 @@ use std::{fmt, net::SocketAddr, path::PathBuf};
 use anyhow::Result;
 use clap::Args;
 
-use super::tunables::Tunables;
 use crate::{
     config::file::{ConfigFile, GroupSpec, Options, RunConfig},
     config::settings::{IngressMode, Protocol, Settings, parse_group, parse_u32},
+    config::tunables::TunablesPatch,
     datapath::pinning::DEFAULT_PIN_DIR,
 };
 
@@ -53,7 +53,7 @@ pub struct RunArgs {
     #[arg(long = "group", value_parser = group_arg)]
     pub groups: Vec<GroupArg>,
     #[command(flatten)]
-    pub tunables: Tunables,
+    pub tunables: TunablesPatch,
     /// [default: memcached]
     #[arg(long, value_enum)]
     pub proto: Option<Protocol>,
@@ -175,7 +175,6 @@ pub struct RunArgs {
 impl RunArgs {
     /// The flags given, as options to lay over the config file.
     pub fn options(&self) -> Options {
-        let t = &self.tunables;
         Options {
             iface: self.iface.clone(),
             groups: (!self.groups.is_empty()).then(|| {
@@ -187,11 +186,7 @@ impl RunArgs {
                     })
                     .collect()
             }),
-            policy: t.policy,
-            threshold: t.threshold,
-            max_pending: t.max_pending,
-            on_overload: t.on_overload,
-            max_pending_client: t.max_pending_client,
+            tunables: self.tunables.clone(),
             proto: self.proto,
             req_id_offset: self.req_id_offset,
             req_id_len: self.req_id_len,
@@ -212,10 +207,6 @@ impl RunArgs {
             metrics_addr: self.metrics_addr,
             resolv_conf: self.resolv_conf.clone(),
             netns: self.netns.clone(),
-            hedge_after: t.hedge_after,
-            hedge_budget: t.hedge_budget,
-            budget: t.budget_ms(),
-            tie_break: t.tie_break,
             eject_after: self.eject_after,
             eject_base: self.eject_base,
             eject_max: self.eject_max,

@@ -4,10 +4,10 @@
 //! field by field ([`Options::over`]), and the result is resolved and
 //! checked by [`Options::resolve`] and [`Settings::plan`].
 //!
-//! Over 500 lines of code: every key of the file is declared and merged
-//! here (and the error positions computed); settings still travel through
-//! `Options`, the flags and the `set` request by hand (one patch type for
-//! all three is the next step).
+//! The run-time tunables are not declared here: they are one flattened
+//! [`TunablesPatch`], the same type the flags and the `set` request use.
+//! Over 500 lines of code: every other key of the file is declared and
+//! merged here, and the error positions computed.
 //!
 //! Every key is the name of a `selector run` flag without its dashes, in
 //! the same unit (`timeout = 250` is `--timeout 250`); groups are
@@ -26,17 +26,16 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, anyhow};
-use selector_common::{Descriptor, OnOverload, Policy, TieBreak};
+use selector_common::Descriptor;
 use serde::{Deserialize, Serialize};
 use toml::de::{DeTable, DeValue};
 
 use crate::{
     config::defaults::RunDefaults,
-    config::hedge::{HedgeAfter, HedgeSettings},
     config::settings::{
         IngressMode, Invalid, Protocol, SettingKey, Settings, default_heartbeat_bound, invalid,
-        millis,
     },
+    config::tunables::TunablesPatch,
 };
 
 /// The longest `duration`, in seconds: ten years, beyond any run and well
@@ -74,13 +73,9 @@ pub struct Options {
     pub iface: Option<String>,
     #[serde(rename = "group")]
     pub groups: Option<Vec<GroupSpec>>,
-    #[serde(default)]
-    pub policy: Option<Policy>,
-    pub threshold: Option<u32>,
-    pub max_pending: Option<u32>,
-    #[serde(default)]
-    pub on_overload: Option<OnOverload>,
-    pub max_pending_client: Option<u32>,
+    /// The run-time tunables, under their own keys (`threshold = 2`).
+    #[serde(flatten)]
+    pub tunables: TunablesPatch,
     #[serde(default)]
     pub proto: Option<Protocol>,
     pub req_id_offset: Option<u16>,
@@ -112,14 +107,6 @@ pub struct Options {
     pub resolv_conf: Option<PathBuf>,
     /// The network namespace to attach in (`--netns`).
     pub netns: Option<PathBuf>,
-    /// Milliseconds, `auto` or `off` (`--hedge-after`).
-    pub hedge_after: Option<HedgeAfter>,
-    /// Percent of reads (`--hedge-budget`).
-    pub hedge_budget: Option<u32>,
-    /// Milliseconds, fractions allowed (`--budget`).
-    pub budget: Option<f64>,
-    #[serde(default)]
-    pub tie_break: Option<TieBreak>,
     /// Outlier ejection (`config::ejection`): failures in a row, base and
     /// maximum milliseconds, percent of a group; a custom error marker.
     pub eject_after: Option<u32>,
@@ -179,11 +166,7 @@ impl Options {
         Options {
             iface: self.iface.or(file.iface),
             groups: self.groups.or(file.groups),
-            policy: self.policy.or(file.policy),
-            threshold: self.threshold.or(file.threshold),
-            max_pending: self.max_pending.or(file.max_pending),
-            on_overload: self.on_overload.or(file.on_overload),
-            max_pending_client: self.max_pending_client.or(file.max_pending_client),
+            tunables: self.tunables.over(file.tunables),
             proto: self.proto.or(file.proto),
             req_id_offset: self.req_id_offset.or(file.req_id_offset),
             req_id_len: self.req_id_len.or(file.req_id_len),
@@ -204,10 +187,6 @@ impl Options {
             metrics_addr: self.metrics_addr.or(file.metrics_addr),
             resolv_conf: self.resolv_conf.or(file.resolv_conf),
             netns: self.netns.or(file.netns),
-            hedge_after: self.hedge_after.or(file.hedge_after),
-            hedge_budget: self.hedge_budget.or(file.hedge_budget),
-            budget: self.budget.or(file.budget),
-            tie_break: self.tie_break.or(file.tie_break),
             eject_after: self.eject_after.or(file.eject_after),
             eject_base: self.eject_base.or(file.eject_base),
             eject_max: self.eject_max.or(file.eject_max),
@@ -218,8 +197,21 @@ impl Options {
     }
 
     /// Whether the field with this key (as in the file) is given.
-    fn gives(&self, key: &str) -> bool {
-        serde_json::to_value(self).is_ok_and(|v| !v[key].is_null())
+    pub fn gives(&self, key: &str) -> bool {
+        serde_json::to_value(self).is_ok_and(|v| {
+            // The tunables serialize under their wire (snake_case) names.
+            !v[key].is_null() || !v[key.replace('-', "_")].is_null()
+        })
+    }
+
+    /// Every top-level key the file takes, as the file writes it: its own
+    /// and the tunables' (their flags' names).
+    pub fn keys() -> Vec<String> {
+        let own = serde_json::to_value(Options::default()).expect("options serialize");
+        let own = own.as_object().into_iter().flat_map(|o| o.keys().cloned());
+        let tunables = TunablesPatch::flags().into_iter();
+        own.chain(tunables.map(|flag| flag.trim_start_matches('-').to_string()))
+            .collect()
     }
 
     /// Defaults for what is absent, host names resolved, everything
@@ -270,40 +262,14 @@ impl Options {
         }
         let timeout = self.timeout.map_or(defaults.timeout, Duration::from_millis);
         let interval_in_force = Duration::from_millis(interval);
-        let budget = match self.budget {
-            None => defaults.budget,
-            Some(ms) => match millis(ms) {
-                Some(budget) => budget,
-                None => {
-                    return invalid(
-                        SettingKey::Flag("budget"),
-                        "must be a number of milliseconds",
-                    );
-                }
-            },
-        };
+        let iface = self.iface.clone().unwrap_or_default();
         let settings = Settings {
-            iface: self.iface.clone().unwrap_or_default(),
-            groups,
-            policy: self.policy.unwrap_or(defaults.policy),
-            threshold: self.threshold.unwrap_or(defaults.threshold),
-            budget,
-            tie_break: self.tie_break.unwrap_or(defaults.tie_break),
             descriptor: self.descriptor()?,
             timeout,
             inflight_max: self.inflight_max.unwrap_or(defaults.inflight_max),
             ingress: self.ingress.unwrap_or(defaults.ingress),
-            max_pending: self.max_pending.unwrap_or(defaults.max_pending),
-            max_pending_client: self
-                .max_pending_client
-                .unwrap_or(defaults.max_pending_client),
-            on_overload: self.on_overload.unwrap_or(defaults.on_overload),
             mark: self.mark.unwrap_or(defaults.mark),
             grace: self.grace.map_or(timeout, Duration::from_millis),
-            hedging: HedgeSettings {
-                after: self.hedge_after.unwrap_or(defaults.hedging.after),
-                budget_percent: self.hedge_budget.unwrap_or(defaults.hedging.budget_percent),
-            },
             heartbeat_bound: self.heartbeat_bound.map_or_else(
                 || default_heartbeat_bound(interval_in_force, timeout),
                 Duration::from_millis,
@@ -314,7 +280,10 @@ impl Options {
                 self.eject_max,
                 self.max_ejected,
             ),
+            // The tunables' defaults; the patch below lays the given ones over.
+            ..Settings::new(iface, groups)
         };
+        let settings = self.tunables.apply(settings);
         settings.plan()?;
         Ok(RunConfig {
             settings,
@@ -485,19 +454,32 @@ impl ConfigFile {
     /// Parses `text` as the file at `path`. A syntax error, a value of the
     /// wrong type or an unknown key fails naming the line and the key.
     pub fn parse(path: &Path, text: String) -> Result<Self> {
-        match toml::from_str::<Options>(&text) {
+        let (tree, _) = DeTable::parse_recoverable(&text);
+        // The wire's snake_case names of the tunables are not the file's.
+        let parsed = toml::from_str::<Options>(&text).and_then(|options| {
+            match unknown_key(tree.get_ref()) {
+                // Placed by `flattened_error` below.
+                Some((_, message)) => Err(serde::de::Error::custom(message)),
+                None => Ok(options),
+            }
+        });
+        match parsed {
             Ok(options) => Ok(Self {
                 path: path.to_owned(),
                 text,
                 options,
             }),
             Err(e) => {
-                let at = e.span().map_or(0, |span| span.start);
-                let (tree, _) = DeTable::parse_recoverable(&text);
+                let spanned = e.span().filter(|span| !span.is_empty());
+                let (at, message) = match spanned {
+                    Some(span) => (span.start, e.message().to_string()),
+                    None => flattened_error(tree.get_ref(), &text, e.message())
+                        .unwrap_or((0, e.message().to_string())),
+                };
                 let key = key_at(tree.get_ref(), at, "").or_else(|| header_at(&text, at));
                 let (line, column) = line_and_column(&text, at);
                 let key = key.map(|k| format!(" {k}:")).unwrap_or_default();
-                let message = e.message().replace('\n', " ");
+                let message = message.replace('\n', " ");
                 Err(anyhow!(
                     "{}:{line}:{column}:{key} {}",
                     path.display(),
@@ -560,6 +542,45 @@ impl ConfigFile {
         let (line, _) = line_and_column(&self.text, span.start);
         Some(Location { line, label })
     }
+}
+
+/// The first top-level key the file does not take, where it is and what
+/// is wrong with it.
+fn unknown_key(table: &DeTable<'_>) -> Option<(usize, String)> {
+    let known = Options::keys();
+    let (key, _) = table
+        .iter()
+        .find(|(k, _)| !known.iter().any(|name| name == k.get_ref().as_ref()))?;
+    let expected: Vec<String> = known.iter().map(|k| format!("`{k}`")).collect();
+    Some((
+        key.span().start,
+        format!(
+            "unknown field `{}`, expected one of {}",
+            key.get_ref(),
+            expected.join(", ")
+        ),
+    ))
+}
+
+/// Where an error about a flattened key (the tunables) is, and what it
+/// says: toml cannot point into a flattened table, so the key is found
+/// here, an unknown one by its name, a bad value by reading each tunable
+/// key alone.
+fn flattened_error(table: &DeTable<'_>, text: &str, message: &str) -> Option<(usize, String)> {
+    if message.starts_with("unknown field `") {
+        return unknown_key(table);
+    }
+    let values: toml::Table = text.parse().ok()?;
+    table.iter().find_map(|(key, value)| {
+        let alone = values
+            .get(key.get_ref().as_ref())
+            .map(|v| toml::Table::from_iter([(key.get_ref().to_string(), v.clone())]))?;
+        // Keys that are not tunables are unknown to the patch: skipped.
+        let error = TunablesPatch::deserialize(toml::Value::Table(alone))
+            .err()
+            .filter(|e| !e.message().starts_with("unknown field"))?;
+        Some((value.span().start, error.message().to_string()))
+    })
 }
 
 /// A line of the config file and the key there.
@@ -656,6 +677,7 @@ fn is_literal(member: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use selector_common::{OnOverload, Policy};
 
     const SAMPLE: &str = include_str!("../../../deploy/selector.toml");
 
@@ -688,8 +710,7 @@ members = ["10.0.0.1:11211", "10.0.0.2:11211"]
         let file = parse(SAMPLE).unwrap();
         // Every key appears in the sample, set or commented out, so it
         // documents them all.
-        let keys = serde_json::to_value(Options::default()).unwrap();
-        for key in keys.as_object().unwrap().keys() {
+        for key in Options::keys() {
             let shown = SAMPLE.lines().any(|line| {
                 let line = line.trim_start_matches("# ");
                 line.starts_with(&format!("{key} =")) || line == format!("[[{key}]]")
@@ -783,7 +804,10 @@ members = ["10.0.0.3:1"]
     fn flags_override_the_file_field_by_field() {
         let file = parse(BASE).unwrap();
         let flags = Options {
-            threshold: Some(9),
+            tunables: TunablesPatch {
+                threshold: Some(9),
+                ..Default::default()
+            },
             timeout: Some(300),
             ..Options::default()
         };
@@ -1001,7 +1025,10 @@ members = ["10.0.0.3:1"]
         // A value the flags gave is the flags' error, as without a file.
         let file = parse(BASE).unwrap();
         let flags = Options {
-            threshold: Some(0),
+            tunables: TunablesPatch {
+                threshold: Some(0),
+                ..Default::default()
+            },
             ..Options::default()
         };
         let e = file.resolve_with(&flags).unwrap_err().to_string();

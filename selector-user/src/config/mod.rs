@@ -7,3 +7,4 @@ pub mod file;
 pub mod hedge;
 pub mod resolv_conf;
 pub mod settings;
+pub mod tunables;
