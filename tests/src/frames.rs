@@ -350,7 +350,6 @@ pub fn verified_endpoints(frame: &[u8]) -> (([u8; 4], u16), ([u8; 4], u16)) {
     )
 }
 
-/// The loaded TC program `name`.
 /// `BPF_F_TEST_SKB_CHECKSUM_COMPLETE` (Linux 6.11): the harness gives the
 /// skb CHECKSUM_COMPLETE with the packet's sum, and fails the run with
 /// EBADMSG if the program leaves `skb->csum` disagreeing with the packet
@@ -390,22 +389,30 @@ pub fn try_run_tc_checksum_complete(
     name: &str,
     input: &[u8],
 ) -> std::io::Result<(u32, Vec<u8>)> {
-    use std::os::fd::{AsFd as _, AsRawFd as _};
+    use std::os::fd::AsFd as _;
     let prog = classifier(sel, name);
-    let fd = prog
-        .fd()
-        .map_err(std::io::Error::other)?
-        .as_fd()
-        .as_raw_fd();
+    let fd = prog.fd().map_err(std::io::Error::other)?.as_fd();
+    test_run_fd(fd, input, BPF_F_TEST_SKB_CHECKSUM_COMPLETE)
+}
+
+/// BPF_PROG_TEST_RUN once on the program behind `prog` with `flags`:
+/// (verdict, output frame). A descriptor, unlike aya's programs, can be
+/// shared between threads (the race tests run one program on several).
+pub fn test_run_fd(
+    prog: std::os::fd::BorrowedFd<'_>,
+    input: &[u8],
+    flags: u32,
+) -> std::io::Result<(u32, Vec<u8>)> {
+    use std::os::fd::AsRawFd as _;
     let mut out = vec![0u8; input.len() + 256];
     let mut attr = TestRunAttr {
-        prog_fd: fd as u32,
+        prog_fd: prog.as_raw_fd() as u32,
         data_size_in: input.len() as u32,
         data_size_out: out.len() as u32,
         data_in: input.as_ptr() as u64,
         data_out: out.as_mut_ptr() as u64,
         repeat: 1,
-        flags: BPF_F_TEST_SKB_CHECKSUM_COMPLETE,
+        flags,
         ..Default::default()
     };
     // SAFETY: a valid attr for BPF_PROG_TEST_RUN whose buffers outlive the
@@ -414,7 +421,7 @@ pub fn try_run_tc_checksum_complete(
         libc::syscall(
             libc::SYS_bpf,
             BPF_PROG_TEST_RUN,
-            &mut attr as *mut TestRunAttr,
+            &raw mut attr,
             std::mem::size_of::<TestRunAttr>(),
         )
     };

@@ -17,8 +17,7 @@
 //! program rewrote names the primary, with valid checksums.
 
 use std::{
-    io,
-    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
+    os::fd::{AsFd as _, BorrowedFd, OwnedFd},
     sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
     time::{Duration, Instant},
 };
@@ -54,55 +53,11 @@ const RUN: Duration = Duration::from_millis(2500);
 const RUN_MAX: Duration = Duration::from_secs(10);
 const RACES_WANTED: u64 = 5;
 
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
-
-/// `union bpf_attr`'s `test` member (the fields up to `batch_size`).
-#[repr(C)]
-#[derive(Default)]
-struct TestRunAttr {
-    prog_fd: u32,
-    retval: u32,
-    data_size_in: u32,
-    data_size_out: u32,
-    data_in: u64,
-    data_out: u64,
-    repeat: u32,
-    duration: u32,
-    ctx_size_in: u32,
-    ctx_size_out: u32,
-    ctx_in: u64,
-    ctx_out: u64,
-    flags: u32,
-    cpu: u32,
-    batch_size: u32,
-    _pad: u32,
-}
-
 /// BPF_PROG_TEST_RUN on a program descriptor: aya's programs are not
 /// shared between threads, a descriptor is. (verdict, output frame).
 fn test_run(prog: BorrowedFd<'_>, input: &[u8]) -> (u32, Vec<u8>) {
-    let mut out = vec![0u8; input.len() + 256];
-    let mut attr = TestRunAttr {
-        prog_fd: prog.as_raw_fd() as u32,
-        data_size_in: input.len() as u32,
-        data_size_out: out.len() as u32,
-        data_in: input.as_ptr() as u64,
-        data_out: out.as_mut_ptr() as u64,
-        ..Default::default()
-    };
-    // SAFETY: attr points at valid buffers of the sizes it names, alive for
-    // the call.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_PROG_TEST_RUN,
-            &raw mut attr,
-            std::mem::size_of::<TestRunAttr>(),
-        )
-    };
-    assert_eq!(rc, 0, "BPF_PROG_TEST_RUN: {}", io::Error::last_os_error());
-    out.truncate(attr.data_size_out as usize);
-    (attr.retval, out)
+    selector_testbed::frames::test_run_fd(prog, input, 0)
+        .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN: {e}"))
 }
 
 fn program_fd(sel: &Selector, name: &str) -> OwnedFd {

@@ -196,10 +196,8 @@ impl Reloader {
         let fixed: Vec<String> = RESTART_KEYS
             .into_iter()
             .zip(values)
-            .map(|(key, (old, new))| (key, old, new))
-            .into_iter()
-            .filter(|(_, old, new)| old != new)
-            .map(|(key, old, new)| format!("{key} {old} -> {new}"))
+            .filter(|(_, (old, new))| old != new)
+            .map(|(key, (old, new))| format!("{key} {old} -> {new}"))
             .collect();
         if !fixed.is_empty() {
             bail!(
