@@ -129,7 +129,36 @@ fn reads_with_a_stall(tb: &Testbed, replicas: Vec<PagedReplica>) -> (ReadReport,
 
 #[test]
 fn paged_replies_of_moved_reads_are_rewritten_and_none_is_lost() {
-    let (tb, replicas, agent) = testbed("pg");
+    moved_reads_are_answered_and_completed("pg", |_| {});
+}
+
+/// With `rx-gro-list` on the client's interface, a burst of replies of one
+/// flow (the primary's queue when its stall ends) reaches TC ingress as one
+/// GRO skb, the later replies in its fragment list: each must still
+/// complete its own read.
+#[test]
+fn replies_coalesced_by_gro_fraglist_each_complete_their_read() {
+    moved_reads_are_answered_and_completed("pgl", |tb| {
+        tb.client
+            .exec(
+                "ethtool",
+                &["-K", CLIENT_IFACE, "gro", "on", "rx-gro-list", "on"],
+            )
+            .expect("rx-gro-list on");
+        // veth hands a forwarded skb to the peer's GRO only when the
+        // sending side has no TSO (`veth_skb_is_eligible_for_gro`).
+        tb.switch
+            .exec("ethtool", &["-K", &switch_port(0), "tso", "off"])
+            .expect("tso off on the switch port");
+    });
+}
+
+/// Reads through a stall (`reads_with_a_stall`) with `tune` applied to the
+/// testbed first: every read answered, every moved read's reply rewritten,
+/// every read completed by its reply (none expired).
+fn moved_reads_are_answered_and_completed(prefix: &str, tune: impl Fn(&Testbed)) {
+    let (tb, replicas, agent) = testbed(prefix);
+    tune(&tb);
     let (report, sent) = reads_with_a_stall(&tb, replicas);
 
     // Once every read completed (or, if any reply was missed, expired).
