@@ -10,7 +10,7 @@ use etherparse::{
     NetHeaders, PacketBuilder, PacketBuilderStep, PacketHeaders, TransportHeader, UdpHeader,
 };
 use selector_common::{BackendStats, Descriptor, Direction, PassReason, Policy, programs};
-use selector_user::{IngressMode, Selector, Settings};
+use selector_user::{IngressMode, Selector, Settings, config::tunables::Tunables};
 
 pub const TC_ACT_SHOT: u32 = 2;
 pub const TC_ACT_PIPE: u32 = 3;
@@ -50,20 +50,19 @@ pub fn settings_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16))
                 })
                 .collect(),
         ],
-        policy: Policy::Threshold,
-        threshold: 1,
-        budget: Duration::from_millis(2),
-        tie_break: selector_common::TieBreak::First,
+        tunables: Tunables {
+            policy: Policy::Threshold,
+            threshold: 1,
+            budget: Duration::from_millis(2),
+            tie_break: selector_common::TieBreak::First,
+            ..Tunables::default()
+        },
         descriptor,
         timeout: Duration::from_secs(1),
         inflight_max: 1024,
         ingress: IngressMode::Xdp,
-        max_pending: 0,
-        max_pending_client: 0,
-        on_overload: selector_common::OnOverload::Pass,
         mark: selector_common::MARK_REDIRECTED,
         grace: Duration::from_secs(1),
-        hedging: Default::default(),
         // Off: fixtures are not swept on a schedule; the heartbeat
         // fixtures set it.
         heartbeat_bound: Duration::ZERO,

@@ -223,10 +223,9 @@ fn failed_attach_detaches_what_it_attached() {
     let tb = Testbed::new("self", 3).unwrap();
     // Another XDP program holds the interface's XDP hook (not a selector
     // on TCX, which `run` would refuse before attaching anything).
-    let settings = Settings {
-        threshold: 1,
-        ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
-    };
+    let settings = Settings::new(CLIENT_IFACE, vec![tb.replica_group()]).tuned(|t| {
+        t.threshold = 1;
+    });
     let holder = tb
         .client
         .run(move || -> anyhow::Result<Selector> {

@@ -34,10 +34,12 @@ const STALL: Duration = Duration::from_millis(50);
 /// The one place the library tests build their settings.
 fn settings(tb: &Testbed) -> Settings {
     Settings {
-        threshold: 2,
         timeout: TIMEOUT,
         ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
     }
+    .tuned(|t| {
+        t.threshold = 2;
+    })
 }
 
 /// Three memcached replicas holding the same keys.

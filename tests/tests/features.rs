@@ -15,7 +15,7 @@ use selector_testbed::frames::{
     counters, dns_server, egress, egress_marked, passed, replica, request, run_tc, run_tc_marked,
     run_xdp, set_issued, settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
-use selector_user::{Selector, Settings};
+use selector_user::Selector;
 
 fn overload_selector(
     descriptor: Descriptor,
@@ -23,11 +23,10 @@ fn overload_selector(
     max_pending: u32,
     on_overload: OnOverload,
 ) -> Selector {
-    Selector::load(&Settings {
-        max_pending,
-        on_overload,
-        ..settings_for(descriptor, member)
-    })
+    Selector::load(&settings_for(descriptor, member).tuned(|t| {
+        t.max_pending = max_pending;
+        t.on_overload = on_overload;
+    }))
     .expect("load")
 }
 
@@ -147,13 +146,12 @@ fn pass_sends_an_overloaded_get_to_its_primary() {
 
 #[test]
 fn max_pending_moves_a_read_to_a_member_under_the_cap() {
-    let mut sel = Selector::load(&Settings {
-        max_pending: 2,
-        on_overload: OnOverload::Drop,
+    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica).tuned(|t| {
+        t.max_pending = 2;
+        t.on_overload = OnOverload::Drop;
         // The policy alone would stay: 2 < 1 + 10.
-        threshold: 10,
-        ..settings_for(Descriptor::memcached(), replica)
-    })
+        t.threshold = 10;
+    }))
     .unwrap();
     set_issued(&mut sel, 0, 2);
     set_issued(&mut sel, 1, 2);
@@ -178,11 +176,10 @@ fn max_pending_moves_a_read_to_a_member_under_the_cap() {
 
 #[test]
 fn max_pending_client_bounds_one_client_socket() {
-    let mut sel = Selector::load(&Settings {
-        max_pending_client: 1,
-        on_overload: OnOverload::Drop,
-        ..settings_for(Descriptor::memcached(), replica)
-    })
+    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica).tuned(|t| {
+        t.max_pending_client = 1;
+        t.on_overload = OnOverload::Drop;
+    }))
     .unwrap();
     let first = request(&get(0x1234));
     assert_eq!(egress(&mut sel, &first), (TC_ACT_PIPE, first));

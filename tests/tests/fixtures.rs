@@ -660,10 +660,9 @@ fn a_reused_id_takes_the_slot_of_a_lingering_instance_when_its_window_is_full() 
 /// another id whose home slot shares GET's mark word but lies outside its
 /// probe window.
 fn neighbours_in_a_mark_word() -> (Selector, Settings, u64, u64) {
-    let settings = Settings {
-        policy: Policy::Observe,
-        ..settings_for(Descriptor::memcached(), replica)
-    };
+    let settings = settings_for(Descriptor::memcached(), replica).tuned(|t| {
+        t.policy = Policy::Observe;
+    });
     let mask = slots_for(settings.inflight_max) - 1;
     let home = |id| probe(key_hashes(&key(id)).home, 0, mask);
     let a = 0x1234;
@@ -916,8 +915,8 @@ fn a_stale_heartbeat_moves_no_read_but_tracks_it_and_rewrites_earlier_moves() {
 #[test]
 fn a_stale_heartbeat_applies_no_overload_bound() {
     let mut sel = selector_with_heartbeat();
-    sel.settings.max_pending = 1;
-    sel.settings.on_overload = selector_common::OnOverload::Drop;
+    sel.settings.tunables.max_pending = 1;
+    sel.settings.tunables.on_overload = selector_common::OnOverload::Drop;
     sel.write_config().unwrap();
     for member in 0..3 {
         set_issued(&mut sel, member, 5);

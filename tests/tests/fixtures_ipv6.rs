@@ -55,10 +55,12 @@ fn settings(
                 })
                 .collect(),
         ],
-        on_overload,
-        max_pending,
         ..settings_for(descriptor, replica)
     }
+    .tuned(|t| {
+        t.on_overload = on_overload;
+        t.max_pending = max_pending;
+    })
 }
 
 fn selector() -> Selector {

@@ -55,16 +55,18 @@ fn group(tb: &Testbed) -> Vec<SocketAddr> {
 
 fn settings(tb: &Testbed, policy: Policy, after: HedgeAfter, ingress: IngressMode) -> Settings {
     Settings {
-        policy,
-        threshold: 2,
         timeout: TIMEOUT,
         ingress,
-        hedging: HedgeSettings {
-            after,
-            budget_percent: 5,
-        },
         ..Settings::new(CLIENT_IFACE, vec![group(tb)])
     }
+    .tuned(|t| {
+        t.policy = policy;
+        t.threshold = 2;
+        t.hedging = HedgeSettings {
+            after,
+            budget_percent: 5,
+        };
+    })
 }
 
 /// One get of key 7 on a connected socket to the primary; returns every
@@ -277,9 +279,9 @@ fn auto_hedges_a_stall_right_after_it_begins() {
     // `auto` begins anew, at the ceiling until the primary replies again.
     {
         let mut sel = running.selector.lock().unwrap();
-        sel.settings.hedging.after = HedgeAfter::Fixed(Duration::from_millis(2));
+        sel.settings.tunables.hedging.after = HedgeAfter::Fixed(Duration::from_millis(2));
         sel.write_config().unwrap();
-        sel.settings.hedging.after = HedgeAfter::Auto;
+        sel.settings.tunables.hedging.after = HedgeAfter::Auto;
         sel.write_config().unwrap();
         assert_eq!(sel.hedge_counts().unwrap()[0].hedge_delay_ns, Some(ceiling));
     }
@@ -348,15 +350,15 @@ fn the_budget_caps_hedges_with_many_stuck_reads() {
     // primary and wants a hedge (observe would hedge none).
     let running = SweptSelector::start(
         &tb,
-        Settings {
-            threshold: 1_000_000,
-            ..settings(
-                &tb,
-                Policy::Threshold,
-                HedgeAfter::Fixed(Duration::from_millis(5)),
-                IngressMode::Xdp,
-            )
-        },
+        settings(
+            &tb,
+            Policy::Threshold,
+            HedgeAfter::Fixed(Duration::from_millis(5)),
+            IngressMode::Xdp,
+        )
+        .tuned(|t| {
+            t.threshold = 1_000_000;
+        }),
     );
     let spec = LoadSpec {
         target: tb.replica_endpoints()[0].into(),
@@ -427,10 +429,9 @@ fn no_copies_with(prefix: &str, policy: Policy, after: HedgeAfter, max_pending_c
     let tb = testbed(prefix);
     let running = SweptSelector::start(
         &tb,
-        Settings {
-            max_pending_client,
-            ..settings(&tb, policy, after, IngressMode::Xdp)
-        },
+        settings(&tb, policy, after, IngressMode::Xdp).tuned(|t| {
+            t.max_pending_client = max_pending_client;
+        }),
     );
     tb.replicas[0].stop();
     let (replies, _) = get_and_listen(&tb, Duration::from_millis(150));

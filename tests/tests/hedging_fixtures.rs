@@ -53,10 +53,9 @@ fn hedged() -> Selector {
 /// `hedged`, with reads kept at the primary whatever is pending
 /// (threshold 100): a read whose id is reused goes where the first went.
 fn hedged_at_the_primary() -> Selector {
-    let mut sel = Selector::load(&Settings {
-        threshold: 100,
-        ..settings_for(Descriptor::memcached(), replica)
-    })
+    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica).tuned(|t| {
+        t.threshold = 100;
+    }))
     .expect("load");
     assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_PIPE);
     assert!(sel.plant_hedge(&key(), 1), "hedge claimed");

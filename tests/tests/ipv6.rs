@@ -42,12 +42,14 @@ fn memcached_testbed_on_ports(prefix: &str, port_step: u16) -> Testbed {
 
 fn settings(groups: Vec<Vec<SocketAddr>>, ingress: IngressMode) -> Settings {
     Settings {
-        policy: Policy::Threshold,
-        threshold: 2,
         timeout: TIMEOUT,
         ingress,
         ..Settings::new(CLIENT_IFACE, groups)
     }
+    .tuned(|t| {
+        t.policy = Policy::Threshold;
+        t.threshold = 2;
+    })
 }
 
 /// Loads each target at `rate` for 1.5 s on a connected socket; stops
@@ -261,9 +263,11 @@ fn dns_over_ipv6_leaves_a_stalled_nsd_and_dig_accepts_every_answer() {
         &tb,
         Settings {
             descriptor: Descriptor::dns(),
-            threshold: 1,
             ..settings(vec![endpoints], IngressMode::Xdp)
-        },
+        }
+        .tuned(|t| {
+            t.threshold = 1;
+        }),
     );
     let at = format!("@{}", replica_addr6(0));
     let args = [at.as_str(), ZONE, "A", "+tries=1", "+time=3"];

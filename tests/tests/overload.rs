@@ -97,14 +97,16 @@ fn reject_answers_memcached_gets_over_the_cap_while_every_replica_is_stopped() {
     let running = SweptSelector::start(
         &tb,
         Settings {
-            max_pending: 4,
-            on_overload: OnOverload::Reject,
             timeout,
             ..Settings::new(
                 CLIENT_IFACE,
                 vec![endpoints.iter().map(|&e| e.into()).collect()],
             )
-        },
+        }
+        .tuned(|t| {
+            t.max_pending = 4;
+            t.on_overload = OnOverload::Reject;
+        }),
     );
     let primary = endpoints[0];
     let socket = tb
@@ -286,8 +288,6 @@ fn dns_testbed(prefix: &str) -> (Testbed, Vec<Nsd>) {
 fn dns_settings(ingress: IngressMode, timeout: Duration) -> Settings {
     Settings {
         descriptor: Descriptor::dns(),
-        // A query leaving the primary goes to the first replica.
-        tie_break: TieBreak::First,
         timeout,
         ingress,
         ..Settings::new(
@@ -295,6 +295,10 @@ fn dns_settings(ingress: IngressMode, timeout: Duration) -> Settings {
             vec![dns_endpoints(3).into_iter().map(Into::into).collect()],
         )
     }
+    .tuned(|t| {
+        // A query leaving the primary goes to the first replica.
+        t.tie_break = TieBreak::First;
+    })
 }
 
 #[test]
@@ -304,11 +308,10 @@ fn reject_answers_dig_with_servfail_while_every_nsd_is_stopped() {
     let timeout = Duration::from_secs(5);
     let running = SweptSelector::start(
         &tb,
-        Settings {
-            max_pending: 1,
-            on_overload: OnOverload::Reject,
-            ..dns_settings(IngressMode::Xdp, timeout)
-        },
+        dns_settings(IngressMode::Xdp, timeout).tuned(|t| {
+            t.max_pending = 1;
+            t.on_overload = OnOverload::Reject;
+        }),
     );
     let at = format!("@{}", replica_addr(0));
     let args = [at.as_str(), ZONE, "A", "+tries=1", "+time=2"];
@@ -434,11 +437,13 @@ fn fragmented_answer_of_a_redirected_query_reaches_dig(
     let running = SweptSelector::start(
         &tb,
         Settings {
-            policy: Policy::Absolute,
-            threshold: 1,
             groups: vec![endpoints.clone()],
             ..dns_settings(ingress, timeout)
-        },
+        }
+        .tuned(|t| {
+            t.policy = Policy::Absolute;
+            t.threshold = 1;
+        }),
     );
     let primary = endpoints[0];
     servers[0].stop();

@@ -387,7 +387,7 @@ fn adoption_with_other_map_shaping_settings_is_refused_and_other_groups_apply() 
     let (second, line) = spawn(&tb, &run_args(&two, &pin, &["--max-pending", "50"]));
     assert!(line.contains("adopted the pins"), "{line}");
     let s = status(&tb);
-    assert_eq!(s.settings.max_pending, 50);
+    assert_eq!(s.settings.tunables.max_pending, 50);
     assert_eq!(s.backends.len(), 3, "the third member retires: {s:?}");
     drop(second);
     let (code, out) = agent::run_selector(

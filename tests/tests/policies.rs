@@ -58,10 +58,14 @@ fn reply(sel: &mut Selector, id: u16, member: usize) {
 /// reply), so the table is sized for all 2000 to stay below a few percent
 /// full: none passes untracked.
 fn shares(tie_break: TieBreak) -> Vec<u32> {
-    let mut sel = selector(5, |s| Settings {
-        tie_break,
-        inflight_max: 16_384,
-        ..s
+    let mut sel = selector(5, |s| {
+        Settings {
+            inflight_max: 16_384,
+            ..s
+        }
+        .tuned(|t| {
+            t.tie_break = tie_break;
+        })
     });
     set_issued(&mut sel, 0, 1_000_000);
     let mut counts = vec![0u32; 5];
@@ -89,9 +93,10 @@ fn random_tie_break_gives_every_equally_loaded_replica_a_fair_share() {
 
 #[test]
 fn random_tie_break_leaves_drained_members_out() {
-    let mut sel = selector(4, |s| Settings {
-        tie_break: TieBreak::Random,
-        ..s
+    let mut sel = selector(4, |s| {
+        s.tuned(|t| {
+            t.tie_break = TieBreak::Random;
+        })
     });
     set_issued(&mut sel, 0, 1_000_000);
     sel.set_drained(2, true).unwrap();
@@ -108,10 +113,11 @@ fn random_tie_break_leaves_drained_members_out() {
 /// A latency-policy selector with 2 ms budget, pending counts `pending`
 /// and service times `service` planted.
 fn latency_case(pending: [u64; 3], service: [u64; 3]) -> usize {
-    let mut sel = selector(3, |s| Settings {
-        policy: Policy::Latency,
-        budget: Duration::from_millis(2),
-        ..s
+    let mut sel = selector(3, |s| {
+        s.tuned(|t| {
+            t.policy = Policy::Latency;
+            t.budget = Duration::from_millis(2);
+        })
     });
     for (pos, (p, s)) in pending.iter().zip(service).enumerate() {
         set_issued(&mut sel, pos, *p);

@@ -510,18 +510,20 @@ fn a_client_reusing_one_id_gets_every_answer_while_hedges_race_a_stalling_primar
     let running = SweptSelector::start(
         &tb,
         Settings {
-            policy: Policy::Threshold,
-            threshold: 100,
             timeout: TIMEOUT,
-            hedging: HedgeSettings {
-                after: HedgeAfter::Fixed(Duration::from_millis(2)),
-                budget_percent: 100,
-            },
             ..Settings::new(
                 selector_testbed::topology::CLIENT_IFACE,
                 vec![group.clone()],
             )
-        },
+        }
+        .tuned(|t| {
+            t.policy = Policy::Threshold;
+            t.threshold = 100;
+            t.hedging = HedgeSettings {
+                after: HedgeAfter::Fixed(Duration::from_millis(2)),
+                budget_percent: 100,
+            };
+        }),
     );
     // The client reads until the primary has stalled `STALLS` times, 12 ms
     // in every 24.

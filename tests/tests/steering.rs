@@ -36,12 +36,14 @@ fn testbed_with_ports(prefix: &str, port_step: u16) -> Testbed {
 
 fn settings(tb: &Testbed, policy: Policy, ingress: IngressMode, timeout: Duration) -> Settings {
     Settings {
-        policy,
-        threshold: 2,
         timeout,
         ingress,
         ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
     }
+    .tuned(|t| {
+        t.policy = policy;
+        t.threshold = 2;
+    })
 }
 
 /// Load at `rate` for `secs`; stops the primary for `stall` halfway.
@@ -306,10 +308,9 @@ fn a_paged_reply_is_pulled_and_rewritten_on_tc_ingress() {
 fn latency_policy_steers_away_from_a_stalled_primary_and_every_reply_arrives() {
     let tb = testbed("sell");
     let timeout = Duration::from_millis(500);
-    let settings = Settings {
-        budget: Duration::from_millis(2),
-        ..settings(&tb, Policy::Latency, IngressMode::Xdp, timeout)
-    };
+    let settings = settings(&tb, Policy::Latency, IngressMode::Xdp, timeout).tuned(|t| {
+        t.budget = Duration::from_millis(2);
+    });
     let running = SweptSelector::start(&tb, settings);
     let report = load_with_stall(&tb, 2000, 1.5, Duration::from_millis(50));
     let sel = running.selector.lock().unwrap();
@@ -362,12 +363,14 @@ fn redirects_with_primary_stopped(prefix: &str, tie_break: TieBreak) -> Vec<u64>
     let running = SweptSelector::start(
         &tb,
         Settings {
-            policy: Policy::Threshold,
-            threshold: 1,
-            tie_break,
             timeout,
             ..Settings::new(CLIENT_IFACE, vec![tb.replica_group()])
-        },
+        }
+        .tuned(|t| {
+            t.policy = Policy::Threshold;
+            t.threshold = 1;
+            t.tie_break = tie_break;
+        }),
     );
     let received = |tb: &Testbed| -> Vec<u64> {
         tb.replica_ns[1..]

@@ -73,12 +73,14 @@ fn vlan_testbed(prefix: &str, tag_offload: bool) -> Testbed {
 
 fn settings(tb: &Testbed, iface: &str) -> Settings {
     Settings {
-        policy: Policy::Threshold,
-        threshold: 2,
         timeout: Duration::from_millis(500),
         ingress: IngressMode::Tc,
         ..Settings::new(iface, vec![tb.replica_group()])
     }
+    .tuned(|t| {
+        t.policy = Policy::Threshold;
+        t.threshold = 2;
+    })
 }
 
 /// 500 reads/s for 2 s on one connected socket to the primary, which

@@ -180,7 +180,7 @@ fn set(selector: &mut Selector, change: &TunablesPatch) -> Result<Reply> {
         return Err(e);
     }
     Ok(Reply::Done {
-        message: selector.settings_in_force().tunables(),
+        message: selector.settings_in_force().tunables.describe(),
     })
 }
 

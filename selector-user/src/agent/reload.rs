@@ -157,7 +157,7 @@ impl Reloader {
         Ok(format!(
             "reloaded {}: {}, timeout {} ms, grace {} ms; {}",
             path.display(),
-            selector.settings_in_force().tunables(),
+            selector.settings_in_force().tunables.describe(),
             selector.settings.timeout.as_millis(),
             selector.settings.grace.as_millis(),
             describe(&changes)

@@ -34,7 +34,7 @@ impl Status {
             "selector on {}{netns}: {}\n\
              proto {}, timeout {} ms, grace {} ms, mark {:#010x}, {} ingress, tc {}, drained: {drained}\n",
             self.iface,
-            s.tunables(),
+            s.tunables.describe(),
             s.proto,
             s.timeout_ms,
             s.grace_ms,
@@ -51,19 +51,13 @@ impl Status {
         }
         out += &render_summary(&self.backends);
         out += &render_footer(self.in_flight, &self.backends, &self.passed);
-        if s.hedge_after != HedgeAfter::Off || self.hedges.hedges_sent > 0 {
+        if s.tunables.hedging.after != HedgeAfter::Off || self.hedges.hedges_sent > 0 {
             let counts: Vec<_> = self
                 .backends
                 .iter()
                 .map(|b| (b.backend, b.hedges))
                 .collect();
-            out += &render_hedging(
-                &HedgeSettings {
-                    after: s.hedge_after,
-                    budget_percent: s.hedge_budget_percent,
-                },
-                &counts,
-            );
+            out += &render_hedging(&s.tunables.hedging, &counts);
         }
         for r in &self.routed_elsewhere {
             out += &format!(

@@ -24,7 +24,7 @@ use crate::{
         control_server::{ControlCall, ControlServer},
         render,
     },
-    api::{NetnsInfo, RoutedElsewhere, SettingsInForce},
+    api::{NetnsInfo, RoutedElsewhere},
     config::file::Options,
     config::file::RunConfig,
     config::settings::sweep_period,
@@ -252,7 +252,7 @@ impl Agent {
             selector.reply_path.name(),
             addrs.len(),
             settings.groups.len(),
-            SettingsInForce::from(settings).tunables(),
+            settings.tunables.describe(),
             settings.timeout.as_millis(),
             settings.grace.as_millis(),
             settings.mark,
@@ -292,7 +292,7 @@ impl Agent {
             settings.iface,
             self.selector.backends.len(),
             settings.groups.len(),
-            SettingsInForce::from(settings).tunables()
+            settings.tunables.describe()
         )
     }
 
@@ -472,11 +472,11 @@ impl Agent {
                 &telemetry::passed_counts(&end.passed)
             )
         );
-        if selector.settings.hedging.enabled() {
+        if selector.settings.tunables.hedging.enabled() {
             let counts: Vec<_> = totals.iter().map(|t| (t.backend, t.hedges)).collect();
             print!(
                 "{}",
-                render::render_hedging(&selector.settings.hedging, &counts)
+                render::render_hedging(&selector.settings.tunables.hedging, &counts)
             );
         }
         drop(selector);
@@ -670,7 +670,7 @@ impl Agent {
                 &self.tails,
                 &states,
             );
-            if self.selector.settings.hedging.enabled() {
+            if self.selector.settings.tunables.hedging.enabled() {
                 table +=
                     &render::render_hedging_interval(&self.selector.backends, &self.last, &now);
             }

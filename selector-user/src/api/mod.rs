@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     config::settings::Settings,
-    config::tunables::TunablesPatch,
+    config::tunables::{Tunables, TunablesPatch},
     telemetry::{BackendTotals, HeadersPulled, LastInterval, PassedCount},
 };
 
@@ -257,64 +257,30 @@ pub struct RoutedElsewhere {
 /// The settings part of [`Status`].
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SettingsInForce {
-    pub policy: String,
-    pub threshold: u32,
-    pub max_pending: u32,
-    pub max_pending_client: u32,
-    pub on_overload: String,
+    /// `policy`, `threshold`, `max_pending`, `max_pending_client`,
+    /// `on_overload`, `hedge_after`, `hedge_budget_percent`, `budget_us`
+    /// and `tie_break`.
+    #[serde(flatten)]
+    pub tunables: Tunables,
     pub proto: String,
     pub timeout_ms: u64,
     pub grace_ms: u64,
     pub mark: u32,
     pub inflight_max: u32,
     pub ingress: String,
-    #[serde(default)]
-    pub hedge_after: crate::config::hedge::HedgeAfter,
-    #[serde(default)]
-    pub hedge_budget_percent: u32,
-    /// The latency policy's budget, microseconds.
-    #[serde(default)]
-    pub budget_us: u64,
-    /// `first` or `random`.
-    #[serde(default)]
-    pub tie_break: String,
 }
 
 impl From<&Settings> for SettingsInForce {
     fn from(s: &Settings) -> Self {
         Self {
-            policy: s.policy.name().into(),
-            threshold: s.threshold,
-            max_pending: s.max_pending,
-            max_pending_client: s.max_pending_client,
-            on_overload: s.on_overload.name().into(),
+            tunables: s.tunables,
             proto: s.protocol().name().into(),
             timeout_ms: s.timeout.as_millis() as u64,
             grace_ms: s.grace.as_millis() as u64,
             mark: s.mark,
             inflight_max: s.inflight_max,
             ingress: s.ingress.name().into(),
-            hedge_after: s.hedging.after,
-            hedge_budget_percent: s.hedging.budget_percent,
-            budget_us: u64::from(s.budget_us()),
-            tie_break: s.tie_break.name().into(),
         }
-    }
-}
-
-impl SettingsInForce {
-    /// The run-time tunables, in `selector set` flag order.
-    pub fn tunables(&self) -> String {
-        format!(
-            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {} budget {} ms tie-break {}",
-            self.policy,
-            self.threshold,
-            self.max_pending,
-            self.max_pending_client,
-            self.on_overload,
-            self.budget_us as f64 / 1000.0,
-            self.tie_break
-        )
     }
 }
 
@@ -396,7 +362,7 @@ mod tests {
         };
         let settings = old.applied_to(&Settings::new("eth0", vec![vec![backend()]]));
         assert_eq!(
-            settings.unwrap().budget,
+            settings.unwrap().tunables.budget,
             std::time::Duration::from_millis(2)
         );
         assert_eq!(
@@ -623,10 +589,10 @@ mod tests {
         };
         let changed = change.applied_to(&settings).unwrap();
         assert_eq!(
-            (changed.max_pending, changed.on_overload),
+            (changed.tunables.max_pending, changed.tunables.on_overload),
             (5, OnOverload::Drop)
         );
-        assert_eq!(changed.threshold, settings.threshold);
+        assert_eq!(changed.tunables.threshold, settings.tunables.threshold);
         let zero = TunablesPatch {
             threshold: Some(0),
             ..Default::default()

@@ -56,7 +56,7 @@ fn summary(config: &RunConfig) -> String {
             .as_ref()
             .map_or(String::new(), |p| format!(" in netns {}", p.display())),
         s.groups.len(),
-        in_force.tunables(),
+        in_force.tunables.describe(),
         in_force.proto,
         in_force.timeout_ms,
         in_force.ingress,

@@ -274,14 +274,17 @@ mod tests {
     fn defaults_are_those_of_settings_new() {
         let s = parse(&["--group", "10.0.0.2:1,10.0.0.3:1"]).unwrap();
         let d = Settings::new("eth0", vec![]);
-        assert_eq!(s.policy, d.policy);
-        assert_eq!(s.threshold, d.threshold);
+        assert_eq!(s.tunables.policy, d.tunables.policy);
+        assert_eq!(s.tunables.threshold, d.tunables.threshold);
         assert_eq!(s.descriptor, d.descriptor);
         assert_eq!(s.ingress, d.ingress);
         assert_eq!((s.timeout, s.grace), (d.timeout, d.grace));
         assert_eq!(s.inflight_max, d.inflight_max);
-        assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
-        assert_eq!(s.on_overload, d.on_overload);
+        assert_eq!(
+            (s.tunables.max_pending, s.tunables.max_pending_client),
+            (0, 0)
+        );
+        assert_eq!(s.tunables.on_overload, d.tunables.on_overload);
         assert_eq!(s.mark, d.mark);
         assert_eq!(s.groups.len(), 2);
     }
@@ -356,8 +359,11 @@ mod tests {
             "dns",
         ])
         .unwrap();
-        assert_eq!((s.max_pending, s.max_pending_client), (50, 8));
-        assert_eq!(s.on_overload, OnOverload::Reject);
+        assert_eq!(
+            (s.tunables.max_pending, s.tunables.max_pending_client),
+            (50, 8)
+        );
+        assert_eq!(s.tunables.on_overload, OnOverload::Reject);
         let custom = [
             "--on-overload",
             "reject",
@@ -451,6 +457,7 @@ mod tests {
         assert_eq!(
             parse(&["--threshold", "0", "--policy", "observe"])
                 .unwrap()
+                .tunables
                 .policy,
             Policy::Observe
         );
@@ -460,11 +467,11 @@ mod tests {
     fn latency_policy_and_tie_break_flags_are_taken_and_checked() {
         let d = parse(&[]).unwrap();
         assert_eq!(
-            (d.budget, d.tie_break),
+            (d.tunables.budget, d.tunables.tie_break),
             (Duration::from_millis(1), TieBreak::Random)
         );
         assert_eq!(
-            parse(&["--tie-break", "first"]).unwrap().tie_break,
+            parse(&["--tie-break", "first"]).unwrap().tunables.tie_break,
             TieBreak::First
         );
         let s = parse(&[
@@ -476,9 +483,9 @@ mod tests {
             "random",
         ])
         .unwrap();
-        assert_eq!(s.policy, Policy::Latency);
-        assert_eq!(s.budget, Duration::from_micros(500));
-        assert_eq!(s.tie_break, TieBreak::Random);
+        assert_eq!(s.tunables.policy, Policy::Latency);
+        assert_eq!(s.tunables.budget, Duration::from_micros(500));
+        assert_eq!(s.tunables.tie_break, TieBreak::Random);
         assert!(parse_err(&["--budget", "0"]).contains("--budget"));
         assert!(parse_err(&["--budget=-1"]).contains("--budget"));
         assert!(parse(&["--tie-break", "last"]).is_err());
@@ -487,13 +494,20 @@ mod tests {
     #[test]
     fn hedge_flags_are_taken_and_checked() {
         let s = parse(&["--hedge-after", "2", "--hedge-budget", "10"]).unwrap();
-        assert_eq!(s.hedging.after, HedgeAfter::Fixed(Duration::from_millis(2)));
-        assert_eq!(s.hedging.budget_percent, 10);
         assert_eq!(
-            parse(&["--hedge-after", "auto"]).unwrap().hedging.after,
+            s.tunables.hedging.after,
+            HedgeAfter::Fixed(Duration::from_millis(2))
+        );
+        assert_eq!(s.tunables.hedging.budget_percent, 10);
+        assert_eq!(
+            parse(&["--hedge-after", "auto"])
+                .unwrap()
+                .tunables
+                .hedging
+                .after,
             HedgeAfter::Auto
         );
-        let d = parse(&[]).unwrap().hedging;
+        let d = parse(&[]).unwrap().tunables.hedging;
         assert_eq!((d.after, d.budget_percent), (HedgeAfter::Off, 5));
         assert!(parse(&["--hedge-after", "soon"]).is_err());
         assert!(parse_err(&["--hedge-after", "600"]).contains("half of --timeout"));

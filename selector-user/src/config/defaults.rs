@@ -1,14 +1,16 @@
-//! Every default of `selector run`, declared once. [`Settings::new`], the
-//! config file's resolution (`Options::resolve`) and the `[default: ...]` of
-//! `--help` all take them from [`RunDefaults::default`]; a test checks the
-//! help against [`RunDefaults::shown`].
+//! Every default of `selector run`, declared once: the tunables' in
+//! `Tunables::default` (config/tunables.rs, beside the rest of each
+//! tunable), the others here. [`Settings::new`], the config file's
+//! resolution (`Options::resolve`) and the `[default: ...]` of `--help`
+//! all take them from [`RunDefaults::default`]; a test checks the help
+//! against [`RunDefaults::shown`].
 //!
 //! [`Settings::new`]: crate::config::settings::Settings::new
 
 use std::time::Duration;
 
 use selector_common::{
-    DEFAULT_INFLIGHT_MAX, MARK_REDIRECTED, OnOverload, Policy, TieBreak,
+    DEFAULT_INFLIGHT_MAX, MARK_REDIRECTED,
     ejection::{
         DEFAULT_EJECT_AFTER, DEFAULT_EJECT_BASE_MS, DEFAULT_EJECT_MAX_MS,
         DEFAULT_MAX_EJECTED_PERCENT,
@@ -17,11 +19,11 @@ use selector_common::{
 
 use crate::config::{
     ejection::EjectionSettings,
-    hedge::{HedgeAfter, HedgeSettings},
     settings::{
         HEARTBEAT_SWEEPS, IngressMode, MAX_DEFAULT_HEARTBEAT_BOUND, MIN_DEFAULT_HEARTBEAT_BOUND,
         Protocol,
     },
+    tunables::Tunables,
 };
 
 /// The defaults of `selector run`. `--grace` defaults to the timeout in
@@ -29,18 +31,8 @@ use crate::config::{
 /// (`settings::default_heartbeat_bound`): both follow other settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunDefaults {
-    pub policy: Policy,
-    pub threshold: u32,
-    /// The latency policy's budget: a read leaves a primary whose expected
-    /// wait is this much over the best replica's. Reads sent in the first
-    /// budget of a stall wait it out, so the budget sets their share: 1 ms
-    /// of a stall every 500 ms is 0.2% of reads, under the p99.
-    pub budget: Duration,
-    pub tie_break: TieBreak,
-    pub max_pending: u32,
-    pub max_pending_client: u32,
-    pub on_overload: OnOverload,
-    pub hedging: HedgeSettings,
+    /// The tunables' defaults: [`Tunables`]'s own `Default`.
+    pub tunables: Tunables,
     pub protocol: Protocol,
     pub read_prefix_offset: u16,
     pub no_reply_offset: u16,
@@ -56,21 +48,7 @@ pub struct RunDefaults {
 impl Default for RunDefaults {
     fn default() -> Self {
         Self {
-            policy: Policy::Threshold,
-            threshold: 4,
-            budget: Duration::from_millis(1),
-            // Many client hosts with equal counts spread out (no herding);
-            // `First` is BookKeeper's rule.
-            tie_break: TieBreak::Random,
-            max_pending: 0,
-            max_pending_client: 0,
-            on_overload: OnOverload::Pass,
-            hedging: HedgeSettings {
-                after: HedgeAfter::Off,
-                // Hedges per second at most 5% of reads (plus the burst of
-                // `selector_common::hedge::BURST`).
-                budget_percent: 5,
-            },
+            tunables: Tunables::default(),
             protocol: Protocol::Memcached,
             read_prefix_offset: 0,
             no_reply_offset: 0,
@@ -105,16 +83,8 @@ fn ms(d: Duration) -> String {
 impl RunDefaults {
     /// What `--help` shows as `[default: ...]`, by flag (without dashes).
     pub fn shown(&self) -> Vec<(&'static str, String)> {
-        vec![
-            ("policy", self.policy.name().into()),
-            ("threshold", self.threshold.to_string()),
-            ("max-pending", self.max_pending.to_string()),
-            ("on-overload", self.on_overload.name().into()),
-            ("max-pending-client", self.max_pending_client.to_string()),
-            ("hedge-after", self.hedging.after.to_string()),
-            ("hedge-budget", self.hedging.budget_percent.to_string()),
-            ("budget", ms(self.budget)),
-            ("tie-break", self.tie_break.name().into()),
+        let mut shown = self.tunables.shown();
+        shown.extend([
             ("proto", self.protocol.name().into()),
             ("read-prefix-offset", self.read_prefix_offset.to_string()),
             ("no-reply-offset", self.no_reply_offset.to_string()),
@@ -136,6 +106,7 @@ impl RunDefaults {
             ("inflight-max", self.inflight_max.to_string()),
             ("interval", ms(self.interval)),
             ("ingress", self.ingress.name().into()),
-        ]
+        ]);
+        shown
     }
 }

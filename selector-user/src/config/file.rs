@@ -283,7 +283,10 @@ impl Options {
             // The tunables' defaults; the patch below lays the given ones over.
             ..Settings::new(iface, groups)
         };
-        let settings = self.tunables.apply(settings);
+        let settings = Settings {
+            tunables: self.tunables.apply(settings.tunables),
+            ..settings
+        };
         settings.plan()?;
         Ok(RunConfig {
             settings,
@@ -728,17 +731,23 @@ members = ["10.0.0.1:11211", "10.0.0.2:11211"]
         // copy of it changes nothing an operator did not change.
         let (s, d) = (&config.settings, Settings::new("eth0", vec![]));
         assert_eq!(
-            (s.policy, s.threshold, s.budget),
-            (d.policy, d.threshold, d.budget)
+            (s.tunables.policy, s.tunables.threshold, s.tunables.budget),
+            (d.tunables.policy, d.tunables.threshold, d.tunables.budget)
         );
-        assert_eq!((s.tie_break, s.ingress), (d.tie_break, d.ingress));
+        assert_eq!(
+            (s.tunables.tie_break, s.ingress),
+            (d.tunables.tie_break, d.ingress)
+        );
         assert_eq!((s.timeout, s.grace, s.mark), (d.timeout, d.grace, d.mark));
         assert_eq!(
-            (s.inflight_max, s.on_overload),
-            (d.inflight_max, d.on_overload)
+            (s.inflight_max, s.tunables.on_overload),
+            (d.inflight_max, d.tunables.on_overload)
         );
-        assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
-        assert_eq!(s.hedging, d.hedging);
+        assert_eq!(
+            (s.tunables.max_pending, s.tunables.max_pending_client),
+            (0, 0)
+        );
+        assert_eq!(s.tunables.hedging, d.tunables.hedging);
         assert_eq!(s.descriptor, d.descriptor);
     }
 
@@ -779,9 +788,15 @@ members = ["10.0.0.3:1"]
         let c = file.resolve_with(&Options::default()).unwrap();
         let s = &c.settings;
         assert_eq!(s.iface, "eth1");
-        assert_eq!((s.policy, s.threshold), (Policy::Absolute, 7));
-        assert_eq!((s.max_pending, s.max_pending_client), (5, 3));
-        assert_eq!(s.on_overload, OnOverload::Drop);
+        assert_eq!(
+            (s.tunables.policy, s.tunables.threshold),
+            (Policy::Absolute, 7)
+        );
+        assert_eq!(
+            (s.tunables.max_pending, s.tunables.max_pending_client),
+            (5, 3)
+        );
+        assert_eq!(s.tunables.on_overload, OnOverload::Drop);
         assert_eq!(s.protocol(), Protocol::Custom);
         assert_eq!((s.descriptor.id_offset, s.descriptor.id_len), (4, 2));
         assert_eq!(&s.descriptor.prefix[..3], b"GET");
@@ -812,7 +827,7 @@ members = ["10.0.0.3:1"]
             ..Options::default()
         };
         let c = file.resolve_with(&flags).unwrap();
-        assert_eq!(c.settings.threshold, 9);
+        assert_eq!(c.settings.tunables.threshold, 9);
         assert_eq!(c.settings.iface, "eth0", "from the file");
         assert_eq!(
             c.settings.grace,
@@ -1093,7 +1108,10 @@ members = ["10.0.0.3:1"]
             ..Options::default()
         };
         let c = flags.resolve().unwrap();
-        assert_eq!(c.settings.threshold, RunDefaults::default().threshold);
+        assert_eq!(
+            c.settings.tunables.threshold,
+            RunDefaults::default().tunables.threshold
+        );
         assert_eq!(c.interval, RunDefaults::default().interval);
         assert!(!c.quiet);
         let e = Options::default().resolve().unwrap_err().to_string();

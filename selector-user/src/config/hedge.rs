@@ -65,17 +65,20 @@ impl<'de> Deserialize<'de> for HedgeAfter {
     }
 }
 
-/// The hedging settings in force.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The hedging settings in force (in status as `hedge_after` and
+/// `hedge_budget_percent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HedgeSettings {
+    #[serde(rename = "hedge_after", default)]
     pub after: HedgeAfter,
     /// Hedges at most this percentage of reads (plus a burst).
+    #[serde(rename = "hedge_budget_percent", default)]
     pub budget_percent: u32,
 }
 
 impl Default for HedgeSettings {
     fn default() -> Self {
-        crate::config::defaults::RunDefaults::default().hedging
+        crate::config::tunables::Tunables::default().hedging
     }
 }
 

@@ -12,8 +12,8 @@ use std::{
 
 use anyhow::Result;
 
-use crate::config::defaults::RunDefaults;
-use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, Policy, TieBreak, backend_id};
+use crate::config::{defaults::RunDefaults, tunables::Tunables};
+use selector_common::{Descriptor, MAX_GROUP_MEMBERS, MAX_GROUPS, backend_id};
 pub use selector_common::{MAX_TIMEOUT_MS, OnOverload};
 use serde::{Deserialize, Serialize};
 
@@ -152,31 +152,18 @@ pub struct Settings {
     pub iface: String,
     /// Replica groups, members in preference order.
     pub groups: Vec<Vec<SocketAddr>>,
-    pub policy: Policy,
-    pub threshold: u32,
-    /// Latency policy: expected wait over the best member's at which a
-    /// read leaves its primary (1 µs to `MAX_TIMEOUT_MS`, whole µs).
-    pub budget: Duration,
-    /// How every policy picks among equally loaded members.
-    pub tie_break: TieBreak,
+    /// What `selector set` changes while attached.
+    pub tunables: Tunables,
     pub descriptor: Descriptor,
     /// In-flight entries older than this are expired by the sweep.
     pub timeout: Duration,
     pub inflight_max: u32,
     pub ingress: IngressMode,
-    /// Pending requests per backend beyond which it is not chosen (0: no bound).
-    pub max_pending: u32,
-    /// Pending requests per client socket beyond which its reads are
-    /// overloaded (0: no bound).
-    pub max_pending_client: u32,
-    pub on_overload: OnOverload,
     /// The skb mark bit carried by the selector's own re-sent requests.
     pub mark: u32,
     /// How long after a request completed or expired a late reply to a
     /// redirected read is still rewritten.
     pub grace: Duration,
-    /// `--hedge-after`, `--hedge-budget`.
-    pub hedging: crate::config::hedge::HedgeSettings,
     /// How old the agent's heartbeat may get before the programs take it
     /// for gone and move no read (`Config::agent_alive`); zero: never.
     pub heartbeat_bound: Duration,
@@ -247,26 +234,20 @@ impl fmt::Display for BackendPlan {
 
 impl Settings {
     /// Settings with every default of `selector run`; change fields with
-    /// struct-update syntax (`Settings { threshold: 1, ..Settings::new(..) }`).
+    /// struct-update syntax (`Settings { timeout, ..Settings::new(..) }`),
+    /// tunables with [`Self::tuned`].
     pub fn new(iface: impl Into<String>, groups: Vec<Vec<SocketAddr>>) -> Self {
         let d = RunDefaults::default();
         Self {
             iface: iface.into(),
             groups,
-            policy: d.policy,
-            threshold: d.threshold,
-            budget: d.budget,
-            tie_break: d.tie_break,
+            tunables: d.tunables,
             descriptor: d.protocol.descriptor(),
             timeout: d.timeout,
             inflight_max: d.inflight_max,
             ingress: d.ingress,
-            max_pending: d.max_pending,
-            max_pending_client: d.max_pending_client,
-            on_overload: d.on_overload,
             mark: d.mark,
             grace: d.timeout,
-            hedging: d.hedging,
             // Off here, unlike `selector run`'s default: only an agent that
             // sweeps on a schedule keeps a heartbeat, and a `Selector`
             // driven by hand (tests, benchmarks) may not sweep at all.
@@ -333,32 +314,16 @@ impl Settings {
         self.number_backends()
     }
 
-    /// Checks what `selector set` can change at run time.
-    pub fn check_tunables(&self) -> Result<()> {
-        if self.threshold == 0 && self.policy != Policy::Observe {
-            return invalid(SettingKey::Flag("threshold"), "must be at least 1");
-        }
-        if self.budget < Duration::from_micros(1)
-            || self.budget > Duration::from_millis(MAX_TIMEOUT_MS)
-        {
-            return invalid(
-                SettingKey::Flag("budget"),
-                format!("must be 0.001 to {MAX_TIMEOUT_MS} ms"),
-            );
-        }
-        if self.on_overload == OnOverload::Reject && !self.protocol().has_error_reply() {
-            return invalid(
-                SettingKey::Flag("on-overload"),
-                "reject needs --proto memcached or dns (a custom protocol has no error reply)",
-            );
-        }
-        self.hedging.check(self.timeout)?;
-        Ok(())
+    /// These settings with `change` made to their tunables (for settings
+    /// built in code: `Settings::new(..).tuned(|t| t.threshold = 1)`).
+    pub fn tuned(mut self, change: impl FnOnce(&mut Tunables)) -> Self {
+        change(&mut self.tunables);
+        self
     }
 
-    /// The budget in whole microseconds, as the kernel holds it.
-    pub fn budget_us(&self) -> u32 {
-        self.budget.as_micros().min(u128::from(u32::MAX)) as u32
+    /// Checks what `selector set` can change at run time.
+    pub fn check_tunables(&self) -> Result<()> {
+        self.tunables.check(self.timeout, self.protocol())
     }
 
     fn number_backends(&self) -> Result<Vec<BackendPlan>> {
@@ -514,6 +479,7 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use selector_common::{Policy, TieBreak};
 
     /// Each enum's one name: on the wire, in the config file, as a flag
     /// value and in `name()` (what status and the kernel's logs print).
@@ -554,13 +520,11 @@ mod tests {
     }
 
     fn settings(groups: &[&str]) -> Settings {
-        Settings {
-            threshold: 1,
-            ..Settings::new(
-                "eth0",
-                groups.iter().map(|g| parse_group(g).unwrap()).collect(),
-            )
-        }
+        Settings::new(
+            "eth0",
+            groups.iter().map(|g| parse_group(g).unwrap()).collect(),
+        )
+        .tuned(|t| t.threshold = 1)
     }
 
     fn err(s: &Settings) -> String {
@@ -582,10 +546,10 @@ mod tests {
         s.groups[1].clear();
         assert_eq!(key(&s), SettingKey::Group(1));
         s = settings(&["10.0.0.1:1"]);
-        s.threshold = 0;
+        s.tunables.threshold = 0;
         assert_eq!(key(&s), SettingKey::Flag("threshold"));
         assert_eq!(err(&s), "--threshold must be at least 1");
-        s.threshold = 1;
+        s.tunables.threshold = 1;
         s.grace = Duration::ZERO;
         assert_eq!(key(&s), SettingKey::Flag("grace"));
         assert_eq!(key(&settings(&[])), SettingKey::Groups);
@@ -600,8 +564,11 @@ mod tests {
         assert_eq!(s.timeout, RunDefaults::default().timeout);
         assert_eq!(s.grace, s.timeout);
         assert_eq!(s.mark, selector_common::MARK_REDIRECTED);
-        assert_eq!((s.max_pending, s.max_pending_client), (0, 0));
-        assert_eq!(s.on_overload, OnOverload::Pass);
+        assert_eq!(
+            (s.tunables.max_pending, s.tunables.max_pending_client),
+            (0, 0)
+        );
+        assert_eq!(s.tunables.on_overload, OnOverload::Pass);
         assert_eq!(s.protocol(), Protocol::Memcached);
         assert!(s.plan().is_ok());
     }
@@ -660,9 +627,9 @@ mod tests {
         s.inflight_max = 0;
         assert!(err(&s).contains("--inflight-max"));
         let mut s = settings(&["10.0.0.1:1"]);
-        s.threshold = 0;
+        s.tunables.threshold = 0;
         assert!(err(&s).contains("--threshold"));
-        s.policy = Policy::Observe;
+        s.tunables.policy = Policy::Observe;
         assert!(s.plan().is_ok());
         assert!(err(&settings(&["10.0.0.1:0"])).contains("port 0"));
         assert!(err(&settings(&["0.0.0.0:1"])).contains("unicast"));
@@ -670,17 +637,15 @@ mod tests {
         s.descriptor.id_len = 0;
         assert!(err(&s).contains("descriptor"));
         for bad in [Duration::ZERO, Duration::from_millis(MAX_TIMEOUT_MS + 1)] {
-            let s = Settings {
-                budget: bad,
-                ..settings(&["10.0.0.1:1"])
-            };
+            let s = settings(&["10.0.0.1:1"]).tuned(|t| {
+                t.budget = bad;
+            });
             assert!(err(&s).contains("--budget"), "{bad:?}");
         }
-        let s = Settings {
-            budget: Duration::from_millis(MAX_TIMEOUT_MS),
-            ..settings(&["10.0.0.1:1"])
-        };
-        assert_eq!(s.budget_us(), 3_600_000_000);
+        let s = settings(&["10.0.0.1:1"]).tuned(|t| {
+            t.budget = Duration::from_millis(MAX_TIMEOUT_MS);
+        });
+        assert_eq!(s.tunables.budget_us(), 3_600_000_000);
     }
 
     #[test]
@@ -743,10 +708,9 @@ mod tests {
 
     #[test]
     fn reject_needs_a_protocol_with_an_error_reply() {
-        let base = Settings {
-            on_overload: OnOverload::Reject,
-            ..settings(&["10.0.0.1:1"])
-        };
+        let base = settings(&["10.0.0.1:1"]).tuned(|t| {
+            t.on_overload = OnOverload::Reject;
+        });
         assert!(base.plan().is_ok());
         let dns = Settings {
             descriptor: Descriptor::dns(),
@@ -760,10 +724,9 @@ mod tests {
         assert_eq!(custom.protocol(), Protocol::Custom);
         assert!(err(&custom).contains("--on-overload reject needs --proto memcached or dns"));
         for other in [OnOverload::Pass, OnOverload::Drop] {
-            let s = Settings {
-                on_overload: other,
-                ..custom.clone()
-            };
+            let s = custom.clone().tuned(|t| {
+                t.on_overload = other;
+            });
             assert!(s.plan().is_ok());
         }
     }

@@ -5,9 +5,20 @@
 //! `set` request. A tunable is declared once, here: its flag, help, key,
 //! wire name and how it lands in [`Settings`].
 //!
+//! The values in force are [`Tunables`], a part of `Settings` of their
+//! own: its type says they may change while attached. Its `Default` is
+//! the tunables' defaults, [`Tunables::check`] their validation and its
+//! serialization their part of `selector status --json`.
+//!
 //! Names: the flag and the file key are kebab-case (`max-pending`); the
 //! wire keeps the snake_case names it always had (`max_pending`), and
 //! either is accepted wherever a patch is read, so old clients still work.
+//!
+//! Adding a tunable: a field here in [`Tunables`] (with its default, check,
+//! `shown` default and status line) and in [`TunablesPatch`] (with its
+//! flag's help), where the kernel takes it
+//! (`datapath::loader::Selector::write_config`), and its row in
+//! docs/reference/config.md (and its line in the sample config).
 
 use std::{fmt, str::FromStr, time::Duration};
 
@@ -17,9 +28,139 @@ use selector_common::{OnOverload, Policy, TieBreak};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{
-    hedge::HedgeAfter,
-    settings::{Settings, millis},
+    hedge::{HedgeAfter, HedgeSettings},
+    settings::{MAX_TIMEOUT_MS, Protocol, SettingKey, Settings, invalid, millis},
 };
+
+/// The tunables in force. Serialized as `selector status --json` shows
+/// them, among the other settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tunables {
+    pub policy: Policy,
+    pub threshold: u32,
+    /// Pending requests per backend beyond which it is not chosen (0: no bound).
+    pub max_pending: u32,
+    /// Pending requests per client socket beyond which its reads are
+    /// overloaded (0: no bound).
+    pub max_pending_client: u32,
+    pub on_overload: OnOverload,
+    /// `--hedge-after`, `--hedge-budget`.
+    #[serde(flatten)]
+    pub hedging: HedgeSettings,
+    /// Latency policy: expected wait over the best member's at which a
+    /// read leaves its primary (1 µs to `MAX_TIMEOUT_MS`, whole µs).
+    #[serde(rename = "budget_us", with = "whole_micros", default)]
+    pub budget: Duration,
+    /// How every policy picks among equally loaded members.
+    #[serde(default = "bookkeepers_tie_break")]
+    pub tie_break: TieBreak,
+}
+
+/// What an agent from before `--tie-break` did.
+fn bookkeepers_tie_break() -> TieBreak {
+    TieBreak::First
+}
+
+impl Default for Tunables {
+    fn default() -> Self {
+        Self {
+            policy: Policy::Threshold,
+            threshold: 4,
+            max_pending: 0,
+            max_pending_client: 0,
+            on_overload: OnOverload::Pass,
+            hedging: HedgeSettings {
+                after: HedgeAfter::Off,
+                // Hedges per second at most 5% of reads (plus the burst of
+                // `selector_common::hedge::BURST`).
+                budget_percent: 5,
+            },
+            // A read leaves a primary whose expected wait is this much over
+            // the best replica's. Reads sent in the first budget of a stall
+            // wait it out, so the budget sets their share: 1 ms of a stall
+            // every 500 ms is 0.2% of reads, under the p99.
+            budget: Duration::from_millis(1),
+            // Many client hosts with equal counts spread out (no herding);
+            // `First` is BookKeeper's rule.
+            tie_break: TieBreak::Random,
+        }
+    }
+}
+
+impl Tunables {
+    /// Checks them as `selector run` and `selector set` do; `timeout` and
+    /// `protocol` are the settings they depend on.
+    pub fn check(&self, timeout: Duration, protocol: Protocol) -> Result<()> {
+        if self.threshold == 0 && self.policy != Policy::Observe {
+            return invalid(SettingKey::Flag("threshold"), "must be at least 1");
+        }
+        if self.budget < Duration::from_micros(1)
+            || self.budget > Duration::from_millis(MAX_TIMEOUT_MS)
+        {
+            return invalid(
+                SettingKey::Flag("budget"),
+                format!("must be 0.001 to {MAX_TIMEOUT_MS} ms"),
+            );
+        }
+        if self.on_overload == OnOverload::Reject && !protocol.has_error_reply() {
+            return invalid(
+                SettingKey::Flag("on-overload"),
+                "reject needs --proto memcached or dns (a custom protocol has no error reply)",
+            );
+        }
+        self.hedging.check(timeout)
+    }
+
+    /// The budget in whole microseconds, as the kernel holds it.
+    pub fn budget_us(&self) -> u32 {
+        self.budget.as_micros().min(u128::from(u32::MAX)) as u32
+    }
+
+    /// What `--help` shows as `[default: ...]` of each tunable's flag.
+    pub fn shown(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("policy", self.policy.name().into()),
+            ("threshold", self.threshold.to_string()),
+            ("max-pending", self.max_pending.to_string()),
+            ("on-overload", self.on_overload.name().into()),
+            ("max-pending-client", self.max_pending_client.to_string()),
+            ("hedge-after", self.hedging.after.to_string()),
+            ("hedge-budget", self.hedging.budget_percent.to_string()),
+            ("budget", Millis(self.budget).to_string()),
+            ("tie-break", self.tie_break.name().into()),
+        ]
+    }
+
+    /// In one line, in `selector set` flag order (what `set`, a reload and
+    /// the status print).
+    pub fn describe(&self) -> String {
+        format!(
+            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {} budget {} ms tie-break {}",
+            self.policy.name(),
+            self.threshold,
+            self.max_pending,
+            self.max_pending_client,
+            self.on_overload.name(),
+            Millis(self.budget),
+            self.tie_break.name()
+        )
+    }
+}
+
+/// A duration as whole microseconds (status's `budget_us`).
+mod whole_micros {
+    use std::time::Duration;
+
+    use serde::{Deserialize as _, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_micros().min(u128::from(u64::MAX)) as u64)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_micros)
+    }
+}
 
 /// A duration given in milliseconds, fractions allowed (`2`, `0.5`), held
 /// in whole microseconds: the unit of `--budget` and its key.
@@ -187,30 +328,32 @@ impl TunablesPatch {
             .map(|us| Millis(Duration::from_micros(us))))
     }
 
-    /// `settings` with the given tunables in place; not checked (see
+    /// `tunables` with the given ones in place; not checked (see
     /// [`Self::applied_to`]).
-    pub fn apply(&self, settings: Settings) -> Settings {
-        Settings {
-            policy: self.policy.unwrap_or(settings.policy),
-            threshold: self.threshold.unwrap_or(settings.threshold),
-            max_pending: self.max_pending.unwrap_or(settings.max_pending),
+    pub fn apply(&self, tunables: Tunables) -> Tunables {
+        Tunables {
+            policy: self.policy.unwrap_or(tunables.policy),
+            threshold: self.threshold.unwrap_or(tunables.threshold),
+            max_pending: self.max_pending.unwrap_or(tunables.max_pending),
             max_pending_client: self
                 .max_pending_client
-                .unwrap_or(settings.max_pending_client),
-            on_overload: self.on_overload.unwrap_or(settings.on_overload),
-            hedging: crate::config::hedge::HedgeSettings {
-                after: self.hedge_after.unwrap_or(settings.hedging.after),
-                budget_percent: self.hedge_budget.unwrap_or(settings.hedging.budget_percent),
+                .unwrap_or(tunables.max_pending_client),
+            on_overload: self.on_overload.unwrap_or(tunables.on_overload),
+            hedging: HedgeSettings {
+                after: self.hedge_after.unwrap_or(tunables.hedging.after),
+                budget_percent: self.hedge_budget.unwrap_or(tunables.hedging.budget_percent),
             },
-            budget: self.budget_in_force().map_or(settings.budget, |b| b.0),
-            tie_break: self.tie_break.unwrap_or(settings.tie_break),
-            ..settings
+            budget: self.budget_in_force().map_or(tunables.budget, |b| b.0),
+            tie_break: self.tie_break.unwrap_or(tunables.tie_break),
         }
     }
 
     /// `settings` with this patch applied, checked as `selector run` would.
     pub fn applied_to(&self, settings: &Settings) -> Result<Settings> {
-        let changed = self.apply(settings.clone());
+        let changed = Settings {
+            tunables: self.apply(settings.tunables),
+            ..settings.clone()
+        };
         changed.check_tunables()?;
         Ok(changed)
     }
@@ -253,8 +396,8 @@ mod tests {
                 "hedge_after":"auto","hedge_budget":7,"budget_us":2500,"tie_break":"first"}"#,
         )
         .unwrap();
-        let d = Settings::new("eth0", vec![]);
-        let s = old.apply(d.clone());
+        let d = Tunables::default();
+        let s = old.apply(d);
         assert_eq!((s.max_pending, s.max_pending_client), (5, 2));
         assert_eq!(s.on_overload, OnOverload::Drop);
         assert_eq!(s.hedging.after, HedgeAfter::Auto);
@@ -263,7 +406,7 @@ mod tests {
         assert_eq!(s.tie_break, TieBreak::First);
         let kebab: TunablesPatch =
             serde_json::from_str(r#"{"max-pending":5,"tie-break":"first"}"#).unwrap();
-        assert_eq!(kebab.apply(d.clone()).max_pending, 5);
+        assert_eq!(kebab.apply(d).max_pending, 5);
         assert!(serde_json::from_str::<TunablesPatch>(r#"{"treshold":1}"#).is_err());
     }
 

@@ -46,9 +46,10 @@ impl Selector {
     /// and budget, and switches the kernel's hand-over on or off. Hedging
     /// is off while steering is (shutdown).
     pub(crate) fn write_hedge_config(&mut self, steering_off: bool) -> Result<()> {
-        let hedging = self.settings.hedging;
+        let hedging = self.settings.tunables.hedging;
         // Observe moves no read, and sends no copy either.
-        let on = hedging.enabled() && !steering_off && self.settings.policy != Policy::Observe;
+        let on =
+            hedging.enabled() && !steering_off && self.settings.tunables.policy != Policy::Observe;
         {
             let control = &self.hedging.control;
             let mut targets = control.targets.write().unwrap_or_else(|e| e.into_inner());
@@ -66,10 +67,10 @@ impl Selector {
             .store(hedging.budget_percent, Ordering::SeqCst);
         control
             .max_pending
-            .store(self.settings.max_pending, Ordering::SeqCst);
+            .store(self.settings.tunables.max_pending, Ordering::SeqCst);
         control
             .max_pending_client
-            .store(self.settings.max_pending_client, Ordering::SeqCst);
+            .store(self.settings.tunables.max_pending_client, Ordering::SeqCst);
         control
             .timeout_ns
             .store(self.settings.timeout.as_nanos() as u64, Ordering::SeqCst);
@@ -141,7 +142,7 @@ impl Selector {
             map_copy(self, names::CLIENT_PENDING)?.fd().as_fd(),
             CLIENT_SLOTS as usize,
         )?;
-        let budget_percent = self.settings.hedging.budget_percent;
+        let budget_percent = self.settings.tunables.hedging.budget_percent;
         self.hedging.start(
             HedgeMaps {
                 ring,
@@ -192,7 +193,9 @@ impl Selector {
     pub fn refresh_hedge_delays(&mut self) -> Result<()> {
         // Turning `auto` off resets its state (`write_hedge_config`).
         let now = Instant::now();
-        if self.settings.hedging.after != HedgeAfter::Auto || !self.hedging.auto.is_due(now) {
+        if self.settings.tunables.hedging.after != HedgeAfter::Auto
+            || !self.hedging.auto.is_due(now)
+        {
             return Ok(());
         }
         let ceiling = auto_ceiling_ns(self.settings.timeout.as_nanos() as u64);
@@ -220,7 +223,7 @@ impl Selector {
     /// When `refresh_hedge_delays` next has work: `None` unless hedging is
     /// `auto`.
     pub fn hedge_refresh_due(&self) -> Option<Instant> {
-        (self.settings.hedging.after == HedgeAfter::Auto)
+        (self.settings.tunables.hedging.after == HedgeAfter::Auto)
             .then(|| self.hedging.auto.due().unwrap_or_else(Instant::now))
     }
 

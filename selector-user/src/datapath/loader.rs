@@ -574,17 +574,18 @@ impl Selector {
     pub fn write_config(&mut self) -> Result<()> {
         self.write_hedge_config(self.steering_off)?;
         let s = &self.settings;
+        let t = &s.tunables;
         let value = Config {
-            policy: s.policy as u32,
-            threshold: s.threshold,
-            max_pending: s.max_pending,
-            max_pending_client: s.max_pending_client,
-            on_overload: s.on_overload as u32,
+            policy: t.policy as u32,
+            threshold: t.threshold,
+            max_pending: t.max_pending,
+            max_pending_client: t.max_pending_client,
+            on_overload: t.on_overload as u32,
             mark: s.mark,
             inflight_mask: self.slots.len() as u32 - 1,
             steering_off: u32::from(self.steering_off),
-            tie_break: s.tie_break as u32,
-            budget_us: s.budget_us(),
+            tie_break: t.tie_break as u32,
+            budget_us: t.budget_us(),
             descriptor: s.descriptor,
             heartbeat_ns: crate::host::sys::monotonic_ns(),
             heartbeat_bound_ns: s.heartbeat_bound.as_nanos().min(u128::from(u64::MAX)) as u64,
@@ -632,8 +633,8 @@ impl Selector {
 
     /// Changes policy and threshold while running.
     pub fn set_policy(&mut self, policy: Policy, threshold: u32) -> Result<()> {
-        self.settings.policy = policy;
-        self.settings.threshold = threshold;
+        self.settings.tunables.policy = policy;
+        self.settings.tunables.threshold = threshold;
         self.write_config()
     }
 

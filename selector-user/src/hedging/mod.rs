@@ -94,7 +94,9 @@ impl Default for Hedging {
         Self {
             control: Arc::new(Control {
                 enabled: AtomicBool::new(false),
-                budget_percent: AtomicU32::new(RunDefaults::default().hedging.budget_percent),
+                budget_percent: AtomicU32::new(
+                    RunDefaults::default().tunables.hedging.budget_percent,
+                ),
                 max_pending: AtomicU32::new(0),
                 max_pending_client: AtomicU32::new(0),
                 timeout_ns: AtomicU64::new(RunDefaults::default().timeout.as_nanos() as u64),

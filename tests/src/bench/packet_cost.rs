@@ -547,15 +547,17 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
         .map(|i| SocketAddrV4::new(replica(i).into(), PORT))
         .collect();
     let settings = Settings {
-        threshold: 1,
         // Sized for the large fill: the measured requests then find a table
         // about a quarter full, where a probe window is rarely full.
         inflight_max: o.inflight_large,
+        ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
+    }
+    .tuned(|t| {
+        t.threshold = 1;
         // The replies are built from the replica `first` picks (and the
         // costs in docs/bench/ were measured with it).
-        tie_break: TieBreak::First,
-        ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
-    };
+        t.tie_break = TieBreak::First;
+    });
     // Two copies of the programs and maps, one per table size.
     let mut labs = Vec::new();
     for fill in [o.inflight_small, o.inflight_large] {

@@ -605,6 +605,7 @@ impl Report {
             let extra = r.extra_reads().unwrap_or(0.0);
             let budget = f64::from(
                 selector_user::config::defaults::RunDefaults::default()
+                    .tunables
                     .hedging
                     .budget_percent,
             ) / 100.0;

@@ -13,6 +13,7 @@ use super::client::ClientPolicy;
 /// 1 ms of a stall every 500 ms, under the p99 the target is about.
 pub fn latency_budget_ms() -> u32 {
     selector_user::config::defaults::RunDefaults::default()
+        .tunables
         .budget
         .as_millis() as u32
 }

@@ -251,7 +251,7 @@ impl Attached {
         let sweep_every = sweep_period(interval, settings.timeout, settings.heartbeat_bound);
         // Not in observe mode, whose row measures the cost of being attached
         // (the statistics add two clock reads per program run).
-        let stats = if settings.policy == Policy::Observe {
+        let stats = if settings.tunables.policy == Policy::Observe {
             None
         } else {
             Some(aya::sys::enable_stats(aya::sys::Stats::RunTime).context("BPF run-time stats")?)
@@ -470,23 +470,25 @@ fn run_row(
                 Attached::start(
                     ns,
                     Settings {
-                        policy,
-                        threshold,
-                        tie_break: row.tie_break(),
                         timeout: opts.drain,
                         ingress: opts.ingress,
-                        hedging: HedgeSettings {
-                            after: row.hedge_after(),
-                            ..Default::default()
-                        },
-                        budget: row
-                            .budget()
-                            .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).budget),
                         ..Settings::new(
                             CLIENT_IFACE,
                             vec![replicas.iter().map(|&r| r.into()).collect()],
                         )
-                    },
+                    }
+                    .tuned(|t| {
+                        t.policy = policy;
+                        t.threshold = threshold;
+                        t.tie_break = row.tie_break();
+                        t.hedging = HedgeSettings {
+                            after: row.hedge_after(),
+                            ..Default::default()
+                        };
+                        t.budget = row
+                            .budget()
+                            .unwrap_or(Settings::new(CLIENT_IFACE, vec![]).tunables.budget);
+                    }),
                 )
             })
             .collect::<Result<Vec<_>>>()?,
@@ -599,13 +601,15 @@ fn run_overload_row(tb: &Testbed, opts: &Options, row: &Row) -> Result<RowResult
             timeout: drain,
             grace: drain,
             ingress: opts.ingress,
-            max_pending: cap,
-            on_overload: on,
             ..Settings::new(
                 CLIENT_IFACE,
                 vec![replicas.iter().map(|&r| r.into()).collect()],
             )
-        },
+        }
+        .tuned(|t| {
+            t.max_pending = cap;
+            t.on_overload = on;
+        }),
     )?;
     let duration = opts.overload_duration;
     let start_ns = monotonic_ns() + 500_000_000;
