@@ -3,11 +3,21 @@
 //! [`crate::agent::metrics`]), in OpenMetrics when the client asks for it
 //! (Prometheus does), else in the classic text format (curl, `promtool
 //! check metrics`). `GET /healthz` and `GET /readyz` answer 200 or 503
-//! with a short text (see [`crate::agent::health`]); other paths 404.
-//! Hand-written rather than on an HTTP crate: one request per connection,
-//! three paths, GET only, bounded as [`crate::agent::limits`] says.
+//! with a short text (see [`crate::agent::health`]); other paths 404, other
+//! methods 405.
+//!
+//! HTTP/1 is served by hyper's connection driver (`hyper`, with
+//! `hyper-util`'s tokio I/O and timer), one request per connection;
+//! malformed requests are answered by hyper (400, or 431 for a head over
+//! `MAX_REQUEST_HEAD` bytes). So that idle connections and slow readers
+//! cannot stall the endpoint: at most the connections
+//! [`crate::agent::limits`] allows at once, the request head within
+//! `REQUEST_WAIT` of the accept (hyper's header read timeout), the response
+//! written within [`WRITE_WAIT`] of being ready, else the connection is
+//! dropped.
 
 use std::{
+    convert::Infallible,
     future::Future,
     net::SocketAddr,
     sync::Arc,
@@ -15,9 +25,18 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
+use http_body_util::Full;
+use hyper::{
+    Method, Request, Response, StatusCode,
+    body::{Bytes, Incoming},
+    header::{ACCEPT, ALLOW, CONTENT_TYPE, HeaderValue},
+    server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream},
+    sync::Notify,
 };
 
 use crate::{
@@ -32,9 +51,10 @@ use crate::{
     api::Status,
 };
 
-/// How long a client has to send its request head.
+/// How long a client has to send its request head (from the accept).
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
-/// Longest request head read; a scrape's is a few hundred bytes.
+/// Longest request head read (start line and headers); a scrape's is a
+/// few hundred bytes. A longer one is answered 431.
 const MAX_REQUEST_HEAD: usize = 16 * 1024;
 
 /// How long a status built for one scrape serves the next ones: a flood
@@ -65,9 +85,19 @@ impl CachedStatus {
     }
 }
 
+/// How long a connection may wait for each stage.
+#[derive(Clone, Copy, Debug)]
+struct Waits {
+    /// For the request head, from the accept.
+    request: Duration,
+    /// For the response to be written, from when it is ready.
+    write: Duration,
+}
+
 /// The listening endpoint.
 pub struct MetricsServer {
     listener: TcpListener,
+    waits: Waits,
 }
 
 impl MetricsServer {
@@ -76,7 +106,13 @@ impl MetricsServer {
         let listener = TcpListener::bind(addr)
             .await
             .with_context(|| format!("--metrics-addr {addr}: cannot listen"))?;
-        Ok(Self { listener })
+        Ok(Self {
+            listener,
+            waits: Waits {
+                request: REQUEST_WAIT,
+                write: WRITE_WAIT,
+            },
+        })
     }
 
     pub fn local_addr(&self) -> Result<SocketAddr> {
@@ -92,14 +128,16 @@ impl MetricsServer {
         Fut: Future<Output = Result<Status>> + Send + 'static,
     {
         let limit = ConnectionLimit::default();
+        let http = Arc::new(http1_builder(self.waits.request));
         loop {
             match self.listener.accept().await {
                 Ok((stream, _)) => {
                     // Beyond the limit: closed at once (dropped).
                     if let Some(permit) = limit.admit() {
-                        let (status, health) = (status.clone(), health.clone());
+                        let (http, status, health) = (http.clone(), status.clone(), health.clone());
+                        let write_wait = self.waits.write;
                         tokio::spawn(async move {
-                            answer(stream, status, health).await;
+                            answer(&http, write_wait, stream, status, health).await;
                             drop(permit);
                         });
                     }
@@ -114,50 +152,89 @@ impl MetricsServer {
     }
 }
 
-/// Reads one request and writes one response, then closes the connection.
-async fn answer<F, Fut>(mut stream: TcpStream, status: F, health: Health)
-where
-    F: Fn() -> Fut,
-    Fut: Future<Output = Result<Status>>,
-{
-    let head = match tokio::time::timeout(REQUEST_WAIT, read_head(&mut stream)).await {
-        Ok(Ok(head)) => head,
-        _ => return,
-    };
-    let response = match route(&head) {
-        Route::Metrics(format) => match status().await {
-            Ok(status) => Response::ok(format, render(format, &status)),
-            Err(e) => Response::text("503 Service Unavailable", &format!("{e:#}\n")),
-        },
-        Route::Live => Response::verdict(health::liveness(&health.state(), Instant::now())),
-        Route::Ready => Response::verdict(health::readiness(&health.state(), Instant::now())),
-        Route::NotFound => Response::text(
-            "404 Not Found",
-            "served here: /metrics, /healthz, /readyz\n",
-        ),
-        Route::MethodNotAllowed => Response::text("405 Method Not Allowed", "only GET\n"),
-        Route::BadRequest => Response::text("400 Bad Request", "bad request\n"),
-    };
-    let bytes = response.into_bytes();
-    let _ = tokio::time::timeout(WRITE_WAIT, async {
-        stream.write_all(&bytes).await?;
-        stream.shutdown().await
-    })
-    .await;
+/// hyper's HTTP/1 server as the endpoint runs it: the request head within
+/// `request_wait` and [`MAX_REQUEST_HEAD`] bytes, one request per
+/// connection (`Connection: close`), header names in title case.
+fn http1_builder(request_wait: Duration) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(request_wait)
+        .max_header_size(MAX_REQUEST_HEAD)
+        .keep_alive(false)
+        .title_case_headers(true);
+    builder
 }
 
-/// The request head, up to the blank line (or as much as arrived).
-async fn read_head(stream: &mut TcpStream) -> std::io::Result<String> {
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST_HEAD {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
+/// Reads one request and writes one response, then closes the connection;
+/// gives the connection up when the response is not written within
+/// `write_wait` of being ready (a reader that never reads).
+async fn answer<F, Fut>(
+    http: &http1::Builder,
+    write_wait: Duration,
+    stream: TcpStream,
+    status: F,
+    health: Health,
+) where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<Status>> + Send + 'static,
+{
+    let responded = Arc::new(Notify::new());
+    let service = {
+        let responded = responded.clone();
+        service_fn(move |request: Request<Incoming>| {
+            let (responded, status, health) = (responded.clone(), status.clone(), health.clone());
+            let route = route(&request);
+            async move {
+                let response = respond(route, status, &health).await;
+                responded.notify_one();
+                Ok::<_, Infallible>(response)
+            }
+        })
+    };
+    let connection = http.serve_connection(TokioIo::new(stream), service);
+    // Dropping the connection closes it; its errors (a head too slow, too
+    // long or malformed, a reset) end it and concern nobody else.
+    tokio::select! {
+        _ = connection => {}
+        _ = async {
+            responded.notified().await;
+            tokio::time::sleep(write_wait).await;
+        } => {}
     }
-    Ok(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// The response to what a request asks for.
+async fn respond<F, Fut>(route: Route, status: F, health: &Health) -> Response<Full<Bytes>>
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Result<Status>>,
+{
+    match route {
+        Route::Metrics(format) => match status().await {
+            Ok(status) => {
+                let content_type = match format {
+                    Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
+                    Format::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
+                };
+                response(StatusCode::OK, content_type, render(format, &status))
+            }
+            Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}\n")),
+        },
+        Route::Live => verdict(health::liveness(&health.state(), Instant::now())),
+        Route::Ready => verdict(health::readiness(&health.state(), Instant::now())),
+        Route::NotFound => text(
+            StatusCode::NOT_FOUND,
+            "served here: /metrics, /healthz, /readyz\n".into(),
+        ),
+        Route::MethodNotAllowed => {
+            let mut response = text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
+            response
+                .headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET"));
+            response
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -169,36 +246,24 @@ enum Route {
     Ready,
     NotFound,
     MethodNotAllowed,
-    BadRequest,
 }
 
-/// What a request head asks for.
-fn route(head: &str) -> Route {
-    let mut lines = head.split("\r\n");
-    let mut request_line = lines.next().unwrap_or("").split(' ');
-    let (Some(method), Some(target), Some(version)) = (
-        request_line.next(),
-        request_line.next(),
-        request_line.next(),
-    ) else {
-        return Route::BadRequest;
-    };
-    if !version.starts_with("HTTP/1.") {
-        return Route::BadRequest;
-    }
-    if method != "GET" {
+/// What a request asks for (hyper answers a malformed one 400 itself).
+fn route<B>(request: &Request<B>) -> Route {
+    if request.method() != Method::GET {
         return Route::MethodNotAllowed;
     }
-    match target.split('?').next() {
-        Some("/metrics") => {}
-        Some(LIVENESS_PATH) => return Route::Live,
-        Some(READINESS_PATH) => return Route::Ready,
+    match request.uri().path() {
+        "/metrics" => {}
+        LIVENESS_PATH => return Route::Live,
+        READINESS_PATH => return Route::Ready,
         _ => return Route::NotFound,
     }
-    let accept = lines
-        .filter_map(|line| line.split_once(':'))
-        .filter(|(name, _)| name.trim().eq_ignore_ascii_case("accept"))
-        .map(|(_, value)| value.trim())
+    let accept = request
+        .headers()
+        .get_all(ACCEPT)
+        .iter()
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).trim().to_string())
         .collect::<Vec<_>>()
         .join(",");
     Route::Metrics(negotiate(&accept))
@@ -228,63 +293,42 @@ fn negotiate(accept: &str) -> Format {
     }
 }
 
-struct Response {
-    status: &'static str,
-    content_type: &'static str,
-    body: String,
+/// 200 or 503, with the verdict's text.
+fn verdict(verdict: health::Verdict) -> Response<Full<Bytes>> {
+    let status = if verdict.ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    text(status, verdict.body)
 }
 
-impl Response {
-    fn ok(format: Format, body: String) -> Self {
-        let content_type = match format {
-            Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
-            Format::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
-        };
-        Self {
-            status: "200 OK",
-            content_type,
-            body,
-        }
-    }
+fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    response(status, "text/plain; charset=utf-8", body)
+}
 
-    /// 200 or 503, with the verdict's text.
-    fn verdict(verdict: health::Verdict) -> Self {
-        let status = if verdict.ok {
-            "200 OK"
-        } else {
-            "503 Service Unavailable"
-        };
-        Self::text(status, &verdict.body)
-    }
-
-    fn text(status: &'static str, body: &str) -> Self {
-        Self {
-            status,
-            content_type: "text/plain; charset=utf-8",
-            body: body.into(),
-        }
-    }
-
-    fn into_bytes(self) -> Vec<u8> {
-        let mut out = format!(
-            "HTTP/1.1 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-            self.status,
-            self.content_type,
-            self.body.len()
-        );
-        if self.status.starts_with("405") {
-            out += "Allow: GET\r\n";
-        }
-        out += "\r\n";
-        out += &self.body;
-        out.into_bytes()
-    }
+/// hyper adds `Content-Length` (the body is whole) and `Connection: close`.
+fn response(status: StatusCode, content_type: &'static str, body: String) -> Response<Full<Bytes>> {
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
 }
 
 #[cfg(test)]
 mod tests {
+    use tokio::{
+        io::{AsyncReadExt as _, AsyncWriteExt as _},
+        net::TcpSocket,
+    };
+
     use super::*;
-    use crate::agent::metrics::{openmetrics, tests::status};
+    use crate::agent::{
+        limits::MAX_CONNECTIONS,
+        metrics::{openmetrics, tests::status},
+    };
 
     #[tokio::test(flavor = "current_thread")]
     async fn scrapes_in_a_burst_share_one_status() {
@@ -312,29 +356,74 @@ mod tests {
             .unwrap();
         assert_eq!(built.load(std::sync::atomic::Ordering::SeqCst), 2);
     }
+    fn request(method: &str, target: &str, accept: &[&str]) -> Request<()> {
+        let mut request = Request::builder().method(method).uri(target);
+        for value in accept {
+            request = request.header(ACCEPT, *value);
+        }
+        request.body(()).unwrap()
+    }
+
     #[test]
     fn scrapes_are_routed_and_negotiated() {
-        let prometheus = "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1\r\n\r\n";
-        assert_eq!(route(prometheus), Route::Metrics(Format::OpenMetrics));
-        let curl = "GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: curl\r\naccept: */*\r\n\r\n";
-        assert_eq!(route(curl), Route::Metrics(Format::PrometheusText));
-        let bare = "GET /metrics?debug=1 HTTP/1.0\r\n\r\n";
-        assert_eq!(route(bare), Route::Metrics(Format::PrometheusText));
-        let text_first = "GET /metrics HTTP/1.1\r\nAccept: text/plain, application/openmetrics-text;q=0.5\r\n\r\n";
-        assert_eq!(route(text_first), Route::Metrics(Format::PrometheusText));
-        let refused = "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;q=0\r\n\r\n";
-        assert_eq!(route(refused), Route::Metrics(Format::PrometheusText));
-        assert_eq!(route("GET /healthz HTTP/1.1\r\n\r\n"), Route::Live);
-        assert_eq!(route("GET /readyz?verbose HTTP/1.1\r\n\r\n"), Route::Ready);
-        assert_eq!(route("GET /readyzz HTTP/1.1\r\n\r\n"), Route::NotFound);
-        assert_eq!(route("GET / HTTP/1.1\r\n\r\n"), Route::NotFound);
-        assert_eq!(route("GET /metricsx HTTP/1.1\r\n\r\n"), Route::NotFound);
+        fn get(target: &str, accept: &[&str]) -> Route {
+            route(&request("GET", target, accept))
+        }
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
         assert_eq!(
-            route("POST /metrics HTTP/1.1\r\n\r\n"),
+            get("/metrics", &[prometheus]),
+            Route::Metrics(Format::OpenMetrics)
+        );
+        assert_eq!(
+            get("/metrics", &["*/*"]),
+            Route::Metrics(Format::PrometheusText)
+        );
+        assert_eq!(
+            get("/metrics?debug=1", &[]),
+            Route::Metrics(Format::PrometheusText)
+        );
+        assert_eq!(
+            get(
+                "/metrics",
+                &["text/plain, application/openmetrics-text;q=0.5"]
+            ),
+            Route::Metrics(Format::PrometheusText)
+        );
+        assert_eq!(
+            get("/metrics", &["application/openmetrics-text;q=0"]),
+            Route::Metrics(Format::PrometheusText)
+        );
+        // Accept given twice: both count.
+        assert_eq!(
+            get(
+                "/metrics",
+                &["text/plain;q=0.5", "application/openmetrics-text"]
+            ),
+            Route::Metrics(Format::OpenMetrics)
+        );
+        assert_eq!(get("/healthz", &[]), Route::Live);
+        assert_eq!(get("/readyz?verbose", &[]), Route::Ready);
+        assert_eq!(get("/readyzz", &[]), Route::NotFound);
+        assert_eq!(get("/", &[]), Route::NotFound);
+        assert_eq!(get("/metricsx", &[]), Route::NotFound);
+        assert_eq!(
+            route(&request("POST", "/metrics", &[])),
             Route::MethodNotAllowed
         );
-        assert_eq!(route("hello\r\n\r\n"), Route::BadRequest);
-        assert_eq!(route(""), Route::BadRequest);
+        assert_eq!(
+            route(&request("HEAD", "/healthz", &[])),
+            Route::MethodNotAllowed
+        );
+    }
+
+    /// Writes `request` to `addr`, then reads until the endpoint closes.
+    async fn exchange(addr: SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request).await.unwrap();
+        let mut response = Vec::new();
+        // A connection beyond the limit may be reset rather than closed.
+        let _ = stream.read_to_end(&mut response).await;
+        String::from_utf8(response).unwrap()
     }
 
     #[tokio::test]
@@ -345,13 +434,7 @@ mod tests {
         let addr = server.local_addr().unwrap();
         let health = Health::new(Duration::from_millis(250));
         let serving = tokio::spawn(server.serve(|| async { Ok(status()) }, health.clone()));
-        let get = |request: &'static str| async move {
-            let mut stream = TcpStream::connect(addr).await.unwrap();
-            stream.write_all(request.as_bytes()).await.unwrap();
-            let mut response = String::new();
-            stream.read_to_string(&mut response).await.unwrap();
-            response
-        };
+        let get = |request: &'static str| exchange(addr, request.as_bytes());
         let response = get(
             "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0\r\n\r\n",
         )
@@ -363,9 +446,11 @@ mod tests {
             "{head}"
         );
         assert!(
-            head.contains(&format!("Content-Length: {}", body.len())),
+            head.contains(&format!("Content-Length: {}\r\n", body.len())),
             "{head}"
         );
+        // One request per connection.
+        assert!(head.contains("Connection: close\r\n"), "{head}");
         assert_eq!(body, openmetrics(&status()));
         let response = get("GET /metrics HTTP/1.0\r\n\r\n").await;
         assert!(
@@ -374,6 +459,18 @@ mod tests {
         );
         let response = get("GET /nothing HTTP/1.1\r\n\r\n").await;
         assert!(response.starts_with("HTTP/1.1 404 "), "{response}");
+        let response = get("POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.1 405 "), "{response}");
+        assert!(response.contains("\r\nAllow: GET\r\n"), "{response}");
+        let response = get("hello\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.1 400 "), "{response}");
+        let mut oversized = b"GET /metrics HTTP/1.1\r\n".to_vec();
+        while oversized.len() <= MAX_REQUEST_HEAD {
+            oversized.extend_from_slice(b"X-Padding: 0123456789abcdef0123456789abcdef\r\n");
+        }
+        oversized.extend_from_slice(b"\r\n");
+        let response = exchange(addr, &oversized).await;
+        assert!(response.starts_with("HTTP/1.1 431 "), "{response}");
         // Not attached, never swept: alive, not ready, and why.
         let response = get("GET /healthz HTTP/1.1\r\n\r\n").await;
         assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
@@ -399,6 +496,68 @@ mod tests {
             response.starts_with("HTTP/1.1 503 Service Unavailable\r\n"),
             "{response}"
         );
+        serving.abort();
+    }
+
+    /// Every place taken by connections that never finish their request
+    /// head, then by readers that never read a large response: a scrape is
+    /// refused until their waits end, then answered.
+    #[tokio::test]
+    async fn idle_connections_and_slow_readers_give_their_places_up() {
+        let waits = Waits {
+            request: Duration::from_millis(300),
+            write: Duration::from_millis(600),
+        };
+        // Small socket buffers, so that a response of 256 KiB stalls.
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_send_buffer_size(4096).unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let server = MetricsServer {
+            listener: socket.listen(1024).unwrap(),
+            waits,
+        };
+        let addr = server.local_addr().unwrap();
+        let large = "x".repeat(256 * 1024);
+        let serving = tokio::spawn(server.serve(
+            move || {
+                let large = large.clone();
+                async move { Err(anyhow::anyhow!(large)) }
+            },
+            Health::new(Duration::from_millis(250)),
+        ));
+
+        for (request, wait) in [
+            // Half a head, and nothing more.
+            (&b"GET /metrics HTTP/1.1\r\n"[..], waits.request),
+            // The whole request; its 503 is never read.
+            (&b"GET /metrics HTTP/1.0\r\n\r\n"[..], waits.write),
+        ] {
+            let started = Instant::now();
+            let mut held = Vec::new();
+            for _ in 0..MAX_CONNECTIONS {
+                let socket = TcpSocket::new_v4().unwrap();
+                socket.set_recv_buffer_size(4096).unwrap();
+                let mut stream = socket.connect(addr).await.unwrap();
+                stream.write_all(request).await.unwrap();
+                held.push(stream);
+            }
+            // Let the endpoint accept them all and start the responses.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let refused = exchange(addr, b"GET /healthz HTTP/1.1\r\n\r\n").await;
+            assert_eq!(refused, "", "answered beyond the limit");
+            let answered = loop {
+                let response = exchange(addr, b"GET /healthz HTTP/1.1\r\n\r\n").await;
+                if response.starts_with("HTTP/1.1 200 OK\r\n") {
+                    break started.elapsed();
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "still refused: {response:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            };
+            assert!(answered >= wait, "{answered:?} < {wait:?}");
+        }
         serving.abort();
     }
 }
