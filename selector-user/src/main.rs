@@ -2,7 +2,6 @@ use clap::{CommandFactory as _, Parser as _};
 use selector_user::cli::{Cli, Command};
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if e.use_stderr() => {
@@ -18,6 +17,7 @@ fn main() {
         }
         Err(e) => e.exit(),
     };
+    selector_user::cli::logging::init(cli.log_format, matches!(cli.command, Command::Run(_)));
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -29,7 +29,7 @@ fn main() {
         }
     };
     let result = match cli.command {
-        Command::Run(args) => runtime.block_on(selector_user::cli::run(*args)),
+        Command::Run(args) => runtime.block_on(selector_user::cli::run(*args, cli.log_format)),
         other => selector_user::cli::control(other),
     };
     if let Err(e) = result {

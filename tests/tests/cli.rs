@@ -662,7 +662,7 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
                 .enable_all()
                 .build()
                 .unwrap()
-                .block_on(selector_user::cli::run(*args))
+                .block_on(selector_user::cli::run(*args, cli.log_format))
         })
         .unwrap();
     // A loaded machine (the suite runs two tests at a time) can take a
@@ -880,6 +880,60 @@ fn duration_ends_the_run_with_totals_and_nothing_attached() {
     std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
     assert!(out.contains("detaching from eth0; totals:"), "{out}");
     assert_nothing_attached(&tb, CLIENT_IFACE);
+}
+
+/// `--log-format json`: every line the agent writes to standard output is
+/// one JSON object with its time, level and message (no table), from the
+/// attach to the detach; `--log-format text` keeps the `selector: ` lines.
+#[test]
+fn a_json_log_is_json_lines_only() {
+    let tb = Testbed::new("selj", 3).unwrap();
+    let out = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args(["--log-format", "json", "run", "--iface", CLIENT_IFACE])
+        .args(["--group", GROUP, "--duration", "1.5", "--interval", "200"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let messages: Vec<&str> = lines
+        .iter()
+        .map(|l| {
+            assert!(l["time"].as_str().is_some_and(|t| t.ends_with('Z')), "{l}");
+            assert!(l["level"].is_string(), "{l}");
+            l["message"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no message: {l}"))
+        })
+        .collect();
+    assert!(messages[0].starts_with("attached to eth0"), "{messages:?}");
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("detaching from eth0")),
+        "{messages:?}"
+    );
+    assert_nothing_attached(&tb, CLIENT_IFACE);
+    // The same run in text: its lines and the tables.
+    let out = tb
+        .client
+        .command(selector_binary().to_str().unwrap())
+        .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
+        .args(["--duration", "0.5"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("selector: attached to eth0"), "{text}");
+    assert!(
+        text.contains("selector: detaching from eth0; totals:"),
+        "{text}"
+    );
+    assert!(serde_json::from_str::<serde_json::Value>(text.lines().next().unwrap()).is_err());
 }
 
 /// Index of the first of `lines` that `wanted` accepts; fails the test,

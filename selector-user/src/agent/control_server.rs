@@ -141,7 +141,7 @@ impl ControlCall {
             message: format!("{e:#}"),
         });
         if let Reply::Done { message } = &reply {
-            println!("selector: control: {message}");
+            log::info!("control: {message}");
         }
         let _ = self.reply.send(reply);
         reloaded

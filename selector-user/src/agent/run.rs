@@ -119,8 +119,8 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
     let reloader = Reloader::new(config_file, flags, &config, groups.table.clone());
     let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
-        println!(
-            "selector: metrics at http://{}/metrics (probes: /healthz, /readyz)",
+        log::info!(
+            "metrics at http://{}/metrics (probes: /healthz, /readyz)",
             metrics.local_addr()?
         );
         let caller = control.local_caller();
@@ -137,10 +137,7 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
     }
     if !groups.is_empty() {
         // Adopted pins whose groups an earlier agent's reloads had changed.
-        println!(
-            "selector: groups applied over the pinned ones: {}",
-            describe(&groups)
-        );
+        log::info!("groups applied over the pinned ones: {}", describe(&groups));
     }
     agent.notifier.ready(&agent.summary());
     let failure = agent
@@ -203,6 +200,8 @@ struct Agent {
     interval: Duration,
     sweep_every: Duration,
     quiet: bool,
+    /// Whether tables (live and final) are printed at all.
+    tables: bool,
     /// The snapshot at the end of the last interval, for interval rates.
     last: telemetry::Snapshot,
     /// The interval tails so far, for the table, status and metrics.
@@ -246,8 +245,8 @@ impl Agent {
         let netns = selector.netns.as_ref().map_or(String::new(), |n| {
             format!(" in netns {} ({})", n.path, n.id)
         });
-        println!(
-            "selector: attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
+        log::info!(
+            "attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             selector.reply_path.name(),
             addrs.len(),
@@ -258,8 +257,8 @@ impl Agent {
             settings.mark,
         );
         if !unresolved.is_empty() {
-            println!(
-                "selector: next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
+            log::info!(
+                "next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
             );
         }
         warn_routed_elsewhere(&[], &selector.routed_elsewhere, &settings.iface);
@@ -276,6 +275,7 @@ impl Agent {
             interval,
             sweep_every,
             quiet: config.quiet,
+            tables: config.tables,
             last,
             tails: telemetry::TailHistory::default(),
             health,
@@ -357,8 +357,8 @@ impl Agent {
                 }
                 _ = hangups.recv() => {
                     match self.reload() {
-                        Ok(message) => println!("selector: {message}"),
-                        Err(e) => println!("selector: reload refused, running configuration kept: {e:#}"),
+                        Ok(message) => log::info!("{message}"),
+                        Err(e) => log::info!("reload refused, running configuration kept: {e:#}"),
                     }
                     sweep_tick = interval(self.sweep_every);
                 }
@@ -374,7 +374,7 @@ impl Agent {
     /// Outlier ejection's step (`crate::datapath::ejection`), its events logged.
     fn check_ejection(&mut self) {
         for line in self.selector.check_ejection(sys::monotonic_ns()) {
-            println!("selector: {line}");
+            log::info!("{line}");
         }
     }
 
@@ -400,11 +400,11 @@ impl Agent {
             self.health.turned();
             tokio::select! {
                 _ = signals.recv() => {
-                    println!("selector: second signal: detaching with {waiting} redirected reads in flight");
+                    log::info!("second signal: detaching with {waiting} redirected reads in flight");
                     return Ok(());
                 }
                 _ = &mut give_up => {
-                    println!("selector: timeout and grace passed: detaching with {waiting} redirected reads in flight");
+                    log::info!("timeout and grace passed: detaching with {waiting} redirected reads in flight");
                     return Ok(());
                 }
                 _ = sweep_tick.tick() => self.sweep(),
@@ -426,7 +426,7 @@ impl Agent {
     /// A last sweep, the totals, and the detach (dropping the selector).
     fn detach(self) -> Result<()> {
         let iface = self.selector.settings.iface.clone();
-        self.exit(&format!("selector: detaching from {iface}; totals:"), true)
+        self.exit(&format!("detaching from {iface}; totals:"), true)
     }
 
     /// With `--pin`: a last sweep and the totals; the links and maps stay
@@ -436,7 +436,7 @@ impl Agent {
         let s = &self.selector.settings;
         let dir = self.selector.pinned().map(|d| d.display().to_string());
         let line = format!(
-            "selector: exiting, leaving {} steered by the programs pinned under {} (`selector detach --iface {}` with the same --pin removes them); totals so far:",
+            "exiting, leaving {} steered by the programs pinned under {} (`selector detach --iface {}` with the same --pin removes them); totals so far:",
             s.iface,
             dir.unwrap_or_default(),
             s.iface
@@ -457,12 +457,20 @@ impl Agent {
             mut selector,
             neighbours,
             tails,
+            tables,
             ..
         } = self;
         selector.sweep(sys::monotonic_ns())?;
         let end = selector.snapshot()?;
         let totals = telemetry::totals(&selector.backends, &end, &tails);
-        println!("{headline}");
+        log::info!("{headline}");
+        if !tables {
+            drop(selector);
+            if release_neighbours {
+                neighbours.release();
+            }
+            return Ok(());
+        }
         print!("{}", render::render_summary(&totals));
         print!(
             "{}",
@@ -510,7 +518,7 @@ impl Agent {
                 Some(why) => format!("not steering: {why}"),
                 None => self.summary(),
             };
-            println!("selector: {status}");
+            log::info!("{status}");
             self.notifier.status(&status);
         }
         self.health.update(|h| h.not_attached = now);
@@ -634,7 +642,7 @@ impl Agent {
         match self.reloader.retire_finished(&mut self.selector) {
             Ok(retired) if retired.is_empty() => {}
             Ok(retired) => {
-                println!("selector: removed {retired:?}: their requests have finished");
+                log::info!("removed {retired:?}: their requests have finished");
                 self.after_groups_changed();
             }
             Err(e) => log::warn!("retiring removed members failed: {e:#}"),
@@ -660,7 +668,7 @@ impl Agent {
         };
         self.tails
             .record(telemetry::IntervalTail::between(&self.last, &now));
-        if !self.quiet {
+        if self.tables && !self.quiet {
             let drained = self.selector.drained().unwrap_or_default();
             let states = render::state_labels(&self.selector.backends, &now.ejection, &drained);
             let mut table = render::render_table(
@@ -686,24 +694,23 @@ impl Agent {
 /// requests addressed to it are never steered.
 fn warn_routed_elsewhere(before: &[RoutedElsewhere], now: &[RoutedElsewhere], iface: &str) {
     for r in now.iter().filter(|r| !before.contains(r)) {
-        println!(
-            "selector: warning: the route to {} leaves by {}, not {iface}: the selector does not see requests to it (its pending count stays 0); attach to {} or fix the route",
-            r.backend, r.iface, r.iface
+        log::warn!(
+            "the route to {} leaves by {}, not {iface}: the selector does not see requests to it (its pending count stays 0); attach to {} or fix the route",
+            r.backend,
+            r.iface,
+            r.iface
         );
     }
     for r in before
         .iter()
         .filter(|r| !now.iter().any(|n| n.backend == r.backend))
     {
-        println!(
-            "selector: the route to {} leaves by {iface} again",
-            r.backend
-        );
+        log::info!("the route to {} leaves by {iface} again", r.backend);
     }
 }
 
 fn print_stopping(waiting: usize) {
-    println!("selector: stopping: {waiting} redirected reads in flight");
+    log::info!("stopping: {waiting} redirected reads in flight");
 }
 
 /// The next tick of an optional interval; never without one.

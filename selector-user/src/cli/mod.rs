@@ -7,6 +7,7 @@ mod check;
 mod detach;
 mod find_agent;
 mod generate;
+pub mod logging;
 mod run;
 mod run_args;
 
@@ -37,6 +38,17 @@ use crate::config::tunables::TunablesPatch;
         so the application needs no change."
 )]
 pub struct Cli {
+    /// How the agent's log lines are written: `text` (`selector: ...`) or
+    /// `json` (one object per line with time, level and message). Levels
+    /// from RUST_LOG.
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "SELECTOR_LOG_FORMAT"
+    )]
+    pub log_format: logging::LogFormat,
     #[command(subcommand)]
     pub command: Command,
 }

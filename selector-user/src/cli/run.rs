@@ -3,10 +3,12 @@
 
 use anyhow::Result;
 
-use super::RunArgs;
+use super::{RunArgs, logging::LogFormat};
 
-/// Runs the agent with `args` until a signal or `--duration`.
-pub async fn run(args: RunArgs) -> Result<()> {
-    let config = args.run_config()?;
+/// Runs the agent with `args` until a signal or `--duration`. With the
+/// log in JSON, standard output carries JSON lines only: no tables.
+pub async fn run(args: RunArgs, log_format: LogFormat) -> Result<()> {
+    let mut config = args.run_config()?;
+    config.tables = log_format == LogFormat::Text;
     crate::agent::run::run(config, args.config.clone(), args.options()).await
 }

@@ -136,6 +136,9 @@ pub struct RunConfig {
     pub interval: Duration,
     pub duration: Option<f64>,
     pub quiet: bool,
+    /// Whether the live table and the exit summary are printed (not when
+    /// the log is JSON lines on the same stream).
+    pub tables: bool,
     pub pin: Option<PathBuf>,
     pub metrics_addr: Option<SocketAddr>,
     /// The network namespace the interface is in (`--netns`; None: the
@@ -294,6 +297,7 @@ impl Options {
             interval: interval_in_force,
             duration: self.duration,
             quiet: self.quiet.unwrap_or(false),
+            tables: true,
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
             netns: self.netns.clone(),

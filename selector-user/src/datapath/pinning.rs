@@ -501,7 +501,7 @@ fn ensure_bpffs(dir: &Path) -> Result<()> {
         if rc != 0 {
             return Err(std::io::Error::last_os_error()).context("mounting bpffs at /sys/fs/bpf");
         }
-        println!("selector: mounted a bpf filesystem at /sys/fs/bpf (mode 0700)");
+        log::info!("mounted a bpf filesystem at /sys/fs/bpf (mode 0700)");
     }
     let (on, existing) = on_bpffs(dir);
     if !on {
