@@ -1,42 +1,26 @@
 //! What the host says about a network interface: its index, and its
-//! addresses read with getifaddrs(3), and whether it can carry the
+//! addresses (getifaddrs(3), through nix), and whether it can carry the
 //! settings' groups.
 
-use std::{
-    ffi::CStr,
-    io,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
-};
+use std::{io, net::IpAddr};
 
 use anyhow::{Result, bail};
+use nix::net::if_;
 
 use crate::config::settings::{ReplyPath, Settings, is_ipv6_group};
 
 /// The interface index of `iface` in this network namespace.
 pub fn index(iface: &str) -> anyhow::Result<u32> {
-    let name = std::ffi::CString::new(iface).map_err(|_| anyhow::anyhow!("bad interface name"))?;
-    // SAFETY: valid NUL-terminated string.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if index == 0 {
-        anyhow::bail!("interface '{iface}' not found");
-    }
-    Ok(index)
+    if_::if_nametoindex(iface).map_err(|_| anyhow::anyhow!("interface '{iface}' not found"))
 }
 
 /// The name of interface `index` in this network namespace, if it exists.
 pub fn name(index: u32) -> Option<String> {
-    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
-    // SAFETY: a buffer of IF_NAMESIZE bytes, as if_indextoname needs.
-    let name = unsafe { libc::if_indextoname(index, buf.as_mut_ptr()) };
-    if name.is_null() {
-        return None;
-    }
-    // SAFETY: on success the buffer holds a NUL-terminated name.
-    Some(
-        unsafe { CStr::from_ptr(buf.as_ptr()) }
-            .to_string_lossy()
-            .into_owned(),
-    )
+    if_::if_nameindex()
+        .ok()?
+        .iter()
+        .find(|i| i.index() == index)
+        .map(|i| i.name().to_string_lossy().into_owned())
 }
 
 /// What `--ingress auto` picks for a device of `kind` (see
@@ -60,46 +44,19 @@ pub fn auto_ingress(kind: Option<&str>) -> (ReplyPath, String) {
 /// `None` if there is no such interface. getifaddrs lists every interface
 /// (an AF_PACKET entry each) plus one entry per address.
 pub fn addresses(iface: &str) -> io::Result<Option<Vec<IpAddr>>> {
-    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `list` on success; it is freed below.
-    if unsafe { libc::getifaddrs(&mut list) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
     let mut found = false;
     let mut addrs = Vec::new();
-    let mut entry = list;
-    while !entry.is_null() {
-        // SAFETY: a non-null entry of the list getifaddrs returned.
-        let ifa = unsafe { &*entry };
-        entry = ifa.ifa_next;
-        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-        if ifa.ifa_name.is_null()
-            || unsafe { CStr::from_ptr(ifa.ifa_name) }.to_bytes() != iface.as_bytes()
-        {
-            continue;
-        }
+    for entry in nix::ifaddrs::getifaddrs()?.filter(|e| e.interface_name == iface) {
         found = true;
-        // SAFETY: ifa_addr, when set, points at a sockaddr whose family
-        // says its layout: sockaddr_in for AF_INET, sockaddr_in6 for AF_INET6.
-        let Some(addr) = (unsafe { ifa.ifa_addr.as_ref() }) else {
+        let Some(addr) = entry.address else {
             continue;
         };
-        match i32::from(addr.sa_family) {
-            libc::AF_INET => {
-                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
-                addrs.push(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                    sin.sin_addr.s_addr,
-                ))));
-            }
-            libc::AF_INET6 => {
-                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
-                addrs.push(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)));
-            }
-            _ => {}
+        if let Some(v4) = addr.as_sockaddr_in() {
+            addrs.push(IpAddr::V4(v4.ip()));
+        } else if let Some(v6) = addr.as_sockaddr_in6() {
+            addrs.push(IpAddr::V6(v6.ip()));
         }
     }
-    // SAFETY: the list from getifaddrs, freed once, not used after.
-    unsafe { libc::freeifaddrs(list) };
     Ok(found.then_some(addrs))
 }
 
@@ -141,6 +98,9 @@ mod tests {
     fn loopback_exists_and_a_made_up_name_does_not() {
         // `lo` exists in every namespace (its address only once it is up).
         assert!(addresses("lo").unwrap().is_some());
+        // The test runs in the host's namespace, whose loopback is up.
+        let lo = addresses("lo").unwrap().unwrap();
+        assert!(lo.contains(&IpAddr::from([127, 0, 0, 1])), "{lo:?}");
         assert_eq!(addresses("nosuch-if0").unwrap(), None);
         let lo = index("lo").unwrap();
         assert_eq!(name(lo).as_deref(), Some("lo"));
