@@ -87,6 +87,9 @@ pub mod names {
     pub const EVENTS: &str = "HEDGE_EVENTS";
     pub const CONFIG: &str = "HEDGE_CONFIG";
     pub const STATS: &str = "HEDGE_STATS";
+
+    /// Every map above.
+    pub const ALL: [&str; 3] = [EVENTS, CONFIG, STATS];
 }
 
 /// The instance tag of a state word: 53 bits of its sequence number and a

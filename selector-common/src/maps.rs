@@ -63,7 +63,10 @@ pub const fn split_backend_id(id: u32) -> (u32, usize) {
     )
 }
 
-/// Map names, as the kernel object declares them.
+/// Map names, as the agent's kernel object declares them. The kernel's
+/// `#[map]` takes a static's own name (it accepts no constant), so a unit
+/// test of selector-user checks the object against `ALL` (with
+/// `hedge::names::ALL`): every map here, none other.
 pub mod names {
     pub const CONFIG: &str = "CONFIG";
     pub const BACKENDS: &str = "BACKENDS";
@@ -83,18 +86,47 @@ pub mod names {
     pub const SERVICE: &str = "SERVICE";
     pub const HEALTH: &str = "HEALTH";
     pub const SCRATCH: &str = "SCRATCH";
-    /// The reference programs' hash map (benchmark only, never pinned).
-    pub const REFERENCE: &str = "REFERENCE";
     /// The reply path's working memory (never pinned: nothing in it
     /// outlives a packet).
     pub const REPLY_SCRATCH: &str = "REPLY_SCRATCH";
+
+    /// Every map above.
+    pub const ALL: [&str; 18] = [
+        CONFIG,
+        BACKENDS,
+        GROUPS,
+        COUNTERS,
+        CLIENT_PENDING,
+        INFLIGHT,
+        INFLIGHT_MARKS,
+        SEQUENCE,
+        STATS,
+        PASSED,
+        PULLED,
+        LATENCY,
+        FRAGMENTS,
+        NEXT_HOPS,
+        SERVICE,
+        HEALTH,
+        SCRATCH,
+        REPLY_SCRATCH,
+    ];
 }
 
-/// Program names, as the kernel object declares them.
+/// Program names, as the agent's kernel object declares them (checked as
+/// `names` are).
 pub mod programs {
     pub const EGRESS: &str = "selector_egress";
     pub const INGRESS_XDP: &str = "selector_ingress";
     pub const INGRESS_TC: &str = "selector_ingress_tc";
+
+    /// Every program above.
+    pub const ALL: [&str; 3] = [EGRESS, INGRESS_XDP, INGRESS_TC];
+}
+
+/// The names in the per-packet cost benchmark's kernel object
+/// (`selector-bench`), which the agent's object holds none of.
+pub mod bench {
     /// Empty programs, the baselines for per-packet cost measurements.
     pub const BASELINE_TC: &str = "selector_baseline_tc";
     pub const BASELINE_XDP: &str = "selector_baseline_xdp";
@@ -102,6 +134,18 @@ pub mod programs {
     /// one lookup and one delete per reply), for per-packet cost ratios.
     pub const REFERENCE_REQUEST: &str = "selector_reference_request";
     pub const REFERENCE_REPLY: &str = "selector_reference_reply";
+    /// The reference programs' hash map.
+    pub const REFERENCE: &str = "REFERENCE";
+
+    /// Every program above.
+    pub const PROGRAMS: [&str; 4] = [
+        BASELINE_TC,
+        BASELINE_XDP,
+        REFERENCE_REQUEST,
+        REFERENCE_REPLY,
+    ];
+    /// Every map above.
+    pub const MAPS: [&str; 1] = [REFERENCE];
 }
 
 /// An IP endpoint. Addresses are 16 bytes in network order, IPv4 as

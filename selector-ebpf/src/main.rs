@@ -14,7 +14,6 @@ mod ingress;
 mod maps;
 mod nexthop;
 mod packet;
-mod reference;
 mod reject;
 mod rewrite;
 
@@ -60,39 +59,3 @@ pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
         _ => TC_CONTINUE,
     }
 }
-
-/// Does nothing: the baseline that per-packet costs are measured against.
-#[classifier]
-pub fn selector_baseline_tc(_ctx: TcContext) -> i32 {
-    TC_CONTINUE
-}
-
-/// Does nothing: the XDP baseline for per-packet costs.
-#[xdp]
-pub fn selector_baseline_xdp(_ctx: XdpContext) -> u32 {
-    xdp_action::XDP_PASS
-}
-
-/// The per-packet cost benchmark's reference request path (`reference`).
-#[classifier]
-pub fn selector_reference_request(ctx: TcContext) -> i32 {
-    reference::request(&ctx);
-    TC_CONTINUE
-}
-
-/// The per-packet cost benchmark's reference reply path (`reference`).
-#[xdp]
-pub fn selector_reference_reply(ctx: XdpContext) -> u32 {
-    reference::reply(&ctx);
-    xdp_action::XDP_PASS
-}
-
-#[cfg(not(test))]
-#[panic_handler]
-fn panic(_info: &core::panic::PanicInfo) -> ! {
-    loop {}
-}
-
-#[unsafe(link_section = "license")]
-#[unsafe(no_mangle)]
-static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

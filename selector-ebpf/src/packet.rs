@@ -1,4 +1,5 @@
-//! Packet access: one bounds-checked accessor and the parser. Anything that
+//! The parser, over the one bounds-checked accessor (`selector_ebpf::access`,
+//! the library's, which the benchmark's object shares). Anything that
 //! is not Ethernet (with at most one VLAN tag) + IPv4 or IPv6 + UDP, or that
 //! a receiver would drop, is reported with the reason it is passed
 //! untouched. Both families come out as one `Ip` (header offsets and a
@@ -14,17 +15,14 @@
 //! not (`pull_short_headers`). TCP, and UDP to other ports, is never
 //! pulled.
 
-use aya_ebpf::programs::{TcContext, XdpContext};
-use core::mem::size_of;
+use aya_ebpf::programs::TcContext;
 use selector_common::{Direction, Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+use selector_ebpf::access::skb;
+pub use selector_ebpf::access::{ETH_LEN, IPV4_LEN, IPV6_LEN, Packet, UDP_LEN, ptr_at, read_bytes};
 
 use crate::maps::{SCRATCH, count_pull};
 
-pub const ETH_LEN: usize = 14;
 const VLAN_LEN: usize = 4;
-pub const IPV4_LEN: usize = 20;
-pub const IPV6_LEN: usize = 40;
-pub const UDP_LEN: usize = 8;
 /// Extension headers the parser walks before UDP, at most.
 const MAX_EXTENSION_HEADERS: usize = 3;
 /// Their bytes, at most (a hop-by-hop header with a router alert, a
@@ -54,100 +52,6 @@ const IP_OFFSET: u16 = 0x1fff;
 /// IPv6 fragment header: offset (8-byte units, in the high 13 bits) and M.
 const IP6_OFFSET: u16 = 0xfff8;
 const IP6_MF: u16 = 0x0001;
-
-/// A frame whose directly readable bytes live between `data` and
-/// `data_end`; on TC that is only the skb's linear part, and the rest of
-/// the frame may be in page fragments.
-pub trait Packet {
-    fn data(&self) -> usize;
-    fn data_end(&self) -> usize;
-    /// The whole frame's length: what IP and UDP lengths are bounded by.
-    fn frame_len(&self) -> usize;
-    /// Makes the frame's first `len` bytes (at most `frame_len`) directly
-    /// readable; false if it could not.
-    fn pull(&self, len: usize) -> bool;
-
-    /// The bytes directly readable.
-    #[inline(always)]
-    fn readable_len(&self) -> usize {
-        self.data_end() - self.data()
-    }
-}
-
-/// The `__sk_buff` behind `ctx`, opaque to the compiler: each field read
-/// then takes its own `ctx + offset` load. Left alone, LLVM may keep
-/// `ctx + 80` (`data_end`) in a register across calls, and the verifier
-/// refuses any access through a modified context pointer.
-#[inline(always)]
-fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
-    core::hint::black_box(ctx.skb.skb as *const aya_ebpf::bindings::__sk_buff)
-}
-
-impl Packet for TcContext {
-    #[inline(always)]
-    fn data(&self) -> usize {
-        unsafe { (*skb(self)).data as usize }
-    }
-    #[inline(always)]
-    fn data_end(&self) -> usize {
-        unsafe { (*skb(self)).data_end as usize }
-    }
-    #[inline(always)]
-    fn frame_len(&self) -> usize {
-        self.len() as usize
-    }
-    /// `bpf_skb_pull_data`: the head copied first if it is shared (a clone
-    /// TCP keeps for retransmission), then the bytes moved out of the page
-    /// fragments.
-    #[inline(always)]
-    fn pull(&self, len: usize) -> bool {
-        self.pull_data(len as u32).is_ok()
-    }
-}
-
-impl Packet for XdpContext {
-    #[inline(always)]
-    fn data(&self) -> usize {
-        XdpContext::data(self)
-    }
-    #[inline(always)]
-    fn data_end(&self) -> usize {
-        XdpContext::data_end(self)
-    }
-    /// Programs loaded without XDP frags support only ever see a frame
-    /// whole (generic XDP linearizes the skb first).
-    #[inline(always)]
-    fn frame_len(&self) -> usize {
-        XdpContext::data_end(self) - XdpContext::data(self)
-    }
-    /// The whole frame is readable already.
-    #[inline(always)]
-    fn pull(&self, _len: usize) -> bool {
-        false
-    }
-}
-
-/// The one bounds-checked packet accessor.
-#[inline(always)]
-pub fn ptr_at<T>(pkt: &impl Packet, offset: usize) -> Result<*mut T, ()> {
-    // The verifier learns a range only from comparing a pointer that
-    // carries the access size as its constant part. Left alone, the
-    // compiler may fold `at + 1 > end` into `at >= end`, which proves
-    // nothing at a variable offset; opaque values keep the form.
-    let at = core::hint::black_box(pkt.data() + offset);
-    let last = core::hint::black_box(at + size_of::<T>());
-    if last > pkt.data_end() {
-        return Err(());
-    }
-    Ok(at as *mut T)
-}
-
-/// Copies `N` bytes at `offset`.
-#[inline(always)]
-pub fn read_bytes<const N: usize>(pkt: &impl Packet, offset: usize) -> Result<[u8; N], ()> {
-    let p: *const [u8; N] = ptr_at(pkt, offset)?;
-    Ok(unsafe { p.read_unaligned() })
-}
 
 /// Makes the frame's first `len` bytes directly readable, counted.
 #[inline(always)]

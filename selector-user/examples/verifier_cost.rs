@@ -1,16 +1,19 @@
-//! Loads the embedded kernel programs and prints, for each, how many
-//! instructions the verifier checked and how long its load took (run as
-//! root: `cargo run -p selector-user --example verifier_cost`).
+//! Loads the embedded kernel programs (the agent's, and the benchmark's
+//! reference programs) and prints, for each, how many instructions the
+//! verifier checked and how long its load took (run as root: `cargo run
+//! -p selector-user --example verifier_cost`).
 
 use std::time::Instant;
 
-use anyhow::{Context as _, Result};
-use aya::{
-    EbpfLoader, VerifierLogLevel,
-    programs::{SchedClassifier, Xdp},
-};
-use selector_common::programs;
+use anyhow::{Context as _, Result, bail};
+use aya::{EbpfLoader, VerifierLogLevel, programs::Program};
+use selector_common::{bench, programs};
 use selector_user::EBPF_OBJECT;
+
+/// The per-packet cost benchmark's object, built beside the agent's: the
+/// library embeds it only for the tests (`testing`), this example always.
+static BENCH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/selector-bench"));
 
 fn main() -> Result<()> {
     let start = Instant::now();
@@ -29,24 +32,29 @@ fn main() -> Result<()> {
     } else {
         VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
     });
-    let mut ebpf = loader.load(EBPF_OBJECT).context("loading the object")?;
-    println!("object and maps: {:?}", start.elapsed());
+    let mut agent = loader.load(EBPF_OBJECT).context("loading the object")?;
+    let mut benchmark = loader
+        .load(BENCH_OBJECT)
+        .context("loading the benchmark's object")?;
+    println!("objects and maps: {:?}", start.elapsed());
     let mut total = 0;
     for name in [
         programs::EGRESS,
         programs::INGRESS_TC,
         programs::INGRESS_XDP,
-        programs::REFERENCE_REQUEST,
-        programs::REFERENCE_REPLY,
+        bench::REFERENCE_REQUEST,
+        bench::REFERENCE_REPLY,
     ] {
-        let program = ebpf.program_mut(name).context(name)?;
-        let began = Instant::now();
-        if name == programs::INGRESS_XDP || name == programs::REFERENCE_REPLY {
-            let p: &mut Xdp = program.try_into()?;
-            p.load()?;
+        let ebpf = if bench::PROGRAMS.contains(&name) {
+            &mut benchmark
         } else {
-            let p: &mut SchedClassifier = program.try_into()?;
-            p.load()?;
+            &mut agent
+        };
+        let began = Instant::now();
+        match ebpf.program_mut(name).context(name)? {
+            Program::Xdp(p) => p.load()?,
+            Program::SchedClassifier(p) => p.load()?,
+            _ => bail!("{name}: neither TC nor XDP"),
         }
         let took = began.elapsed();
         let info = ebpf.program(name).context(name)?.info()?;

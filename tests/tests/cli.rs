@@ -8,14 +8,14 @@ use std::{
 };
 
 use aya::programs::{TcAttachType, Xdp, XdpMode};
-use selector_common::programs;
+use selector_common::bench;
 use selector_testbed::{
     Testbed,
     agent::{self, Agent, TotalsRow, selector_binary},
     topology::CLIENT_IFACE,
     wait_for,
 };
-use selector_user::{Selector, Settings};
+use selector_user::datapath::bench::BenchPrograms;
 
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 
@@ -223,19 +223,15 @@ fn failed_attach_detaches_what_it_attached() {
     let tb = Testbed::new("self", 3).unwrap();
     // Another XDP program holds the interface's XDP hook (not a selector
     // on TCX, which `run` would refuse before attaching anything).
-    let settings = Settings::new(CLIENT_IFACE, vec![tb.replica_group()]).tuned(|t| {
-        t.threshold = 1;
-    });
     let holder = tb
         .client
-        .run(move || -> anyhow::Result<Selector> {
-            let mut holder = Selector::load(&settings)?;
+        .run(move || -> anyhow::Result<BenchPrograms> {
+            let mut holder = BenchPrograms::load(1)?;
             let xdp: &mut Xdp = holder
                 .ebpf_mut()
-                .program_mut(programs::BASELINE_XDP)
+                .program_mut(bench::BASELINE_XDP)
                 .expect("baseline XDP program")
                 .try_into()?;
-            xdp.load()?;
             xdp.attach(CLIENT_IFACE, XdpMode::Default)?;
             Ok(holder)
         })

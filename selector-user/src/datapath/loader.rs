@@ -196,7 +196,7 @@ impl Selector {
         crate::host::preflight::check_host()?;
         refuse_if_attached(&settings.iface)?;
         let (reply_path, choice) = resolve_ingress(settings)?;
-        let mut selector = Self::load_with(settings, reply_path, None, 1)?;
+        let mut selector = Self::load_with(settings, reply_path, None)?;
         selector.ingress_choice = choice;
         selector.attach_fresh()
     }
@@ -226,7 +226,7 @@ impl Selector {
                 (IngressMode::Auto, Some(pinned)) => (pinned, Some("auto: as pinned".into())),
                 _ => resolve_ingress(settings)?,
             };
-            let mut selector = Self::load_with(settings, reply_path, Some(pins), 1)?;
+            let mut selector = Self::load_with(settings, reply_path, Some(pins))?;
             selector.ingress_choice = choice;
             let pinned = selector.table_in_maps()?;
             let changes = plan_groups(&pinned, &settings.groups, names, Instant::now())
@@ -241,7 +241,7 @@ impl Selector {
         }
         let (reply_path, choice) = resolve_ingress(settings)?;
         let fresh = refuse_if_attached(&settings.iface)
-            .and_then(|()| Self::load_with(settings, reply_path, Some(pins.clone()), 1))
+            .and_then(|()| Self::load_with(settings, reply_path, Some(pins.clone())))
             .map(|mut s| {
                 s.ingress_choice = choice;
                 s
@@ -336,29 +336,12 @@ impl Selector {
     /// maps, without attaching (packet-fixture tests and benchmarks run the
     /// programs with BPF_PROG_TEST_RUN).
     pub fn load(settings: &Settings) -> Result<Self> {
-        Self::load_with(settings, unattached_reply_path(settings), None, 1)
-    }
-
-    #[cfg(feature = "testing")]
-    /// As [`Self::load`], with room for `entries` in the map of the
-    /// per-packet cost benchmark's reference programs (one otherwise).
-    pub fn load_with_reference(settings: &Settings, entries: u32) -> Result<Self> {
-        Self::load_with(
-            settings,
-            unattached_reply_path(settings),
-            None,
-            entries.max(1),
-        )
+        Self::load_with(settings, unattached_reply_path(settings), None)
     }
 
     /// As [`Self::load`]; with `pins`, every map is pinned there, or taken
     /// from there when an earlier agent pinned it (after checking it fits).
-    fn load_with(
-        settings: &Settings,
-        reply_path: ReplyPath,
-        pins: Option<PinDir>,
-        reference_entries: u32,
-    ) -> Result<Self> {
+    fn load_with(settings: &Settings, reply_path: ReplyPath, pins: Option<PinDir>) -> Result<Self> {
         let backends = settings.plan()?;
         let slot_count = slots_for(settings.inflight_max);
         let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
@@ -374,7 +357,6 @@ impl Selector {
         loader.verifier_log_level(verifier_log_level());
         loader.map_max_entries(names::INFLIGHT, slot_count);
         loader.map_max_entries(names::INFLIGHT_MARKS, mark_words(slot_count));
-        loader.map_max_entries(names::REFERENCE, reference_entries);
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
         }

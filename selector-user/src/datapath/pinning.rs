@@ -51,13 +51,11 @@ pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/selector";
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
 /// Maps private to each load: aya-log's records, the read-only constants
-/// (`.rodata*`, frozen at load), the map of the benchmark's reference
-/// programs, which are never attached, and the reply path's per-packet
-/// working memory. Anything else holds state.
+/// (`.rodata*`, frozen at load) and the reply path's per-packet working
+/// memory. Anything else holds state.
 pub fn is_private_map(name: &str) -> bool {
     name == "AYA_LOGS"
         || name.starts_with(".rodata")
-        || name == selector_common::names::REFERENCE
         || name == selector_common::names::REPLY_SCRATCH
 }
 

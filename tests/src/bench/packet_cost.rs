@@ -34,8 +34,8 @@ use aya::{
     },
 };
 use etherparse::PacketBuilder;
-use selector_common::{Endpoint, InflightKey, TieBreak, names, programs};
-use selector_user::{Selector, Settings, host::sys};
+use selector_common::{Endpoint, InflightKey, TieBreak, bench, programs};
+use selector_user::{Selector, Settings, datapath::bench::BenchPrograms, host::sys};
 
 use crate::{memcached::frame, netns::Namespace};
 
@@ -108,6 +108,8 @@ pub fn measure(ns: &Namespace, opts: &CostOptions) -> Result<Vec<CostRow>> {
 
 struct Lab {
     sel: Selector,
+    /// The baselines and the reference programs, from their own object.
+    bench: BenchPrograms,
     /// Prefilled entries so far.
     filled: u32,
     /// Keys tried so far (a key whose probe window is full is skipped, as
@@ -127,7 +129,15 @@ impl Lab {
         for<'p> &'p mut P: TryFrom<&'p mut Program, Error = ProgramError>,
         P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
     {
-        let p: &mut P = program(&mut self.sel, name)?;
+        let ebpf = if bench::PROGRAMS.contains(&name) {
+            self.bench.ebpf_mut()
+        } else {
+            self.sel.ebpf_mut()
+        };
+        let p: &mut P = ebpf
+            .program_mut(name)
+            .with_context(|| format!("{name} missing from the objects"))?
+            .try_into()?;
         let r = p.test_run(TestRunOptions {
             data_in: Some(data),
             repeat,
@@ -175,9 +185,9 @@ impl Lab {
     /// The reference programs' hash map.
     fn reference(&mut self) -> Result<HashMap<&mut aya::maps::MapData, InflightKey, u64>> {
         let map = self
-            .sel
+            .bench
             .ebpf_mut()
-            .map_mut(names::REFERENCE)
+            .map_mut(bench::REFERENCE)
             .context("the reference map")?;
         Ok(HashMap::try_from(map)?)
     }
@@ -192,11 +202,7 @@ impl Lab {
             let (port, id) = fresh_request(i);
             let key = InflightKey::ipv4(CLIENT, port, 0, u64::from(id));
             requests += self
-                .tc(
-                    programs::REFERENCE_REQUEST,
-                    &request(port, id, replica(0)),
-                    1,
-                )?
+                .tc(bench::REFERENCE_REQUEST, &request(port, id, replica(0)), 1)?
                 .0;
             if i == 0 {
                 ensure!(
@@ -205,7 +211,7 @@ impl Lab {
                 );
             }
             replies += self
-                .xdp(programs::REFERENCE_REPLY, &response(port, id, 0), 1)?
+                .xdp(bench::REFERENCE_REPLY, &response(port, id, 0), 1)?
                 .0;
             if i == 0 {
                 ensure!(
@@ -276,18 +282,6 @@ impl Lab {
     }
 }
 
-/// Program `name` of the loaded object, as kind `P`.
-fn program<'s, P>(sel: &'s mut Selector, name: &str) -> Result<&'s mut P>
-where
-    for<'p> &'p mut P: TryFrom<&'p mut Program, Error = ProgramError>,
-{
-    let p = sel
-        .ebpf_mut()
-        .program_mut(name)
-        .with_context(|| format!("{name} missing from the object"))?;
-    Ok(p.try_into()?)
-}
-
 /// The request of stateful packet `i`: its own (client port, request id).
 fn fresh_request(i: u32) -> (u16, u16) {
     (40_000 + (i >> 16) as u16, (i & 0xffff) as u16)
@@ -352,18 +346,16 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
     };
     let req = request(50_000, 7, replica(0));
     let resp = response(50_000, 7, 0);
-    let (empty_tc, _) = lab.tc(programs::BASELINE_TC, &req, r)?;
-    let (empty_xdp, _) = lab.xdp(programs::BASELINE_XDP, &resp, r)?;
+    let (empty_tc, _) = lab.tc(bench::BASELINE_TC, &req, r)?;
+    let (empty_xdp, _) = lab.xdp(bench::BASELINE_XDP, &resp, r)?;
     let (reference_request, reference_reply) = lab.reference_requests_and_replies(fresh)?;
     let (mut empty_tc_1, mut empty_xdp_1) = (0.0, 0.0);
     for i in 0..o.fresh {
         let (port, id) = fresh_request(i);
         empty_tc_1 += lab
-            .tc(programs::BASELINE_TC, &request(port, id, replica(0)), 1)?
+            .tc(bench::BASELINE_TC, &request(port, id, replica(0)), 1)?
             .0;
-        empty_xdp_1 += lab
-            .xdp(programs::BASELINE_XDP, &response(port, id, 0), 1)?
-            .0;
+        empty_xdp_1 += lab.xdp(bench::BASELINE_XDP, &response(port, id, 0), 1)?.0;
     }
     let n = f64::from(o.fresh);
     let (empty_tc_1, empty_xdp_1) = (empty_tc_1 / n, empty_xdp_1 / n);
@@ -563,14 +555,11 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
     for fill in [o.inflight_small, o.inflight_large] {
         // The reference map holds the fill and the measured requests.
         let reference_entries = o.inflight_large + o.fresh + 16;
-        let mut sel = Selector::load_with_reference(&settings, reference_entries)
-            .context("loading the programs")?;
-        program::<SchedClassifier>(&mut sel, programs::BASELINE_TC)?.load()?;
-        program::<Xdp>(&mut sel, programs::BASELINE_XDP)?.load()?;
-        program::<SchedClassifier>(&mut sel, programs::REFERENCE_REQUEST)?.load()?;
-        program::<Xdp>(&mut sel, programs::REFERENCE_REPLY)?.load()?;
+        let sel = Selector::load(&settings).context("loading the programs")?;
+        let bench = BenchPrograms::load(reference_entries)?;
         let mut lab = Lab {
             sel,
+            bench,
             filled: 0,
             keys_tried: 0,
             skipped: 0,

@@ -15,7 +15,7 @@
 
 use std::{
     fmt::Write as _,
-    net::{SocketAddr, SocketAddrV4},
+    net::SocketAddrV4,
     path::{Path, PathBuf},
     process::Stdio,
     sync::{
@@ -28,8 +28,8 @@ use std::{
 
 use anyhow::{Context as _, Result, ensure};
 use aya::programs::{SchedClassifier, TcAttachType};
-use selector_common::programs;
-use selector_user::{Selector, Settings};
+use selector_common::bench;
+use selector_user::datapath::bench::BenchPrograms;
 
 use super::agent_process::{AgentChild, check_agent, start_agent};
 use crate::{
@@ -119,7 +119,7 @@ enum Attached {
     },
     /// Detached on drop.
     Programs {
-        _holder: Box<Selector>,
+        _holder: Box<BenchPrograms>,
     },
     Pinned {
         bpffs: Bpffs,
@@ -144,7 +144,7 @@ impl Attached {
                 _child: start_agent(client, agent, &args(extra))?,
             }),
             Attachment::EmptyPrograms => Some(Self::Programs {
-                _holder: Box::new(empty_programs(client, tb.replica_group())?),
+                _holder: Box::new(empty_programs(client)?),
             }),
             Attachment::PinnedWithoutAgent(extra) => {
                 let bpffs = Bpffs::mount();
@@ -174,19 +174,16 @@ impl Attached {
     }
 }
 
-/// The object's empty TC program attached to the interface's egress and
-/// ingress (TCX), as the agent's programs are.
-fn empty_programs(client: &Namespace, group: Vec<SocketAddr>) -> Result<Selector> {
-    // Loading checks the settings; the group is never written to a map.
-    let settings = Settings::new(CLIENT_IFACE, vec![group]);
-    client.run(move || -> Result<Selector> {
-        let mut holder = Selector::load(&settings)?;
+/// The benchmark object's empty TC program attached to the interface's
+/// egress and ingress (TCX), as the agent's programs are.
+fn empty_programs(client: &Namespace) -> Result<BenchPrograms> {
+    client.run(move || -> Result<BenchPrograms> {
+        let mut holder = BenchPrograms::load(1)?;
         let tc: &mut SchedClassifier = holder
             .ebpf_mut()
-            .program_mut(programs::BASELINE_TC)
+            .program_mut(bench::BASELINE_TC)
             .context("the empty TC program")?
             .try_into()?;
-        tc.load()?;
         tc.attach(CLIENT_IFACE, TcAttachType::Egress)?;
         tc.attach(CLIENT_IFACE, TcAttachType::Ingress)?;
         Ok(holder)

@@ -4,18 +4,17 @@
 //! of its send time. A reply: the same parse, one lookup, one delete. No
 //! backend check, no policy, no counters, no rewrite. Never attached: the
 //! benchmark runs them with BPF_PROG_TEST_RUN, and their map holds one
-//! entry unless the benchmark sizes it (`names::REFERENCE`).
+//! entry unless the benchmark sizes it (`bench::REFERENCE`).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::map, maps::HashMap};
 use selector_common::{Endpoint, InflightKey};
 
-use crate::packet::{ETH_LEN, UDP_LEN, read_bytes};
+use selector_ebpf::access::{ETH_LEN, IPV4_LEN, Packet, UDP_LEN, read_bytes};
 
 /// Key -> send time (ns).
 #[map]
 pub static REFERENCE: HashMap<InflightKey, u64> = HashMap::with_max_entries(1, 0);
 
-const IPV4_LEN: usize = 20;
 /// Ethernet, an option-less IPv4 header, UDP and a 16-bit request id.
 const SPAN: usize = ETH_LEN + IPV4_LEN + UDP_LEN + 2;
 
@@ -29,7 +28,7 @@ pub enum Client {
 /// The key of an Ethernet + IPv4 (no options) + UDP packet whose payload
 /// starts with a 16-bit id; anything else is not the reference's case.
 #[inline(always)]
-pub fn key(pkt: &impl crate::packet::Packet, client: Client) -> Option<InflightKey> {
+pub fn key(pkt: &impl Packet, client: Client) -> Option<InflightKey> {
     let h: [u8; SPAN] = read_bytes(pkt, 0).ok()?;
     if h[12] != 0x08 || h[13] != 0x00 || h[ETH_LEN] != 0x45 || h[ETH_LEN + 9] != 17 {
         return None;
@@ -54,7 +53,7 @@ pub fn key(pkt: &impl crate::packet::Packet, client: Client) -> Option<InflightK
 
 /// One insert of the request's send time.
 #[inline(always)]
-pub fn request(pkt: &impl crate::packet::Packet) {
+pub fn request(pkt: &impl Packet) {
     if let Some(k) = key(pkt, Client::Source) {
         let _ = REFERENCE.insert(k, unsafe { bpf_ktime_get_ns() }, 0);
     }
@@ -62,7 +61,7 @@ pub fn request(pkt: &impl crate::packet::Packet) {
 
 /// One lookup and, when found, one delete.
 #[inline(always)]
-pub fn reply(pkt: &impl crate::packet::Packet) {
+pub fn reply(pkt: &impl Packet) {
     if let Some(k) = key(pkt, Client::Destination)
         && unsafe { REFERENCE.get(k) }.is_some()
     {
