@@ -7,9 +7,9 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use selector_common::{
-    BACKEND_RETIRING, Config, Direction, Endpoint, InflightKey, MAX_GROUP_MEMBERS, OnOverload,
-    PassReason, Policy, TieBreak, backend_id,
-    inflight::{PHASE_LIVE, is_current, key_hashes},
+    BACKEND_RETIRING, Config, Direction, Endpoint, MAX_GROUP_MEMBERS, OnOverload, PassReason,
+    Policy, TieBreak, backend_id,
+    inflight::{PHASE_LIVE, is_current},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
 };
@@ -17,9 +17,10 @@ use selector_common::{
 use crate::{
     TC_CONTINUE, TC_DROP, accounting, hedge,
     inflight::{self, NewRequest},
-    maps::{BACKENDS, SCRATCH, backend_target, config, count_pass},
+    maps::{SCRATCH, backend_target, config, count_pass},
     nexthop,
     packet::{self, Datagram},
+    prologue::{self, Path, Request},
     reject,
     rewrite::{Rewrite, Side},
 };
@@ -40,19 +41,14 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     }
     // Classified from the linear part: only a member's datagram is pulled.
     packet::pull_short_headers(ctx, Direction::Egress);
-    let ip = match packet::parse_ip(ctx) {
-        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
-        Err(reason) => return pass(reason),
-    };
-    let dgram = match packet::parse_udp(ctx, ip, false) {
-        Ok(d) => d,
-        Err(reason) => return pass(reason),
-    };
+    let ip = prologue::ip::<Request>(ctx)?;
+    let dgram = prologue::udp::<Request>(ctx, ip)?;
     let l = dgram.ip.layout;
-    let dst = Endpoint::new(packet::dst_address(ctx, l)?, dgram.dst_port);
-    let Some(primary) = (unsafe { BACKENDS.get(dst) }).copied() else {
-        return pass(PassReason::NotBackend);
-    };
+    let dst = Endpoint::new(
+        Request::member_address(ctx, l)?,
+        Request::member_port(&dgram),
+    );
+    let primary = prologue::member_id::<Request>(dst)?;
     if primary & BACKEND_RETIRING != 0 {
         // Removed by a reload: only its requests in flight are still served.
         return pass(PassReason::NotBackend);
@@ -74,20 +70,16 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     // paths to walk it on; used only if this is a new read.
     let proposal = forget(propose(config, group, primary_pos).ok_or(())?).ok_or(())?;
     let byte = |i| dgram.payload_byte(ctx, i);
-    let Some(request_id) = config.descriptor.request_id(byte) else {
-        return pass(PassReason::NoRequestId);
-    };
+    let request_id = prologue::request_id::<Request>(config, byte)?;
     // Junk to a member (a DNS response, 2 bytes) is not tracked: nothing
     // answers it, so it would only hold a pending count for a timeout.
     if !config.descriptor.is_request(byte) {
         return pass(PassReason::NotRequest);
     }
     let is_read = config.descriptor.is_read(byte);
-    let client = packet::src_address(ctx, l)?;
-    let key = InflightKey::new(client, dgram.src_port, group, request_id);
-    let hashes = key_hashes(&key);
-    inflight::touch_home(hashes.home, config.inflight_mask);
-    accounting::touch_client(hashes.client_slot);
+    let client = Request::client_address(ctx, l)?;
+    let key = prologue::key::<Request>(client, &dgram, group, request_id);
+    let hashes = prologue::hashes::<Request>(&key, config);
     // Most requests are new: the window's marks say which slots may hold
     // it, and a new request usually reads none. A retransmit is a request
     // whose key a current instance holds: live, and not answered yet. Once

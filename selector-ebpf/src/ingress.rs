@@ -3,10 +3,10 @@
 
 use aya_ebpf::helpers::bpf_ktime_get_ns;
 use selector_common::{
-    BACKEND_RETIRING, Direction, Endpoint, InflightKey, PassReason, backend_id,
+    BACKEND_RETIRING, Direction, Endpoint, PassReason, backend_id,
     fragments::{FragmentEntry, FragmentKey},
     hedge::{WON_CHOSEN, WON_HEDGE, is_sent, target},
-    inflight::{PHASE_LIVE, key_hashes, phase},
+    inflight::{PHASE_LIVE, phase},
     split_backend_id,
 };
 
@@ -14,8 +14,9 @@ use crate::{
     accounting,
     hedge::{self, Answer},
     inflight::{self, Seen},
-    maps::{BACKENDS, FRAGMENTS, SCRATCH, backend_target, config, count_pass, reply_scratch},
+    maps::{FRAGMENTS, SCRATCH, backend_target, config, count_pass, reply_scratch},
     packet::{self, Ip, Packet},
+    prologue::{self, Path, Reply},
     rewrite::{Rewrite, Side},
 };
 
@@ -33,21 +34,15 @@ pub enum Verdict {
 /// descriptor's small one, come to its 512-byte limit.
 #[inline(always)]
 pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
-    let ip = match packet::parse_ip(ctx) {
-        Ok(ip) => packet::forget_layout(ip).ok_or(())?,
-        Err(reason) => return pass(reason),
-    };
+    let ip = prologue::ip::<Reply>(ctx)?;
     if ip.fragment && !ip.first_fragment {
         return later_fragment(ctx, &ip);
     }
-    let dgram = match packet::parse_udp(ctx, ip, true) {
-        Ok(d) => d,
-        Err(reason) => return pass(reason),
-    };
+    let dgram = prologue::udp::<Reply>(ctx, ip)?;
     let l = dgram.ip.layout;
-    let src = Endpoint::new(packet::src_address(ctx, l)?, dgram.src_port);
+    let src = Endpoint::new(Reply::member_address(ctx, l)?, Reply::member_port(&dgram));
     // The reply is addressed to the client that asked.
-    let client = packet::dst_address(ctx, l)?;
+    let client = Reply::client_address(ctx, l)?;
     if dgram.ip.fragment {
         // A first fragment starts a datagram: a series its key still names
         // is another datagram's, whose later fragments were lost.
@@ -57,28 +52,18 @@ pub fn try_ingress<C: Packet + Rewrite>(ctx: &C) -> Result<Verdict, ()> {
         #[allow(clippy::needless_borrows_for_generic_args)]
         let _ = FRAGMENTS.remove(&scratch.series);
     }
-    let Some(backend) = (unsafe { BACKENDS.get(src) }).copied() else {
-        return pass(PassReason::NotBackend);
-    };
     // A member being removed still completes the requests it was sent.
-    let backend = backend & !BACKEND_RETIRING;
+    let backend = prologue::member_id::<Reply>(src)? & !BACKEND_RETIRING;
     // A reply from a member: the one packet whose payload is read.
     packet::pull_payload(ctx, &dgram, Direction::Ingress);
     let config = config().ok_or(())?;
-    let byte = |i| dgram.payload_byte(ctx, i);
-    let Some(request_id) = config.descriptor.request_id(byte) else {
-        return pass(PassReason::NoRequestId);
-    };
+    let request_id = prologue::request_id::<Reply>(config, |i| dgram.payload_byte(ctx, i))?;
     let (group, _) = split_backend_id(backend);
     // In map memory, not on the stack (see `ReplyScratch`).
     let scratch = reply_scratch().ok_or(())?;
-    scratch.key = InflightKey::new(client, dgram.dst_port, group, request_id);
+    scratch.key = prologue::key::<Reply>(client, &dgram, group, request_id);
     let key = &scratch.key;
-    let hashes = key_hashes(key);
-    // The claim clears the slot's mark and the client's pending count:
-    // start those misses now, beside the slot's own.
-    inflight::touch_home_mark(hashes.home, config.inflight_mask);
-    accounting::touch_client(hashes.client_slot);
+    let hashes = prologue::hashes::<Reply>(key, config);
     // Only the backend the request went to, or its hedge was sent to, can
     // complete it; of several instances of the key (an id reused), the
     // reply goes to the one it belongs to (`selector_common::inflight::rank`).

@@ -14,6 +14,7 @@ mod ingress;
 mod maps;
 mod nexthop;
 mod packet;
+mod prologue;
 mod reject;
 mod rewrite;
 
