@@ -101,6 +101,11 @@ struct Args {
     /// `cost`, which names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Everything, in one run: the failure rows, closed-loop throughput,
+    /// the untouched traffic and the agent at scale, then every row of the
+    /// stall experiment with the per-packet cost (the report's command).
+    #[arg(long, conflicts_with = "only")]
+    all: bool,
     /// Client hosts in the herding rows (each with its own selector and one
     /// client process), at most 9.
     #[arg(long, default_value_t = 4)]
@@ -241,6 +246,11 @@ fn main() -> Result<()> {
     // first when selected; the rest only if other ids are left.
     let extra = ["throughput", "scale"];
     let mut opts = opts;
+    if args.all {
+        opts.only = ["failures", "throughput", "untouched", "scale"]
+            .map(String::from)
+            .to_vec();
+    }
     let selected = |id: &str| opts.only.iter().any(|o| o == id);
     let agent = match &args.agent {
         Some(a) => a.clone(),
@@ -341,7 +351,8 @@ fn main() -> Result<()> {
         std::fs::write(out.join("scale.md"), s.markdown())?;
         println!("{}", s.markdown());
     }
-    let had_only = !opts.only.is_empty();
+    // `--all` goes on with every row of the stall experiment.
+    let had_only = !opts.only.is_empty() && !args.all;
     opts.only.retain(|o| {
         !extra.contains(&o.as_str()) && !bench::failures::is_failure_id(o) && !Measure::is_name(o)
     });
