@@ -83,8 +83,137 @@ fn cli_reference() -> String {
 }
 
 #[test]
-fn the_cli_reference_is_fresh() {
+fn generated_cli_reference_is_fresh() {
     fresh("docs/reference/cli.md", &cli_reference());
+}
+
+/// Where the sample config's generated part starts and ends.
+const SAMPLE_TUNABLES_BEGIN: &str =
+    "# --- tunables: generated from their flags by `cargo xtask docs` ---\n";
+const SAMPLE_TUNABLES_END: &str = "# --- end of tunables ---\n";
+
+/// `text` as comment lines of at most 76 characters, the first indented
+/// by `first`, the others by `rest`.
+fn comment(text: &str, first: &str, rest: &str) -> String {
+    let mut out = String::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        let indent = if out.is_empty() { first } else { rest };
+        if !line.is_empty() && indent.len() + line.len() + 1 + word.len() > 76 {
+            out += &format!("#{indent}{line}\n");
+            line.clear();
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line += word;
+    }
+    if !line.is_empty() {
+        let indent = if out.is_empty() { first } else { rest };
+        out += &format!("#{indent}{line}\n");
+    }
+    out
+}
+
+/// The sample config's tunables, each from its flag (the one declaration in
+/// `config::tunables`): its help as comments, its values, and its key at
+/// the default. Adding a tunable needs no line here.
+fn sample_tunables() -> String {
+    use clap::Args as _;
+    use selector_user::config::tunables::{Tunables, TunablesPatch};
+    let defaults = Tunables::default().shown();
+    let flags = TunablesPatch::augment_args(clap::Command::new("set"));
+    let mut out = String::from(
+        "# What `selector set --iface IF` changes while attached (a reload too);\n\
+         # edit their flags in selector-user/src/config/tunables.rs, not here.\n",
+    );
+    for arg in flags.get_arguments() {
+        let key = arg.get_long().expect("every tunable has a flag");
+        let default = defaults
+            .iter()
+            .find(|(flag, _)| *flag == key)
+            .map(|(_, value)| value)
+            .unwrap_or_else(|| panic!("--{key} has no default in Tunables::shown"));
+        let help = arg
+            .get_long_help()
+            .or(arg.get_help())
+            .map(|h| h.to_string());
+        let help = help.unwrap_or_default();
+        let help = help.split(" [default: ").next().unwrap_or_default();
+        let help = help.strip_prefix("[default: ").map_or(help, |_| "");
+        out += "\n";
+        out += &comment(help, " ", " ");
+        let values = arg.get_possible_values();
+        for value in &values {
+            let text = value.get_help().map(|h| h.to_string()).unwrap_or_default();
+            let value = format!("\"{}\": {text}", value.get_name());
+            out += &comment(&value, "   ", "     ");
+        }
+        let number = values.is_empty() && default.parse::<f64>().is_ok();
+        let value = if number {
+            default.clone()
+        } else {
+            format!("\"{default}\"")
+        };
+        out += &format!("{key} = {value}\n");
+    }
+    out
+}
+
+/// The sample config with its tunables part generated.
+fn sample_config() -> String {
+    let text = read("deploy/selector.toml");
+    let start = text
+        .find(SAMPLE_TUNABLES_BEGIN)
+        .expect("deploy/selector.toml has the tunables' first marker")
+        + SAMPLE_TUNABLES_BEGIN.len();
+    let end = start
+        + text[start..]
+            .find(SAMPLE_TUNABLES_END)
+            .expect("deploy/selector.toml has the tunables' last marker");
+    format!("{}{}{}", &text[..start], sample_tunables(), &text[end..])
+}
+
+#[test]
+fn generated_tunables_of_the_sample_config_are_fresh() {
+    fresh("deploy/selector.toml", &sample_config());
+}
+
+/// The status reference with every tunable in its example's settings:
+/// those it shows keep their example values, a missing one is added at
+/// its default. Adding a tunable needs no line there.
+fn status_reference() -> String {
+    use selector_user::config::tunables::Tunables;
+    let text = read("docs/reference/status.md");
+    let open = "  \"settings\": {\n";
+    let start = text.find(open).expect("the example has settings") + open.len();
+    let end = start + text[start..].find("\n  },").expect("its settings end");
+    let mut lines: Vec<(String, String)> = text[start..end]
+        .lines()
+        .map(|line| {
+            let (key, value) = line.trim().split_once(": ").expect("\"key\": value");
+            (
+                key.trim_matches('"').to_owned(),
+                value.trim_end_matches(',').to_owned(),
+            )
+        })
+        .collect();
+    let defaults = serde_json::to_value(Tunables::default()).unwrap();
+    for (key, value) in defaults.as_object().expect("the tunables are an object") {
+        if !lines.iter().any(|(k, _)| k == key) {
+            lines.push((key.clone(), value.to_string()));
+        }
+    }
+    let settings: Vec<String> = lines
+        .iter()
+        .map(|(key, value)| format!("    \"{key}\": {value}"))
+        .collect();
+    format!("{}{}{}", &text[..start], settings.join(",\n"), &text[end..])
+}
+
+#[test]
+fn generated_tunables_of_the_status_example_are_fresh() {
+    fresh("docs/reference/status.md", &status_reference());
 }
 
 /// Rows of the markdown tables in `text` whose first cell is one

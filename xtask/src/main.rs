@@ -61,8 +61,9 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Regenerate docs/reference/cli.md from the agent's clap definitions
-    /// (`tests/tests/docs.rs` fails while the committed file is stale).
+    /// Regenerate docs/reference/cli.md, the tunables of deploy/selector.toml
+    /// and of the status example from the agent's clap definitions and
+    /// defaults (`tests/tests/docs.rs` fails while a committed file is stale).
     Docs,
 }
 
@@ -168,7 +169,7 @@ fn main() -> Result<()> {
             run(cargo()
                 .env("SELECTOR_WRITE_DOCS", "1")
                 .args(["test", "--package", "selector-tests", "--test", "docs"])
-                .args(["--", "the_cli_reference_is_fresh"]))
+                .args(["--", "generated_"]))
         }
         Task::Bench { args } => {
             setup::setup()?;

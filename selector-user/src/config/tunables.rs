@@ -209,7 +209,7 @@ impl<'de> Deserialize<'de> for Millis {
     rename_all(serialize = "snake_case", deserialize = "kebab-case")
 )]
 pub struct TunablesPatch {
-    /// [default: threshold]
+    /// The rule that moves reads off their primary [default: threshold].
     #[arg(long, value_enum)]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<Policy>,
@@ -250,7 +250,8 @@ pub struct TunablesPatch {
     /// allowed; at most half of --timeout) gets one copy, sent to the least
     /// pending other replica of its group; the first reply reaches the
     /// application, the later one is dropped. `auto`: after the primary's
-    /// recent p95 latency. `off`: never [default: off].
+    /// recent p95 latency. `off`: never. The copies need CAP_NET_RAW
+    /// [default: off].
     #[arg(long, value_name = "MS|auto|off")]
     #[serde(
         default,
