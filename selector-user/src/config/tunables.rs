@@ -33,8 +33,10 @@ use crate::config::{
 };
 
 /// The tunables in force. Serialized as `selector status --json` shows
-/// them, among the other settings.
+/// them, among the other settings; one an older agent's status lacks
+/// reads as its default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Tunables {
     pub policy: Policy,
     pub threshold: u32,
@@ -49,7 +51,7 @@ pub struct Tunables {
     pub hedging: HedgeSettings,
     /// Latency policy: expected wait over the best member's at which a
     /// read leaves its primary (1 µs to `MAX_TIMEOUT_MS`, whole µs).
-    #[serde(rename = "budget_us", with = "whole_micros", default)]
+    #[serde(rename = "budget_us", with = "whole_micros")]
     pub budget: Duration,
     /// How every policy picks among equally loaded members.
     #[serde(default = "bookkeepers_tie_break")]
