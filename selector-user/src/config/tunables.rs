@@ -14,11 +14,11 @@
 //! wire keeps the snake_case names it always had (`max_pending`), and
 //! either is accepted wherever a patch is read, so old clients still work.
 //!
-//! Adding a tunable: a field here in [`Tunables`] (with its default, check,
-//! `shown` default and status line) and in [`TunablesPatch`] (with its
-//! flag's help), where the kernel takes it
-//! (`datapath::loader::Selector::write_config`), and its row in
-//! docs/reference/config.md (and its line in the sample config).
+//! Adding a tunable: a field here in [`Tunables`] (with its default, check
+//! and `shown` default) and in [`TunablesPatch`] (with its flag's help),
+//! where the kernel takes it (`datapath::loader::Selector::write_config`),
+//! and its row in docs/reference/config.md; `cargo xtask docs` writes the
+//! sample config's lines and the status example's (docs/development.md).
 
 use std::{fmt, str::FromStr, time::Duration};
 
