@@ -582,6 +582,33 @@ impl Config {
     }
 }
 
+/// A backend's address as the maps key it, and back (the agent's side).
+#[cfg(feature = "user")]
+mod socket_addr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+    use super::Endpoint;
+
+    impl From<SocketAddr> for Endpoint {
+        fn from(addr: SocketAddr) -> Self {
+            match addr.ip() {
+                IpAddr::V4(ip) => Endpoint::ipv4(ip.octets(), addr.port()),
+                IpAddr::V6(ip) => Endpoint::new(ip.octets(), addr.port()),
+            }
+        }
+    }
+
+    impl Endpoint {
+        /// The address this endpoint holds.
+        pub fn socket_addr(&self) -> SocketAddr {
+            match self.ipv4_octets() {
+                Some(o) => SocketAddr::new(Ipv4Addr::from(o).into(), self.port),
+                None => SocketAddr::new(Ipv6Addr::from(self.addr).into(), self.port),
+            }
+        }
+    }
+}
+
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -602,6 +629,17 @@ mod pod {
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[cfg(feature = "user")]
+    #[test]
+    fn an_endpoint_holds_its_socket_address() {
+        for addr in ["10.0.0.1:11211", "[fd77::1]:53"] {
+            let addr: std::net::SocketAddr = addr.parse().unwrap();
+            assert_eq!(Endpoint::from(addr).socket_addr(), addr);
+        }
+        let v4: std::net::SocketAddr = "10.0.0.1:11211".parse().unwrap();
+        assert_eq!(Endpoint::from(v4), Endpoint::ipv4([10, 0, 0, 1], 11211));
+    }
 
     #[test]
     fn layouts_have_no_implicit_padding() {

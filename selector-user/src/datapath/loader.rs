@@ -34,7 +34,6 @@ use selector_common::{
 use crate::{
     config::settings::{BackendPlan, IngressMode, ReplyPath, Settings},
     datapath::EBPF_OBJECT,
-    datapath::endpoint::endpoint,
     datapath::pinning::{self, LinkSlot, PinDir},
     datapath::regroup::{GroupChanges, GroupTable, plan_groups},
     host::shared::{SharedArray, atomic, load},
@@ -101,7 +100,7 @@ fn group_table(backends: &[BackendPlan]) -> StdHashMap<u32, Group> {
     let mut by_group: StdHashMap<u32, Group> = StdHashMap::new();
     for b in backends {
         let g = by_group.entry(b.group).or_default();
-        g.endpoints[g.len as usize] = endpoint(b.addr);
+        g.endpoints[g.len as usize] = Endpoint::from(b.addr);
         g.active |= 1 << g.len;
         g.len += 1;
     }
@@ -514,7 +513,7 @@ impl Selector {
         let mut index: HashMap<_, Endpoint, u32> =
             HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
         for b in &backends {
-            index.insert(endpoint(b.addr), b.index, 0)?;
+            index.insert(Endpoint::from(b.addr), b.index, 0)?;
         }
         Ok(())
     }

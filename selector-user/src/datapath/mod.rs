@@ -6,7 +6,6 @@ pub mod attachment;
 pub mod bench;
 pub mod detach;
 pub mod ejection;
-pub mod endpoint;
 pub mod hedges;
 pub mod loader;
 mod marks;

@@ -36,14 +36,7 @@ use selector_common::{
     names, split_backend_id,
 };
 
-use crate::{
-    config::settings::BackendPlan,
-    datapath::{
-        Selector,
-        endpoint::{addr_of, endpoint},
-    },
-    host::shared::atomic,
-};
+use crate::{config::settings::BackendPlan, datapath::Selector, host::shared::atomic};
 
 /// A member in the kernel's tables.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -356,7 +349,7 @@ impl Selector {
             }
             let group = table.groups[g].get_or_insert_with(TableGroup::default);
             group.members[p] = Some(Member {
-                addr: addr_of(&endpoint),
+                addr: endpoint.socket_addr(),
                 retiring_since: (value & BACKEND_RETIRING != 0).then_some(now),
             });
         }
@@ -380,7 +373,7 @@ impl Selector {
                     let bit = 1 << p;
                     match member {
                         Some(m) => {
-                            entry.endpoints[p] = endpoint(m.addr);
+                            entry.endpoints[p] = Endpoint::from(m.addr);
                             if m.retiring_since.is_some() {
                                 entry.active &= !bit;
                             }
@@ -402,10 +395,10 @@ impl Selector {
             let mut backends: HashMap<_, Endpoint, u32> =
                 HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
             for b in changes.added.iter().chain(&changes.restored) {
-                backends.insert(endpoint(b.addr), b.index, 0)?;
+                backends.insert(Endpoint::from(b.addr), b.index, 0)?;
             }
             for b in &changes.removed {
-                backends.insert(endpoint(b.addr), b.index | BACKEND_RETIRING, 0)?;
+                backends.insert(Endpoint::from(b.addr), b.index | BACKEND_RETIRING, 0)?;
             }
         }
         for b in changes.added.iter().chain(&changes.restored) {
@@ -492,7 +485,7 @@ impl Selector {
             let mut backends: HashMap<_, Endpoint, u32> =
                 HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
             backends
-                .remove(&endpoint(addr))
+                .remove(&Endpoint::from(addr))
                 .with_context(|| format!("removing {addr}"))?;
             let group = table.groups[g].as_mut().expect("a member's group");
             group.members[p] = None;

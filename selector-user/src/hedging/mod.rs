@@ -16,7 +16,7 @@ pub mod wire;
 use std::{
     cmp::Reverse,
     collections::BinaryHeap,
-    net::{IpAddr, Ipv6Addr, SocketAddr},
+    net::SocketAddr,
     os::fd::AsRawFd as _,
     sync::{
         Arc, RwLock,
@@ -374,7 +374,15 @@ impl HedgeLoop {
         };
         let cap = self.control.max_pending_client.load(Ordering::Relaxed);
         let target = target.filter(|_| client_may_send_copy(client_pending, cap));
-        let Some(target_pos) = target else {
+        let copy = target.and_then(|pos| {
+            let table = self
+                .control
+                .targets
+                .read()
+                .unwrap_or_else(|e| e.into_inner())[backend_id(group, pos) as usize];
+            copy_address(table, members.endpoints.get(pos)?).map(|to| (pos, to))
+        });
+        let Some((target_pos, to)) = copy else {
             self.control.counts[primary]
                 .no_target
                 .fetch_add(1, Ordering::Relaxed);
@@ -404,22 +412,10 @@ impl HedgeLoop {
         unsafe { atomic(&raw mut (*c).issued[target_pos]) }.fetch_add(1, Ordering::SeqCst);
         let target = backend_id(group, target_pos) as usize;
         let counts = &self.control.counts[target];
-        // The application's own address: IPv6, or IPv4-mapped.
-        let client = Endpoint::new(slot.client_addr, 0)
-            .ipv4_octets()
-            .map_or(IpAddr::V6(Ipv6Addr::from(slot.client_addr)), |o| {
-                IpAddr::V4(o.into())
-            });
-        let to = self
-            .control
-            .targets
-            .read()
-            .unwrap_or_else(|e| e.into_inner())[target];
-        let sent = to.is_some_and(|to| {
-            let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
-            let from = SocketAddr::new(client, slot.client_port);
-            self.sockets.send(from, to, payload).is_ok()
-        });
+        // From the application's own address and port.
+        let from = Endpoint::new(slot.client_addr, slot.client_port).socket_addr();
+        let payload = &event.payload[..(event.len as usize).min(hedge::PAYLOAD_MAX)];
+        let sent = self.sockets.send(from, to, payload).is_ok();
         // Not sent: the target's count expires with the read.
         let counter = if sent {
             &counts.sent
@@ -457,6 +453,16 @@ impl HedgeLoop {
 }
 
 /// The hedge target for a read that went to member `chosen` of a group
+/// Where a copy to a member goes: the address the agent's table holds for
+/// its id (`table`, as of the last reload), only while the kernel's group
+/// (`member`, the entry the target was chosen from) holds that address at
+/// its position. They differ in the moment a reload gives a freed position
+/// to another member: the copy is then refused, not sent to an address its
+/// id no longer names (and counted as the new member's read).
+fn copy_address(table: Option<SocketAddr>, member: &Endpoint) -> Option<SocketAddr> {
+    table.filter(|to| Endpoint::from(*to) == *member)
+}
+
 /// with `members`, `counters` and health word `health_bits`: the least
 /// pending other member that is neither drained nor ejected nor waiting
 /// for its half-open probe, nor in `avoid` (members an older instance of
@@ -501,6 +507,25 @@ mod tests {
         let mut c = GroupCounters::default();
         c.issued[..3].copy_from_slice(&issued);
         (g, c)
+    }
+
+    /// A copy goes to the address its id names in the agent's table only
+    /// while the kernel's group holds the same member there: a position a
+    /// reload has just given to another member (the table not yet
+    /// rewritten, or rewritten first) refuses the copy.
+    #[test]
+    fn a_copy_is_refused_when_its_ids_address_changed() {
+        let old: SocketAddr = "10.0.0.2:11211".parse().unwrap();
+        let new: SocketAddr = "10.0.0.9:11211".parse().unwrap();
+        let v6: SocketAddr = "[fd77::2]:11211".parse().unwrap();
+        assert_eq!(copy_address(Some(old), &Endpoint::from(old)), Some(old));
+        assert_eq!(copy_address(Some(v6), &Endpoint::from(v6)), Some(v6));
+        assert_eq!(copy_address(Some(old), &Endpoint::from(new)), None);
+        assert_eq!(copy_address(Some(new), &Endpoint::from(old)), None);
+        // A freed position (no address in the table) gets no copy either.
+        assert_eq!(copy_address(None, &Endpoint::from(new)), None);
+        let other_port: SocketAddr = "10.0.0.2:11212".parse().unwrap();
+        assert_eq!(copy_address(Some(old), &Endpoint::from(other_port)), None);
     }
 
     #[test]
