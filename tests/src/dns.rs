@@ -17,6 +17,34 @@ use anyhow::{Context as _, Result, bail};
 use crate::netns::Namespace;
 
 pub const DNS_PORT: u16 = 53;
+
+/// /etc/netns/NS/resolv.conf: what `ip netns exec NS` shows processes as
+/// /etc/resolv.conf. Removed on drop.
+pub struct NetnsResolvConf {
+    dir: PathBuf,
+}
+
+impl NetnsResolvConf {
+    pub fn write(ns: &str, text: &str) -> Result<Self> {
+        let dir = PathBuf::from("/etc/netns").join(ns);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let conf = Self { dir };
+        std::fs::write(conf.path(), text)
+            .with_context(|| format!("writing {}", conf.path().display()))?;
+        Ok(conf)
+    }
+
+    /// The file.
+    pub fn path(&self) -> PathBuf {
+        self.dir.join("resolv.conf")
+    }
+}
+
+impl Drop for NetnsResolvConf {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
 pub const ZONE: &str = "example.test";
 /// The apex A record's address.
 pub const APEX_A: Ipv4Addr = Ipv4Addr::new(192, 0, 2, 1);

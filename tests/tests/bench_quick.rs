@@ -263,3 +263,54 @@ fn quick_failure_rows_produce_every_row_and_clean_up() {
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// The resolver rows (`--only resolver`: glibc's getaddrinfo through a
+/// resolv.conf of two NSD nameservers, the first stalling) on one short
+/// round with the debug agent: every row appears with all its lookups
+/// made and none failed (a stall of 25 ms is far below glibc's timeout),
+/// and nothing is left behind. No timing is asserted; that glibc gets
+/// every reply from the nameserver it asked is `resolver.rs`'s to show.
+#[test]
+fn quick_resolver_rows_look_up_through_glibc_and_clean_up() {
+    use selector_testbed::bench::resolver::ResolverRow;
+
+    let out = std::env::temp_dir().join(format!(
+        "selector-bench-resolver-test-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&out);
+    let agent = selector_testbed::agent::selector_binary();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    bench
+        .args(["--quick", "--only", "resolver", "--resolver-segment", "1.5"])
+        .arg("--agent")
+        .arg(&agent)
+        .arg("--out")
+        .arg(&out);
+    let pid = run_to_success(bench);
+    let md = std::fs::read_to_string(out.join("resolver.md")).expect("resolver.md");
+    for row in ResolverRow::ALL {
+        let line = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {} |", row.label())))
+            .unwrap_or_else(|| panic!("row {} missing:\n{md}", row.label()));
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        // 300 lookups/s for 1.5 s, one round.
+        assert_eq!(cells[2], "450", "{line}");
+        assert_eq!(cells[3], "0", "failed lookups: {line}");
+    }
+    assert_no_namespaces_left(&format!("rslv-{pid}-"));
+    let left = std::fs::read_dir("/etc/netns")
+        .map(|d| {
+            d.filter_map(Result::ok)
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("rslv-{pid}-"))
+                })
+                .count()
+        })
+        .unwrap_or(0);
+    assert_eq!(left, 0, "resolv.conf files left in /etc/netns");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -11,7 +11,6 @@
 
 use std::{
     net::{IpAddr, SocketAddr, UdpSocket},
-    path::PathBuf,
     process::{Child, Stdio},
     thread,
     time::{Duration, Instant},
@@ -20,31 +19,10 @@ use std::{
 use selector_testbed::{
     Testbed,
     agent::{spawn_agent, status_json},
-    dns::{APEX_A, DNS_PORT, Nsd, QTYPE_A, ZONE, query},
+    dns::{APEX_A, DNS_PORT, NetnsResolvConf, Nsd, QTYPE_A, ZONE, query},
     topology::{CLIENT_IFACE, replica_addr, replica_addr6},
 };
 use selector_user::api::Status;
-
-/// /etc/netns/NS/resolv.conf: what `ip netns exec NS` shows processes as
-/// /etc/resolv.conf. Removed on drop.
-struct NetnsResolvConf {
-    dir: PathBuf,
-}
-
-impl NetnsResolvConf {
-    fn write(ns: &str, text: &str) -> Self {
-        let dir = PathBuf::from("/etc/netns").join(ns);
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(dir.join("resolv.conf"), text).unwrap();
-        Self { dir }
-    }
-}
-
-impl Drop for NetnsResolvConf {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 #[test]
 fn lookups_leave_a_stalled_first_nameserver_and_every_answer_is_right() {
@@ -98,7 +76,8 @@ fn lookups_leave_a_stalled_first_nameserver(family: Family, prefix: &str) {
             nameserver(family, 1),
             nameserver(family, 2)
         ),
-    );
+    )
+    .unwrap();
     let (mut agent, _lines) = spawn_agent(
         &tb.client,
         &[
@@ -216,7 +195,8 @@ fn an_unprivileged_users_junk_datagrams_move_no_lookup_off_the_first_nameserver(
             nameserver(Family::V4, 1),
             nameserver(Family::V4, 2)
         ),
-    );
+    )
+    .unwrap();
     // Defaults: threshold policy, threshold 4, timeout 1 s.
     let (mut agent, _lines) = spawn_agent(
         &tb.client,

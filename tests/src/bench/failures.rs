@@ -350,7 +350,7 @@ fn agent_counts(ns: &Namespace, agent: &Path) -> Result<AgentCounts> {
 }
 
 /// The load's report, and the agent's counts (then the agent stopped).
-fn finish<T>(
+pub(super) fn finish<T>(
     load: JoinHandle<Result<T>>,
     agent: Option<AgentChild>,
     ns: &Namespace,
@@ -573,12 +573,12 @@ fn broken_row(bed: &mut DnsBed, o: &FailureOptions, row: FailureRow) -> Result<F
 /// so that a stall is kill(2) calls only: spawning `ip netns pids` for each
 /// stop and resume (as `Nsd::stop` does) stretched 25 ms stalls to 50 ms
 /// and more on a busy machine.
-struct Stalled {
+pub(super) struct Stalled {
     pids: Vec<i32>,
 }
 
 impl Stalled {
-    fn of(ns: &Namespace) -> Result<Self> {
+    pub(super) fn of(ns: &Namespace) -> Result<Self> {
         let out = std::process::Command::new("ip")
             .args(["netns", "pids", &ns.name])
             .output()?;
@@ -593,7 +593,7 @@ impl Stalled {
     /// SIGSTOP to every process, waits until each is stopped, sleeps for
     /// `stall`, SIGCONT to every process; returns the time from the first
     /// SIGSTOP to the last SIGCONT.
-    fn stall(&self, stall: Duration) -> Result<Duration> {
+    pub(super) fn stall(&self, stall: Duration) -> Result<Duration> {
         let from = Instant::now();
         let signal = |sig| {
             for &pid in &self.pids {

@@ -12,6 +12,7 @@ pub mod nginx;
 pub mod packet_cost;
 pub mod plots;
 pub mod report;
+pub mod resolver;
 pub mod rows;
 pub mod scale;
 pub mod scenario;

@@ -10,7 +10,10 @@
 //! steer, with and without the agent) write throughput.md, scale.md and
 //! untouched.md. `--only failures` (a dead primary and a broken replica,
 //! the agent at its defaults against primary only and ejection off)
-//! writes failures.md and failures.csv.
+//! writes failures.md and failures.csv. `--only resolver` (glibc's
+//! getaddrinfo through a resolv.conf of two NSD nameservers, the first
+//! stalling: no agent, the agent's defaults and threshold 1, each with and
+//! without hedges) writes resolver.md.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -21,6 +24,7 @@ use selector_testbed::bench::{
     agent_process::agent_beside,
     failures::FailureOptions,
     packet_cost::CostOptions,
+    resolver::ResolverOptions,
     scale::ScaleOptions,
     throughput::ThroughputOptions,
     untouched::{Measure, UntouchedOptions},
@@ -94,14 +98,14 @@ struct Args {
     /// part of an id before `_`, e.g. `overload`; comma-separated). `ID@RATE`
     /// runs the rows it names at RATE reads/s, as rows of their own
     /// (`hedge@2000,no_stall@2000`), interleaved with the others.
-    /// `throughput`, `scale` and `failures` (or `failures_dead`,
+    /// `throughput`, `scale`, `resolver` and `failures` (or `failures_dead`,
     /// `failures_broken`, a row's id) select those measurements, `untouched`
     /// the rows of traffic the selector does not steer (or one of them:
     /// `untouched_tcp_send`, `_tcp_receive`, `_tcp_rr`, `_udp_other`);
     /// `cost`, which names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// Everything, in one run: the failure rows, closed-loop throughput,
+    /// Everything, in one run: the failure rows, the resolver rows, closed-loop throughput,
     /// the untouched traffic and the agent at scale, then every row of the
     /// stall experiment with the per-packet cost (the report's command).
     #[arg(long, conflicts_with = "only")]
@@ -164,6 +168,15 @@ struct Args {
     /// Failures: seconds of load of each broken-replica row [default: 14, quick: 2].
     #[arg(long)]
     broken_duration: Option<f64>,
+    /// Resolver: lookups per second.
+    #[arg(long, default_value_t = 300)]
+    resolver_rate: u32,
+    /// Resolver: seconds per segment [default: 20, quick: 3].
+    #[arg(long)]
+    resolver_segment: Option<f64>,
+    /// Resolver: segments per row [default: 3, quick: 1].
+    #[arg(long)]
+    resolver_rounds: Option<u32>,
     /// The `selector` binary the rows that run the agent start
     /// [default: the one beside this binary].
     #[arg(long)]
@@ -244,10 +257,10 @@ fn main() -> Result<()> {
     };
     // The measurements that are not rows of the stall experiment, run
     // first when selected; the rest only if other ids are left.
-    let extra = ["throughput", "scale"];
+    let extra = ["throughput", "scale", "resolver"];
     let mut opts = opts;
     if args.all {
-        opts.only = ["failures", "throughput", "untouched", "scale"]
+        opts.only = ["failures", "resolver", "throughput", "untouched", "scale"]
             .map(String::from)
             .to_vec();
     }
@@ -287,6 +300,26 @@ fn main() -> Result<()> {
         )?;
         f.write(&out)?;
         println!("{}", f.markdown());
+    }
+    if selected("resolver") {
+        let r = bench::resolver::measure(
+            &ResolverOptions {
+                agent: agent.clone(),
+                rate: args.resolver_rate.max(1),
+                segment: Duration::from_secs_f64(
+                    args.resolver_segment.unwrap_or(pick(args.quick, 3.0, 20.0)),
+                ),
+                rounds: args
+                    .resolver_rounds
+                    .unwrap_or(pick(args.quick, 1, 3))
+                    .max(1),
+                stall: opts.stall,
+                stall_every: opts.stall_every,
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("resolver.md"), r.markdown())?;
+        println!("{}", r.markdown());
     }
     if selected("throughput") {
         let t = bench::throughput::measure(
