@@ -1354,3 +1354,61 @@ fn every_system_call_of_the_agent_is_in_the_units_filter() {
     assert!(out.status.success(), "{}", text_of(&out));
     tb.replicas.clear();
 }
+
+/// `--resolv-conf` implies `--hedge-after auto`: under the bare unit (no
+/// CAP_NET_RAW) the agent still starts, says in one warning that it runs
+/// the resolver's group without hedges, and shows hedging off; with the
+/// hedging drop-in it hedges (`auto` in force, no warning).
+#[test]
+fn the_resolver_recipe_hedges_with_the_drop_in_and_runs_without_it() {
+    let tb = Testbed::new("seldr", 2).unwrap();
+    let binary = PublicBinary::new();
+    // Beside the binary: a directory the unit's user may read.
+    let conf = binary.dir.join("resolv.conf");
+    std::fs::write(&conf, "nameserver 10.77.0.10\nnameserver 10.77.0.11\n").unwrap();
+    std::fs::set_permissions(&conf, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let conf = conf.to_str().unwrap().to_owned();
+    for (caps, hedges) in [
+        (unit_capabilities(), false),
+        (hedging_unit_capabilities(), true),
+    ] {
+        let mut agent = selector_testbed::agent::AgentProcess(
+            as_the_unit(
+                &tb.client,
+                &binary.path(),
+                &caps,
+                &[
+                    "run",
+                    "--quiet",
+                    "--iface",
+                    CLIENT_IFACE,
+                    "--resolv-conf",
+                    &conf,
+                ],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+        );
+        let mut lines =
+            std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+        let before: Vec<String> = lines
+            .by_ref()
+            .map(Result::unwrap)
+            .take_while(|l| !l.starts_with("selector: attached to"))
+            .collect();
+        let warned: Vec<&String> = before
+            .iter()
+            .filter(|l| l.contains("hedging off") && l.contains("CAP_NET_RAW"))
+            .collect();
+        assert_eq!(warned.len(), usize::from(!hedges), "{before:#?}");
+        let status: serde_json::Value =
+            selector_testbed::agent::status_json(&tb.client, CLIENT_IFACE);
+        let in_force = &status["settings"]["hedge_after"];
+        assert_eq!(in_force, if hedges { "auto" } else { "off" }, "{status}");
+        unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+        assert!(agent.wait().unwrap().success());
+        drop(lines);
+    }
+}

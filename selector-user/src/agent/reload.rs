@@ -92,6 +92,9 @@ pub struct Reloader {
     pub netns: Option<PathBuf>,
     /// How the last reload went.
     pub record: ReloadRecord,
+    /// Whether the agent could send hedges (it had CAP_NET_RAW at start):
+    /// if not, a reload leaves the hedging `--resolv-conf` implies off.
+    can_hedge: bool,
 }
 
 impl Reloader {
@@ -102,6 +105,7 @@ impl Reloader {
         flags: Options,
         start: &RunConfig,
         groups: GroupTable,
+        can_hedge: bool,
     ) -> Self {
         Self {
             path,
@@ -117,6 +121,7 @@ impl Reloader {
                 refused: None,
                 last_success: SystemTime::now(),
             },
+            can_hedge,
         }
     }
 
@@ -135,7 +140,11 @@ impl Reloader {
     }
 
     fn reload_from(&mut self, path: PathBuf, selector: &mut Selector) -> Result<String> {
-        let wanted = ConfigFile::read(&path)?.resolve_with(&self.flags)?;
+        let mut wanted = ConfigFile::read(&path)?.resolve_with(&self.flags)?;
+        if !self.can_hedge {
+            // Said once, at start.
+            let _ = wanted.without_implied_hedging();
+        }
         self.check_fixed(&selector.settings, &wanted)?;
         let changes = plan_groups(
             &self.table,

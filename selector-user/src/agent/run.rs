@@ -55,8 +55,11 @@ const STOP_POLL: Duration = Duration::from_millis(20);
 /// Attaches, then sweeps and prints until a signal or the duration ends;
 /// then stops steering, waits for the redirected reads in flight, and detaches.
 /// `config_file` and `flags` are what a reload reads again.
-pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options) -> Result<()> {
-    let settings = &config.settings;
+pub async fn run(
+    mut config: RunConfig,
+    config_file: Option<PathBuf>,
+    flags: Options,
+) -> Result<()> {
     let netns = match &config.netns {
         Some(path) => Some(NetNs::open(path)?),
         None => None,
@@ -88,18 +91,23 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
         None => None,
     };
     match &netns_info {
-        Some(ns) => crate::host::interface::check(settings)
+        Some(ns) => crate::host::interface::check(&config.settings)
             .with_context(|| format!("in the network namespace of --netns {}", ns.path))?,
-        None => crate::host::interface::check(settings)?,
+        None => crate::host::interface::check(&config.settings)?,
     }
     // CAP_NET_RAW serves hedging's raw sockets only: opened now, in the
     // namespace the agent steers, and kept for whenever hedging is on (at
     // start or after a reload); then the capability goes, before any
     // thread starts (capabilities are per thread).
-    if crate::host::preflight::has_capability(crate::host::preflight::CAP_NET_RAW)? {
-        crate::hedging::wire::HedgeSockets::open_at_start(&settings.iface, settings.mark)?;
+    let can_hedge = crate::host::preflight::has_capability(crate::host::preflight::CAP_NET_RAW)?;
+    if can_hedge {
+        let s = &config.settings;
+        crate::hedging::wire::HedgeSockets::open_at_start(&s.iface, s.mark)?;
         crate::host::preflight::drop_capability(crate::host::preflight::CAP_NET_RAW)?;
+    } else if let Some(warning) = config.without_implied_hedging() {
+        log::warn!("{warning}");
     }
+    let settings = &config.settings;
     // Handlers first: a signal during attach still ends in a clean stop.
     let mut signals = StopSignals::new()?;
     // SIGHUP reloads the config file (and no longer ends the process).
@@ -116,7 +124,7 @@ pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options
         ),
     };
     selector.netns = netns_info;
-    let reloader = Reloader::new(config_file, flags, &config, groups.table.clone());
+    let reloader = Reloader::new(config_file, flags, &config, groups.table.clone(), can_hedge);
     let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
     if let Some(metrics) = metrics {
         log::info!(

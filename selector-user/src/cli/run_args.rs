@@ -156,7 +156,10 @@ pub struct RunArgs {
     pub metrics_addr: Option<SocketAddr>,
     /// Add a group of the nameservers in PATH (default /etc/resolv.conf)
     /// of the first one's family, in file order, port 53: the stub
-    /// resolver's, whose primary is the first. Implies --proto dns; re-read on reload.
+    /// resolver's, whose primary is the first. Implies --proto dns and,
+    /// unless --hedge-after is given, --hedge-after auto (an agent without
+    /// CAP_NET_RAW at start then runs without hedges, and says so); re-read
+    /// on reload.
     /// A file naming only systemd-resolved's stub (127.0.0.53) is refused:
     /// use /run/systemd/resolve/resolv.conf, resolved's upstream list.
     #[arg(long, value_name = "PATH", num_args = 0..=1, default_missing_value = "/etc/resolv.conf")]

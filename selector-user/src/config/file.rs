@@ -32,6 +32,7 @@ use toml::de::{DeTable, DeValue};
 
 use crate::{
     config::defaults::RunDefaults,
+    config::hedge::HedgeAfter,
     config::settings::{
         IngressMode, Invalid, Protocol, SettingKey, Settings, default_heartbeat_bound, invalid,
     },
@@ -144,6 +145,28 @@ pub struct RunConfig {
     /// The network namespace the interface is in (`--netns`; None: the
     /// agent's own).
     pub netns: Option<PathBuf>,
+    /// `--hedge-after auto` comes from `--resolv-conf`, not from a flag or
+    /// key: an agent that cannot send copies (no CAP_NET_RAW at start)
+    /// runs without them instead of refusing to start.
+    pub hedging_implied: bool,
+}
+
+impl RunConfig {
+    /// Hedging off where only `--resolv-conf` asked for it; what to tell
+    /// the operator, if it was.
+    pub fn without_implied_hedging(&mut self) -> Option<String> {
+        if !self.hedging_implied {
+            return None;
+        }
+        self.hedging_implied = false;
+        self.settings.tunables.hedging.after = HedgeAfter::Off;
+        Some(
+            "hedging off: --resolv-conf turns on --hedge-after auto, but the agent had no \
+             CAP_NET_RAW at start to send the copies (deploy/selector-hedging.conf grants it); \
+             say --hedge-after off to run without them quietly"
+                .into(),
+        )
+    }
 }
 
 impl Options {
@@ -286,8 +309,17 @@ impl Options {
             // The tunables' defaults; the patch below lays the given ones over.
             ..Settings::new(iface, groups)
         };
+        // The stub resolver recipe hedges unless told not to: counts alone
+        // leave each stall's first lookups waiting it out, which at a
+        // host's lookup rate is the whole tail (docs/bench, "Lookups
+        // through glibc's resolver").
+        let hedging_implied = self.resolv_conf.is_some() && self.tunables.hedge_after.is_none();
+        let mut tunables = self.tunables.apply(settings.tunables);
+        if hedging_implied {
+            tunables.hedging.after = HedgeAfter::Auto;
+        }
         let settings = Settings {
-            tunables: self.tunables.apply(settings.tunables),
+            tunables,
             ..settings
         };
         settings.plan()?;
@@ -301,6 +333,7 @@ impl Options {
             pin: self.pin.clone(),
             metrics_addr: self.metrics_addr,
             netns: self.netns.clone(),
+            hedging_implied,
         })
     }
 
@@ -891,6 +924,51 @@ members = ["10.0.0.3:1"]
                 .netns,
             None
         );
+    }
+
+    #[test]
+    fn resolv_conf_implies_hedging_unless_hedge_after_is_given() {
+        let path = std::env::temp_dir().join(format!("selector-resolv-h-{}", std::process::id()));
+        std::fs::write(&path, "nameserver 10.0.0.53\nnameserver 10.0.1.53\n").unwrap();
+        let flags = |hedge_after: Option<HedgeAfter>| Options {
+            iface: Some("eth0".into()),
+            resolv_conf: Some(path.clone()),
+            tunables: TunablesPatch {
+                hedge_after,
+                ..Default::default()
+            },
+            ..Options::default()
+        };
+        let mut implied = flags(None).resolve().unwrap();
+        assert_eq!(implied.settings.tunables.hedging.after, HedgeAfter::Auto);
+        assert!(implied.hedging_implied);
+        // An agent that cannot send copies turns off only what was implied.
+        let warning = implied.without_implied_hedging().expect("a warning");
+        assert!(warning.contains("CAP_NET_RAW"), "{warning}");
+        assert_eq!(implied.settings.tunables.hedging.after, HedgeAfter::Off);
+        for given in [HedgeAfter::Off, HedgeAfter::Auto] {
+            let mut c = flags(Some(given)).resolve().unwrap();
+            assert_eq!(c.settings.tunables.hedging.after, given);
+            assert!(c.without_implied_hedging().is_none());
+            assert_eq!(c.settings.tunables.hedging.after, given);
+        }
+        // The file's key counts as given too.
+        let file = parse(&with("hedge-after = \"off\"\n")).unwrap();
+        let c = file
+            .resolve_with(&Options {
+                groups: Some(vec![]),
+                ..flags(None)
+            })
+            .unwrap();
+        assert_eq!(c.settings.tunables.hedging.after, HedgeAfter::Off);
+        assert!(!c.hedging_implied);
+        // No resolv.conf group: hedging stays off by default.
+        let plain = parse(BASE)
+            .unwrap()
+            .resolve_with(&Options::default())
+            .unwrap();
+        assert_eq!(plain.settings.tunables.hedging.after, HedgeAfter::Off);
+        let _ = std::fs::remove_file(&path);
     }
 
     #[test]
