@@ -321,7 +321,9 @@ fn redirects_go_straight_to_the_next_hop_and_follow_its_change() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    // Until the agent has published the new address (it looks every 100 ms).
+    // Until the agent has published the new address: on the kernel's
+    // announcement of the change (its backstop re-read is 5 s away, after
+    // this wait gives up).
     let mac: [u8; 6] = [0x02, 0x77, 0x00, 0x00, 0x01, 0x01];
     let published = wait_for(Duration::from_secs(3), || {
         published_mac(&tb, 1) == Some(mac)

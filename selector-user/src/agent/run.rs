@@ -33,13 +33,19 @@ use crate::{
     datapath::regroup::{GroupChanges, GroupTable},
     host::neighbours,
     host::netns::NetNs,
+    host::route_events::RouteEvents,
     host::sys,
     telemetry,
 };
 
-/// How often the next hops' Ethernet addresses are re-read: a neighbour
-/// that changes is followed within this.
+/// How often the next hops' Ethernet addresses are re-read when the
+/// kernel's announcements of changes (`host::route_events`) are not to be
+/// had: a neighbour that changes is followed within this.
 const NEXT_HOP_REFRESH: Duration = Duration::from_millis(100);
+
+/// With the announcements, the next hops are re-read when they say so, and
+/// this often besides (a backstop: none is known to be lost unannounced).
+const NEXT_HOP_BACKSTOP: Duration = Duration::from_secs(5);
 
 /// How often the agent checks that its programs are still attached.
 const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
@@ -203,6 +209,11 @@ struct Agent {
     neighbours: neighbours::ManagedNeighbours,
     /// Their Ethernet addresses, as published to the kernel.
     next_hops: NextHops,
+    /// The kernel's announcements of neighbour and route changes, taken
+    /// by the owner loop (None: not subscribed, the loop polls).
+    route_events: Option<RouteEvents>,
+    /// When the next hops were last re-read.
+    next_hops_read_at: Instant,
     /// The config file, start flags and group tables, for reloads.
     reloader: Reloader,
     interval: Duration,
@@ -236,6 +247,16 @@ impl Agent {
         // Published before the agent says it is attached: from then on
         // every redirect to a resolved next hop takes the direct path.
         let mut next_hops = NextHops::new(&selector.settings.iface)?;
+        // Subscribed before the first read, so no change falls between.
+        let ifindex = crate::host::interface::index(&selector.settings.iface)?;
+        let route_events = RouteEvents::subscribe(ifindex)
+            .inspect_err(|e| {
+                log::warn!(
+                    "next hops re-read every {} ms: {e:#}",
+                    NEXT_HOP_REFRESH.as_millis()
+                )
+            })
+            .ok();
         next_hops.refresh(&mut selector)?;
         let settings = &selector.settings;
         let pinned = match selector.pinned() {
@@ -279,6 +300,8 @@ impl Agent {
             selector,
             neighbours,
             next_hops,
+            route_events,
+            next_hops_read_at: Instant::now(),
             reloader,
             interval,
             sweep_every,
@@ -315,7 +338,13 @@ impl Agent {
     ) -> Option<anyhow::Error> {
         let mut sweep_tick = interval(self.sweep_every);
         let mut interval_tick = ticks_after(self.interval);
-        let mut next_hop_tick = ticks_after(NEXT_HOP_REFRESH);
+        let mut route_events = self.route_events.take();
+        // A re-read the announcements asked for, not yet made.
+        let mut next_hops_due_at: Option<Instant> = None;
+        let mut next_hop_tick = ticks_after(match route_events {
+            Some(_) => NEXT_HOP_BACKSTOP,
+            None => NEXT_HOP_REFRESH,
+        });
         let mut watchdog_tick = self.notifier.watchdog_period().map(ticks_after);
         let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
         let mut ejection_tick = interval(EJECTION_CHECK.min(self.sweep_every));
@@ -334,6 +363,18 @@ impl Agent {
             let until_hedge_refresh = async {
                 match hedge_refresh {
                     Some(at) => sleep_until(at.into()).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let route_changes = async {
+                match route_events.as_mut() {
+                    Some(events) => events.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            let next_hops_due = async {
+                match next_hops_due_at {
+                    Some(at) => sleep_until(at).await,
                     None => std::future::pending().await,
                 }
             };
@@ -372,6 +413,20 @@ impl Agent {
                 }
                 _ = interval_tick.tick() => self.end_interval(),
                 _ = next_hop_tick.tick() => self.refresh_next_hops(),
+                changes = route_changes => {
+                    if changes.routes {
+                        self.next_hops.routes_changed();
+                    }
+                    // At once, unless the last re-read was this recent: a
+                    // storm of announcements (a routing daemon's) costs one
+                    // re-read per period.
+                    let at = self.next_hops_read_at + NEXT_HOP_REFRESH;
+                    next_hops_due_at = Some(next_hops_due_at.map_or(at, |due| due.min(at)));
+                }
+                _ = next_hops_due => {
+                    next_hops_due_at = None;
+                    self.refresh_next_hops();
+                }
                 _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
                 _ = attachment_tick.tick() => self.check_attachment(),
                 _ = ejection_tick.tick() => self.check_ejection(),
@@ -547,6 +602,7 @@ impl Agent {
     }
 
     fn refresh_next_hops(&mut self) {
+        self.next_hops_read_at = Instant::now();
         let before = self.selector.routed_elsewhere.clone();
         // On failure the entries stay as they were; the next tick retries.
         if let Err(e) = self.next_hops.refresh(&mut self.selector) {

@@ -2,9 +2,11 @@
 //! selector's interface and resolved, the Ethernet addresses to write into
 //! a redirected request so that it continues without a second pass through
 //! egress. Refreshed from the kernel's neighbour table (one netlink dump per
-//! call, routes once a second), so a neighbour that changes its address, or
-//! stops being resolved, is followed within one refresh period; an unknown
-//! next hop is written as zero and its requests take `bpf_redirect_neigh`.
+//! call; routes when they changed, or once a second), which the agent does
+//! when the kernel announces a change (`crate::host::route_events`), so a
+//! neighbour that changes its address, or stops being resolved, is
+//! followed at once; an unknown next hop is written as zero and its
+//! requests take `bpf_redirect_neigh`.
 
 use std::{
     collections::HashMap,
@@ -125,6 +127,12 @@ impl NextHops {
         self.published = wanted;
         self.published.retain(|_, e| e.ifindex != 0);
         Ok(self.published.len())
+    }
+
+    /// The routes changed (the kernel said so): the next refresh looks
+    /// them up again.
+    pub fn routes_changed(&mut self) {
+        self.routes_at = None;
     }
 
     /// Forgets every next hop, so that redirects take `bpf_redirect_neigh`

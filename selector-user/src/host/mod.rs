@@ -6,6 +6,7 @@ pub mod interface;
 pub mod neighbours;
 pub mod netns;
 pub mod preflight;
+pub mod route_events;
 pub mod shared;
 pub mod sys;
 pub mod tc_attach;
