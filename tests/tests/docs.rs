@@ -124,8 +124,9 @@ fn sample_tunables() -> String {
     let defaults = Tunables::default().shown();
     let flags = TunablesPatch::augment_args(clap::Command::new("set"));
     let mut out = String::from(
-        "# What `selector set --iface IF` changes while attached (a reload too);\n\
-         # edit their flags in selector-user/src/config/tunables.rs, not here.\n",
+        "# What `selector set --iface IF` changes while attached (a reload too),\n\
+         # at their defaults; edit their flags in\n\
+         # selector-user/src/config/tunables.rs, not here.\n",
     );
     for arg in flags.get_arguments() {
         let key = arg.get_long().expect("every tunable has a flag");
@@ -155,7 +156,9 @@ fn sample_tunables() -> String {
         } else {
             format!("\"{default}\"")
         };
-        out += &format!("{key} = {value}\n");
+        // Commented out: a key set in the file counts as given, and would
+        // override what another key implies (`resolv-conf` hedges).
+        out += &format!("# {key} = {value}\n");
     }
     out
 }
@@ -198,6 +201,14 @@ fn status_reference() -> String {
             )
         })
         .collect();
+    // Keys the settings no longer have go (the example must still read as
+    // a status: unknown keys are ignored there).
+    let example: Value = serde_json::from_str(fenced(&text, "json")).expect("the example is JSON");
+    if let Ok(status) = serde_json::from_value::<selector_user::api::Status>(example) {
+        let settings = serde_json::to_value(&status.settings).unwrap();
+        let known = settings.as_object().expect("the settings are an object");
+        lines.retain(|(key, _)| known.contains_key(key));
+    }
     let defaults = serde_json::to_value(Tunables::default()).unwrap();
     for (key, value) in defaults.as_object().expect("the tunables are an object") {
         if !lines.iter().any(|(k, _)| k == key) {

@@ -141,9 +141,10 @@ impl Reloader {
 
     fn reload_from(&mut self, path: PathBuf, selector: &mut Selector) -> Result<String> {
         let mut wanted = ConfigFile::read(&path)?.resolve_with(&self.flags)?;
-        if !self.can_hedge {
-            // Said once, at start.
-            let _ = wanted.without_implied_hedging();
+        if !self.can_hedge
+            && let Some(warning) = wanted.without_implied_hedging()
+        {
+            log::warn!("{warning}");
         }
         self.check_fixed(&selector.settings, &wanted)?;
         let changes = plan_groups(

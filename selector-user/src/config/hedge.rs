@@ -67,12 +67,14 @@ impl<'de> Deserialize<'de> for HedgeAfter {
 
 /// The hedging settings in force (in status as `hedge_after` and
 /// `hedge_budget_percent`).
+/// A field an older agent's status lacks reads as its default.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct HedgeSettings {
-    #[serde(rename = "hedge_after", default)]
+    #[serde(rename = "hedge_after")]
     pub after: HedgeAfter,
     /// Hedges at most this percentage of reads (plus a burst).
-    #[serde(rename = "hedge_budget_percent", default)]
+    #[serde(rename = "hedge_budget_percent")]
     pub budget_percent: u32,
 }
 

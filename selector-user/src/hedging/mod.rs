@@ -452,7 +452,6 @@ impl HedgeLoop {
     }
 }
 
-/// The hedge target for a read that went to member `chosen` of a group
 /// Where a copy to a member goes: the address the agent's table holds for
 /// its id (`table`, as of the last reload), only while the kernel's group
 /// (`member`, the entry the target was chosen from) holds that address at
@@ -460,9 +459,13 @@ impl HedgeLoop {
 /// to another member: the copy is then refused, not sent to an address its
 /// id no longer names (and counted as the new member's read).
 fn copy_address(table: Option<SocketAddr>, member: &Endpoint) -> Option<SocketAddr> {
-    table.filter(|to| Endpoint::from(*to) == *member)
+    table.filter(|to| {
+        let to = Endpoint::from(*to);
+        (to.addr, to.port) == (member.addr, member.port)
+    })
 }
 
+/// The hedge target for a read that went to member `chosen` of a group
 /// with `members`, `counters` and health word `health_bits`: the least
 /// pending other member that is neither drained nor ejected nor waiting
 /// for its half-open probe, nor in `avoid` (members an older instance of
