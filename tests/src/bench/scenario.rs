@@ -278,7 +278,12 @@ impl Attached {
                     }
                     // `--hedge-after auto`: the delays follow the latencies
                     // when due, as in the agent's loop (never otherwise).
-                    if s.hedge_refresh_due().is_some_and(|due| due <= now) {
+                    // Compared with the time now, not `now`: before `auto`
+                    // begins, the due time is the moment it is asked for,
+                    // which is always after `now`.
+                    if s.hedge_refresh_due()
+                        .is_some_and(|due| due <= Instant::now())
+                    {
                         s.refresh_hedge_delays()?;
                     }
                 }
