@@ -163,6 +163,21 @@ fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The benchmark with the debug agent, writing to an empty directory of
+/// its own named after `rows`: that directory and the command.
+fn bench_with_the_debug_agent(rows: &str) -> (std::path::PathBuf, Command) {
+    let out =
+        std::env::temp_dir().join(format!("selector-bench-{rows}-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    bench
+        .arg("--agent")
+        .arg(selector_testbed::agent::selector_binary())
+        .arg("--out")
+        .arg(&out);
+    (out, bench)
+}
+
 fn assert_no_namespaces_left(prefix: &str) {
     let namespaces = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let left: Vec<String> = String::from_utf8_lossy(&namespaces.stdout)
@@ -181,20 +196,10 @@ fn assert_no_namespaces_left(prefix: &str) {
 fn quick_failure_rows_produce_every_row_and_clean_up() {
     use selector_testbed::bench::failures::FailureRow;
 
-    let out = std::env::temp_dir().join(format!(
-        "selector-bench-failures-test-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&out);
-    let agent = selector_testbed::agent::selector_binary();
-    let mut bench = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
+    let (out, mut bench) = bench_with_the_debug_agent("failures");
     bench
         .args(["--quick", "--only", "failures", "--keys", "100"])
-        .args(["--drain-ms", "300", "--dead-outage-ms", "1000"])
-        .arg("--agent")
-        .arg(&agent)
-        .arg("--out")
-        .arg(&out);
+        .args(["--drain-ms", "300", "--dead-outage-ms", "1000"]);
     let pid = run_to_success(bench);
     let read = |name: &str| {
         std::fs::read_to_string(out.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"))
@@ -274,19 +279,8 @@ fn quick_failure_rows_produce_every_row_and_clean_up() {
 fn quick_resolver_rows_look_up_through_glibc_and_clean_up() {
     use selector_testbed::bench::resolver::ResolverRow;
 
-    let out = std::env::temp_dir().join(format!(
-        "selector-bench-resolver-test-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&out);
-    let agent = selector_testbed::agent::selector_binary();
-    let mut bench = Command::new(env!("CARGO_BIN_EXE_selector-bench"));
-    bench
-        .args(["--quick", "--only", "resolver", "--resolver-segment", "1.5"])
-        .arg("--agent")
-        .arg(&agent)
-        .arg("--out")
-        .arg(&out);
+    let (out, mut bench) = bench_with_the_debug_agent("resolver");
+    bench.args(["--quick", "--only", "resolver", "--resolver-segment", "1.5"]);
     let pid = run_to_success(bench);
     let md = std::fs::read_to_string(out.join("resolver.md")).expect("resolver.md");
     for row in ResolverRow::ALL {
