@@ -81,11 +81,15 @@ pub fn count(backend: u32, field: impl FnOnce(&mut BackendStats) -> &mut u64) {
     }
 }
 
-/// Adds `n` to one per-CPU counter of `backend`, without a branch on `n`.
+/// One more response from `backend`, `error` (0 or 1) of them an error
+/// reply and `moved_error` one to a moved read: one lookup, no branch.
 #[inline(always)]
-pub fn count_n(backend: u32, field: impl FnOnce(&mut BackendStats) -> &mut u64, n: u64) {
+pub fn count_response(backend: u32, error: u64, moved_error: u64) {
     if let Some(s) = STATS.get_ptr_mut(backend) {
-        *field(unsafe { &mut *s }) += n;
+        let s = unsafe { &mut *s };
+        s.responses += 1;
+        s.error_replies += error;
+        s.error_replies_moved += moved_error;
     }
 }
 

@@ -58,8 +58,13 @@ pub fn replied(backend: u32, error: u64) {
     let position = member_index(position);
     unsafe {
         let failures = &raw mut (*h).failures[position];
-        let run = core::ptr::read_volatile(failures).wrapping_add(1) * error;
-        core::ptr::write_volatile(failures, run);
+        let before = core::ptr::read_volatile(failures);
+        let run = before.wrapping_add(1) * error;
+        // A good reply after a good reply changes nothing: no store, so
+        // the line all CPUs read stays clean in their caches.
+        if run != before {
+            core::ptr::write_volatile(failures, run);
+        }
         let bits = &raw mut (*h).bits;
         let word = core::ptr::read_volatile(bits);
         let failing = ejection::failing_after(word, position, run);

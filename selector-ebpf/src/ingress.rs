@@ -208,8 +208,7 @@ fn hedge_reply(seen: &Seen, stale: bool, backend: u32, datagram: &ReplyDatagram)
     };
     if hedge::settle_target(seen.index, seen.state) {
         accounting::add_completed(backend);
-        accounting::count(backend, |s| &mut s.responses);
-        count_error(seen, backend, datagram.error);
+        count_reply(seen, backend, datagram.error);
     }
     if stale && answer != Answer::Theirs {
         accounting::count(backend, |s| &mut s.stale_replies);
@@ -234,14 +233,13 @@ fn hedge_reply(seen: &Seen, stale: bool, backend: u32, datagram: &ReplyDatagram)
     }
 }
 
-/// A reply that ended `backend`'s count of the request in `seen`: an
-/// error (`error` 1) counts as its failure, a good reply ends its run of
-/// failures (outlier ejection).
+/// A reply that ended `backend`'s count of the request in `seen`: one more
+/// response, an error (`error` 1) counted as its failure, a good reply
+/// ending its run of failures (outlier ejection).
 #[inline(always)]
-fn count_error(seen: &Seen, backend: u32, error: u64) {
+fn count_reply(seen: &Seen, backend: u32, error: u64) {
     let moved = u64::from(seen.primary != backend);
-    accounting::count_n(backend, |s| &mut s.error_replies, error);
-    accounting::count_n(backend, |s| &mut s.error_replies_moved, error & moved);
+    accounting::count_response(backend, error, error & moved);
     crate::health::replied(backend, error);
 }
 
@@ -261,11 +259,10 @@ fn complete(client_slot: u32, live: &Seen, backend: u32, hedged: bool, datagram:
     ) {
         accounting::add_completed(backend);
         accounting::client_add(client_slot, false);
-        accounting::count(backend, |s| &mut s.responses);
         let now = unsafe { bpf_ktime_get_ns() };
         accounting::record_latency(backend, now.saturating_sub(live.sent_ns));
         accounting::record_service(backend, now);
-        count_error(live, backend, datagram.error);
+        count_reply(live, backend, datagram.error);
     } else if phase(live.state) == PHASE_LIVE {
         // The sweep expired it a moment ago: a late reply, still rewritten.
         accounting::count(backend, |s| &mut s.late_responses);
