@@ -13,6 +13,7 @@ pub mod frames;
 pub mod memcached;
 pub mod netns;
 pub mod paged;
+pub mod pods;
 pub mod prometheus;
 pub mod topology;
 

@@ -13,6 +13,25 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::netns::{Namespace, unique_tag};
 
+/// `promtool check metrics` on `exposition`: (success, what it said).
+pub fn promtool_check(exposition: &str) -> (bool, String) {
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (is prometheus installed? run `cargo xtask setup`)");
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), exposition.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
 /// One HTTP response: status code, header lines, body.
 #[derive(Clone, Debug)]
 pub struct HttpResponse {

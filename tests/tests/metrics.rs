@@ -9,7 +9,7 @@
 
 use std::{
     net::SocketAddr,
-    process::{Command, Stdio},
+    process::Stdio,
     thread,
     time::{Duration, Instant},
 };
@@ -17,7 +17,7 @@ use std::{
 use selector_testbed::{
     LoadSpec, Testbed,
     agent::{self, Agent},
-    prometheus::{HttpResponse, PrometheusServer, http_get},
+    prometheus::{HttpResponse, PrometheusServer, http_get, promtool_check},
     run_load,
     topology::CLIENT_IFACE,
     wait_for,
@@ -60,25 +60,6 @@ fn get(tb: &Testbed, path: &'static str, accept: Option<&'static str>) -> HttpRe
         .run(move || http_get(metrics, path, accept))
         .unwrap()
         .unwrap_or_else(|e| panic!("GET {path}: {e:#}"))
-}
-
-/// `promtool check metrics` on `exposition`: (success, what it said).
-fn promtool_check(exposition: &str) -> (bool, String) {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (is prometheus installed? run `cargo xtask setup`)");
-    std::io::Write::write_all(&mut child.stdin.take().unwrap(), exposition.as_bytes()).unwrap();
-    let out = child.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), said)
 }
 
 #[test]

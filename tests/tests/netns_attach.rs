@@ -11,66 +11,22 @@ use std::{
 };
 
 use selector_testbed::{
-    LoadReport, LoadSpec, MemcachedClient, Namespace, Testbed,
+    LoadReport, MemcachedClient, Namespace, Testbed,
     agent::{self, Agent, Attached},
     memcached::{frame, key_for, parse_get_response, value_for},
-    netns::unique_tag,
+    pods::{load_with_stall, moved_off_the_primary, node_namespace},
     preload,
     prometheus::http_get,
-    run_load,
     topology::CLIENT_IFACE,
 };
 
 const KEYS: usize = 200;
-const RATE: u32 = 2000;
-const STALL: Duration = Duration::from_millis(50);
-
-/// A namespace for the agent to run in, with an `eth0` of its own (one
-/// end of a veth pair, both ends inside, up, with an address), so that
-/// nothing of the test touches the real host's interfaces.
-fn node_namespace(prefix: &str) -> Namespace {
-    let node = Namespace::create(&format!("{prefix}-{}-node", unique_tag())).unwrap();
-    node.ip(&[
-        "link",
-        "add",
-        CLIENT_IFACE,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "peer0",
-    ])
-    .unwrap();
-    node.ip(&["addr", "add", "10.99.0.1/24", "dev", CLIENT_IFACE])
-        .unwrap();
-    node.ip(&["link", "set", CLIENT_IFACE, "up"]).unwrap();
-    node.ip(&["link", "set", "peer0", "up"]).unwrap();
-    node
-}
 
 fn testbed(prefix: &str) -> Testbed {
     let mut tb = Testbed::new(prefix, 3).expect("testbed");
     tb.start_memcached().expect("memcached");
     preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
     tb
-}
-
-/// The load on a connected socket in the pod, the primary stopped for
-/// `STALL` halfway.
-fn load_with_stall(tb: &Testbed) -> LoadReport {
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: RATE,
-        duration: Duration::from_millis(1500),
-        keys: KEYS,
-        drain: Duration::from_secs(1),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    std::thread::sleep(Duration::from_millis(750));
-    tb.replicas[0].stop();
-    std::thread::sleep(STALL);
-    tb.replicas[0].resume();
-    load.join().unwrap().expect("load")
 }
 
 fn p99_us(report: &LoadReport) -> u64 {
@@ -90,7 +46,7 @@ fn an_agent_in_the_node_namespace_steers_a_pod_namespace_given_by_netns() {
     let group = tb.group_arg();
 
     // The same stall with no agent: what the steering is measured against.
-    let baseline = load_with_stall(&tb);
+    let baseline = load_with_stall(&tb, KEYS);
 
     let metrics: SocketAddr = "127.0.0.1:9653".parse().unwrap();
     let metrics_arg = metrics.to_string();
@@ -132,7 +88,7 @@ fn an_agent_in_the_node_namespace_steers_a_pod_namespace_given_by_netns() {
     // three (a shared machine's scheduling hiccup can swamp a 50 ms stall).
     let mut steered_p99s = Vec::new();
     for _ in 0..3 {
-        let report = load_with_stall(&tb);
+        let report = load_with_stall(&tb, KEYS);
         assert_eq!(
             report.lost(),
             0,
@@ -175,14 +131,7 @@ fn an_agent_in_the_node_namespace_steers_a_pod_namespace_given_by_netns() {
         serde_json::json!([]),
         "{status}"
     );
-    let backends = status["backends"].as_array().unwrap();
-    let away = backends[0]["redirected_away"].as_u64().unwrap();
-    let to: u64 = backends[1..]
-        .iter()
-        .map(|b| b["redirected_to"].as_u64().unwrap())
-        .sum();
-    assert!(away > 0, "reads must leave the stalled primary: {status}");
-    assert_eq!(to, away, "{status}");
+    moved_off_the_primary(&status);
     // The node's namespace has no agent socket of its own.
     let (code, out) = selector(&node, &["status", "--iface", CLIENT_IFACE]);
     assert_ne!(code, 0, "{out}");

@@ -9,16 +9,16 @@
 
 use std::{
     os::unix::fs::PermissionsExt as _,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Child, Command, Output},
     time::Duration,
 };
 
 use selector_testbed::{
-    LoadReport, LoadSpec, Namespace, Testbed,
+    Namespace, Testbed,
     agent::{self, Attached, selector_binary},
-    netns::unique_tag,
-    preload, run_load,
+    pods::{ScratchDir, load_with_stall, moved_off_the_primary, node_namespace},
+    preload,
     topology::CLIENT_IFACE,
 };
 use selector_user::host::tc_attach::{FILTER_PRIORITY, OVERRIDE_VAR};
@@ -28,59 +28,6 @@ const SCRIPT: &str = concat!(
     "/../deploy/kubernetes/attach-pods.sh"
 );
 const KEYS: usize = 200;
-
-/// A namespace for the script and its agents to start in (the node's),
-/// with an `eth0` of its own, up, with an address and a route to the
-/// replicas: an agent attached in the wrong namespace would start, attach
-/// there and see none of the pod's traffic.
-fn node_namespace(prefix: &str) -> Namespace {
-    let node = Namespace::create(&format!("{prefix}-{}-node", unique_tag())).unwrap();
-    node.ip(&[
-        "link",
-        "add",
-        CLIENT_IFACE,
-        "type",
-        "veth",
-        "peer",
-        "name",
-        "peer0",
-    ])
-    .unwrap();
-    node.ip(&["addr", "add", "10.99.0.1/24", "dev", CLIENT_IFACE])
-        .unwrap();
-    node.ip(&["link", "set", CLIENT_IFACE, "up"]).unwrap();
-    node.ip(&["link", "set", "peer0", "up"]).unwrap();
-    // And a route to the replicas' subnet: such an agent would start.
-    node.ip(&["route", "add", "10.77.0.0/24", "dev", CLIENT_IFACE])
-        .unwrap();
-    node
-}
-
-/// A scratch directory (the script's state directory, a stand-in
-/// `crictl`), removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(what: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("selector-pods-{what}-{}", unique_tag()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Self(dir)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-
-    fn arg(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A process in the pod's namespace, as a pod's sandbox (pause) process.
 struct Sandbox(Child);
@@ -107,14 +54,14 @@ impl Drop for Sandbox {
 /// runs, so no agent outlives the test.
 struct Attachments<'a> {
     node: &'a Namespace,
-    state: TempDir,
+    state: ScratchDir,
 }
 
 impl<'a> Attachments<'a> {
     fn new(node: &'a Namespace) -> Self {
         Self {
             node,
-            state: TempDir::new("state"),
+            state: ScratchDir::new("pods-state"),
         }
     }
 
@@ -167,24 +114,6 @@ fn gone(pid: i32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| s.rsplit_once(") ").is_some_and(|(_, r)| r.starts_with('Z')))
         .unwrap_or(true)
-}
-
-/// The load on a connected socket in the pod, the primary stopped for 50 ms
-/// halfway.
-fn load_with_stall(tb: &Testbed) -> LoadReport {
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: 2000,
-        duration: Duration::from_millis(1500),
-        keys: KEYS,
-        drain: Duration::from_secs(1),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    std::thread::sleep(Duration::from_millis(750));
-    tb.replicas[0].stop();
-    std::thread::sleep(Duration::from_millis(50));
-    tb.replicas[0].resume();
-    load.join().unwrap().expect("load")
 }
 
 #[test]
@@ -248,7 +177,7 @@ fn an_agent_started_for_a_pods_pid_steers_it_and_stop_detaches() {
         "{listed}"
     );
 
-    let report = load_with_stall(&tb);
+    let report = load_with_stall(&tb, KEYS);
     assert_eq!(
         report.lost(),
         0,
@@ -271,14 +200,7 @@ fn an_agent_started_for_a_pods_pid_steers_it_and_stop_detaches() {
     );
     assert_eq!(code, 0, "{out}");
     let status: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    let backends = status["backends"].as_array().unwrap();
-    let away = backends[0]["redirected_away"].as_u64().unwrap();
-    let to: u64 = backends[1..]
-        .iter()
-        .map(|b| b["redirected_to"].as_u64().unwrap())
-        .sum();
-    assert!(away > 0, "reads must leave the stalled primary: {status}");
-    assert_eq!(to, away, "{status}");
+    moved_off_the_primary(&status);
     assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
 
     // A second start for the same pod is refused while its agent runs.
@@ -338,7 +260,7 @@ fn stop_detaches_what_a_killed_agent_left_in_a_pod_found_by_name() {
     let tb = Testbed::new("selpk", 3).expect("testbed");
     let node = node_namespace("selpk");
     let sandbox = Sandbox::start(&tb.client);
-    let bin = TempDir::new("bin");
+    let bin = ScratchDir::new("pods-bin");
     fake_crictl(bin.path(), sandbox.pid());
     let path = format!("{}:{}", bin.arg(), std::env::var("PATH").unwrap());
     let group = tb.group_arg();
@@ -414,9 +336,9 @@ fn stop_detaches_what_a_killed_agent_left_in_a_pod_found_by_name() {
 /// started.
 #[test]
 fn bad_input_is_one_clear_error_and_starts_nothing() {
-    let state = TempDir::new("bad");
-    let empty = TempDir::new("empty-path");
-    let no_pods = TempDir::new("no-pods");
+    let state = ScratchDir::new("pods-bad");
+    let empty = ScratchDir::new("pods-empty-path");
+    let no_pods = ScratchDir::new("pods-no-pods");
     fake_crictl(no_pods.path(), 1);
     let selector = selector_binary();
     let selector = selector.to_str().unwrap();
