@@ -15,12 +15,17 @@
 //! `REQUEST_WAIT` of the accept (hyper's header read timeout), the response
 //! written within [`WRITE_WAIT`] of being ready, else the connection is
 //! dropped.
+//!
+//! An agent serving several attachments (`selector run --attachment`)
+//! serves them all here ([`Sources`]): every sample carries the label
+//! `attachment`, and a probe is healthy when every attachment is.
 
 use std::{
     convert::Infallible,
     future::Future,
     net::SocketAddr,
-    sync::Arc,
+    pin::Pin,
+    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
@@ -41,15 +46,141 @@ use tokio::{
 
 use crate::{
     agent::{
+        control_server::LocalCaller,
         health::{self, Health},
         limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
         metrics::{
             Format, LIVENESS_PATH, OPENMETRICS_CONTENT_TYPE, PROMETHEUS_TEXT_CONTENT_TYPE,
-            READINESS_PATH, render,
+            READINESS_PATH, render, render_labelled,
         },
     },
     api::Status,
 };
+
+/// A status being fetched for a scrape.
+type StatusFuture = Pin<Box<dyn Future<Output = Result<Status>> + Send>>;
+
+/// One attachment as the endpoint sees it: its label (`None` for an agent
+/// with one attachment: no label), how to fetch its status, its health.
+#[derive(Clone)]
+pub struct Source {
+    label: Option<String>,
+    fetch: Arc<dyn Fn() -> StatusFuture + Send + Sync>,
+    health: Health,
+}
+
+impl Source {
+    pub fn new<F, Fut>(label: Option<String>, status: F, health: Health) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Status>> + Send + 'static,
+    {
+        Self {
+            label,
+            fetch: Arc::new(move || Box::pin(status())),
+            health,
+        }
+    }
+
+    /// An attachment's owner loop, asked through `caller` at most once per
+    /// [`SCRAPE_REUSE`] however many scrapes arrive.
+    pub fn of_caller(label: Option<String>, caller: LocalCaller, health: Health) -> Self {
+        let cache = CachedStatus::default();
+        Self::new(
+            label,
+            move || {
+                let (caller, cache) = (caller.clone(), cache.clone());
+                async move { cache.get(|| caller.status()).await }
+            },
+            health,
+        )
+    }
+}
+
+/// The attachments the endpoint serves, added as each attaches, and how
+/// many there will be (until all are there, the agent is not ready).
+#[derive(Clone)]
+pub struct Sources {
+    expected: usize,
+    list: Arc<Mutex<Vec<Source>>>,
+}
+
+impl Sources {
+    pub fn expecting(expected: usize) -> Self {
+        Self {
+            expected,
+            list: Arc::default(),
+        }
+    }
+
+    pub fn add(&self, source: Source) {
+        self.list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(source);
+    }
+
+    fn sources(&self) -> Vec<Source> {
+        self.list.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Every attachment's status in `format`, labelled when there are
+    /// several (or one of several: the label says which).
+    async fn exposition(&self, format: Format) -> Result<String> {
+        let sources = self.sources();
+        if let [Source { label: None, .. }] = sources.as_slice() {
+            return Ok(render(format, &(sources[0].fetch)().await?));
+        }
+        let mut statuses = Vec::with_capacity(sources.len());
+        for source in &sources {
+            let label = source.label.clone().unwrap_or_default();
+            let status = (source.fetch)()
+                .await
+                .with_context(|| format!("attachment {label}"))?;
+            statuses.push((label, status));
+        }
+        Ok(render_labelled(format, &statuses))
+    }
+
+    /// A probe's verdict over every attachment: healthy if each is and all
+    /// have attached; the text of each, prefixed by its label.
+    fn verdict(
+        &self,
+        probe: fn(&health::HealthState, Instant) -> health::Verdict,
+    ) -> health::Verdict {
+        let sources = self.sources();
+        let now = Instant::now();
+        if let [
+            Source {
+                label: None,
+                health,
+                ..
+            },
+        ] = sources.as_slice()
+        {
+            return probe(&health.state(), now);
+        }
+        let mut ok = sources.len() == self.expected;
+        let mut body = String::new();
+        if !ok {
+            body += &format!(
+                "{} of {} attachments started\n",
+                sources.len(),
+                self.expected
+            );
+        }
+        for source in &sources {
+            let verdict = probe(&source.health.state(), now);
+            ok &= verdict.ok;
+            body += &format!(
+                "{}: {}",
+                source.label.as_deref().unwrap_or_default(),
+                verdict.body
+            );
+        }
+        health::Verdict { ok, body }
+    }
+}
 
 /// How long a client has to send its request head (from the accept).
 const REQUEST_WAIT: Duration = Duration::from_secs(5);
@@ -124,9 +255,17 @@ impl MetricsServer {
     /// is what the agent's loop last recorded, for the probes.
     pub async fn serve<F, Fut>(self, status: F, health: Health)
     where
-        F: Fn() -> Fut + Clone + Send + 'static,
+        F: Fn() -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<Status>> + Send + 'static,
     {
+        let sources = Sources::expecting(1);
+        sources.add(Source::new(None, status, health));
+        self.serve_sources(sources).await
+    }
+
+    /// As [`Self::serve`], for the attachments in `sources` (added as they
+    /// attach).
+    pub async fn serve_sources(self, sources: Sources) {
         let limit = ConnectionLimit::default();
         let http = Arc::new(http1_builder(self.waits.request));
         loop {
@@ -134,10 +273,10 @@ impl MetricsServer {
                 Ok((stream, _)) => {
                     // Beyond the limit: closed at once (dropped).
                     if let Some(permit) = limit.admit() {
-                        let (http, status, health) = (http.clone(), status.clone(), health.clone());
+                        let (http, sources) = (http.clone(), sources.clone());
                         let write_wait = self.waits.write;
                         tokio::spawn(async move {
-                            answer(&http, write_wait, stream, status, health).await;
+                            answer(&http, write_wait, stream, sources).await;
                             drop(permit);
                         });
                     }
@@ -169,24 +308,15 @@ fn http1_builder(request_wait: Duration) -> http1::Builder {
 /// Reads one request and writes one response, then closes the connection;
 /// gives the connection up when the response is not written within
 /// `write_wait` of being ready (a reader that never reads).
-async fn answer<F, Fut>(
-    http: &http1::Builder,
-    write_wait: Duration,
-    stream: TcpStream,
-    status: F,
-    health: Health,
-) where
-    F: Fn() -> Fut + Clone + Send + 'static,
-    Fut: Future<Output = Result<Status>> + Send + 'static,
-{
+async fn answer(http: &http1::Builder, write_wait: Duration, stream: TcpStream, sources: Sources) {
     let responded = Arc::new(Notify::new());
     let service = {
         let responded = responded.clone();
         service_fn(move |request: Request<Incoming>| {
-            let (responded, status, health) = (responded.clone(), status.clone(), health.clone());
+            let (responded, sources) = (responded.clone(), sources.clone());
             let route = route(&request);
             async move {
-                let response = respond(route, status, &health).await;
+                let response = respond(route, &sources).await;
                 responded.notify_one();
                 Ok::<_, Infallible>(response)
             }
@@ -205,24 +335,20 @@ async fn answer<F, Fut>(
 }
 
 /// The response to what a request asks for.
-async fn respond<F, Fut>(route: Route, status: F, health: &Health) -> Response<Full<Bytes>>
-where
-    F: FnOnce() -> Fut,
-    Fut: Future<Output = Result<Status>>,
-{
+async fn respond(route: Route, sources: &Sources) -> Response<Full<Bytes>> {
     match route {
-        Route::Metrics(format) => match status().await {
-            Ok(status) => {
+        Route::Metrics(format) => match sources.exposition(format).await {
+            Ok(body) => {
                 let content_type = match format {
                     Format::OpenMetrics => OPENMETRICS_CONTENT_TYPE,
                     Format::PrometheusText => PROMETHEUS_TEXT_CONTENT_TYPE,
                 };
-                response(StatusCode::OK, content_type, render(format, &status))
+                response(StatusCode::OK, content_type, body)
             }
             Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{e:#}\n")),
         },
-        Route::Live => verdict(health::liveness(&health.state(), Instant::now())),
-        Route::Ready => verdict(health::readiness(&health.state(), Instant::now())),
+        Route::Live => verdict(sources.verdict(health::liveness)),
+        Route::Ready => verdict(sources.verdict(health::readiness)),
         Route::NotFound => text(
             StatusCode::NOT_FOUND,
             "served here: /metrics, /healthz, /readyz\n".into(),

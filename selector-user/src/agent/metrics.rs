@@ -43,6 +43,77 @@ pub fn render(format: Format, status: &Status) -> String {
     }
 }
 
+/// The exposition of several attachments' statuses in `format`, each
+/// labelled (see [`openmetrics_labelled`]).
+pub fn render_labelled(format: Format, statuses: &[(String, Status)]) -> String {
+    let openmetrics = openmetrics_labelled(statuses);
+    match format {
+        Format::OpenMetrics => openmetrics,
+        Format::PrometheusText => prometheus_text(&openmetrics),
+    }
+}
+
+/// Several attachments' statuses as one OpenMetrics exposition: each
+/// metric family once (a family may not repeat), with the samples of every
+/// attachment, each carrying the label `attachment` with its name.
+pub fn openmetrics_labelled(statuses: &[(String, Status)]) -> String {
+    // (family name, its descriptor lines, its samples), in order of first
+    // appearance.
+    let mut families: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+    for (label, status) in statuses {
+        let text = openmetrics(status);
+        let mut current = None;
+        for line in text.lines().filter(|line| *line != "# EOF") {
+            match line.strip_prefix("# ") {
+                Some(descriptor) => {
+                    let name = descriptor.split(' ').nth(1).unwrap_or_default();
+                    let at = match families.iter().position(|f| f.0 == name) {
+                        Some(at) => at,
+                        None => {
+                            families.push((name.to_string(), Vec::new(), Vec::new()));
+                            families.len() - 1
+                        }
+                    };
+                    if !families[at].1.iter().any(|l| l == line) {
+                        families[at].1.push(line.to_string());
+                    }
+                    current = Some(at);
+                }
+                None => {
+                    if let Some(at) = current {
+                        families[at].2.push(with_label(line, "attachment", label));
+                    }
+                }
+            }
+        }
+    }
+    let mut out = String::new();
+    for (_, descriptors, samples) in families {
+        for line in descriptors.iter().chain(&samples) {
+            out += line;
+            out.push('\n');
+        }
+    }
+    out += "# EOF\n";
+    out
+}
+
+/// `sample` (`name{labels} value` or `name value`) with `key="value"`
+/// first among its labels.
+fn with_label(sample: &str, key: &str, value: &str) -> String {
+    let escaped = value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n");
+    let end = sample.find(['{', ' ']).unwrap_or(sample.len());
+    let (name, rest) = sample.split_at(end);
+    match rest.strip_prefix('{') {
+        Some(labels) if labels.starts_with('}') => format!("{name}{{{key}=\"{escaped}\"{labels}"),
+        Some(labels) => format!("{name}{{{key}=\"{escaped}\",{labels}"),
+        None => format!("{name}{{{key}=\"{escaped}\"}}{rest}"),
+    }
+}
+
 /// `status` in the OpenMetrics text format.
 pub fn openmetrics(status: &Status) -> String {
     let mut registry = Registry::default();
@@ -721,6 +792,64 @@ pub(crate) mod tests {
             (sum - (8.0 * 104e-6 + 2.0 * 26.624e-3)).abs() < 1e-9,
             "{sum}"
         );
+    }
+
+    #[test]
+    fn several_attachments_share_each_family_and_label_every_sample() {
+        let mut pod = status();
+        pod.backends[0].stats.requests = 7;
+        let text = openmetrics_labelled(&[
+            ("eth0".to_string(), status()),
+            ("eth0@/run/netns/pod \"1\"".to_string(), pod),
+        ]);
+        let alone = openmetrics(&status());
+        // Every family once, in the order a single status has them.
+        let types = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.starts_with("# TYPE "))
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(types(&text), types(&alone));
+        assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1);
+        // Every sample twice, once per attachment, labelled first; the
+        // label's quotes escaped.
+        let samples = |text: &str| text.lines().filter(|l| !l.starts_with('#')).count();
+        assert_eq!(samples(&text), 2 * samples(&alone));
+        assert!(
+            text.lines()
+                .filter(|l| !l.starts_with('#'))
+                .all(|l| l.contains("{attachment=\"eth0")),
+            "{text}"
+        );
+        let primary = r#"backend="10.0.0.1:11211",group="1"}"#;
+        assert_eq!(
+            sample(
+                &text,
+                &format!("selector_requests_total{{attachment=\"eth0\",{primary}")
+            ),
+            11.0
+        );
+        assert_eq!(
+            sample(
+                &text,
+                &format!(
+                    r#"selector_requests_total{{attachment="eth0@/run/netns/pod \"1\"",{primary}"#
+                )
+            ),
+            7.0
+        );
+        // A sample without labels gets the one label.
+        assert_eq!(
+            sample(&text, r#"selector_in_flight{attachment="eth0"}"#),
+            3.0
+        );
+        let classic = render_labelled(Format::PrometheusText, &[("a".into(), status())]);
+        assert!(
+            classic.contains("selector_in_flight{attachment=\"a\"} 3\n"),
+            "{classic}"
+        );
+        assert!(!classic.contains("# EOF"), "{classic}");
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! The running agent: one owner loop ([`run`]) holds the [`crate::datapath::Selector`]
-//! and serves the control socket, reloads, the metrics endpoint and systemd.
+//! and serves the control socket, reloads, the metrics endpoint and systemd;
+//! an agent of several attachments ([`attachments`]) runs one such loop per
+//! attachment.
 
+pub mod attachments;
 pub mod control_server;
 pub mod endpoint;
 pub mod health;

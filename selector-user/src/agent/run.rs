@@ -16,7 +16,7 @@ use tokio::{
 };
 
 use crate::{
-    agent::endpoint::{CachedStatus, MetricsServer},
+    agent::endpoint::{MetricsServer, Source, Sources},
     agent::health::Health,
     agent::reload::{Reloader, describe},
     agent::sd_notify::Notifier,
@@ -58,13 +58,39 @@ const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
 const EJECTION_CHECK: Duration = Duration::from_millis(10);
 const STOP_POLL: Duration = Duration::from_millis(20);
 
+/// Whether the agent serves one attachment (the process is the agent) or
+/// is one of several attachments of one agent (`selector run
+/// --attachment`), each on a thread of its own.
+pub enum Role {
+    Alone,
+    Member(Member),
+}
+
+/// An attachment of an agent serving several.
+pub struct Member {
+    /// Its name in the metrics (`attachment` label) and the probes.
+    pub label: String,
+    /// Where it registers with the agent's one metrics endpoint.
+    pub sources: Sources,
+    /// Turns true when the agent stops every attachment (one failed).
+    pub stop: tokio::sync::watch::Receiver<bool>,
+}
+
 /// Attaches, then sweeps and prints until a signal or the duration ends;
 /// then stops steering, waits for the redirected reads in flight, and detaches.
 /// `config_file` and `flags` are what a reload reads again.
-pub async fn run(
+pub async fn run(config: RunConfig, config_file: Option<PathBuf>, flags: Options) -> Result<()> {
+    run_as(config, config_file, flags, Role::Alone).await
+}
+
+/// [`run`], as `role` says: a member enters its namespace on its own
+/// thread, serves its metrics and probes through the agent's endpoint, and
+/// stops also when told.
+pub async fn run_as(
     mut config: RunConfig,
     config_file: Option<PathBuf>,
     flags: Options,
+    role: Role,
 ) -> Result<()> {
     let netns = match &config.netns {
         Some(path) => Some(NetNs::open(path)?),
@@ -80,15 +106,18 @@ pub async fn run(
     crate::host::preflight::check_host()?;
     // Bound before entering --netns: the metrics and probes are served in
     // the namespace the agent was started in.
-    let metrics = match config.metrics_addr {
-        Some(addr) => Some(MetricsServer::bind(addr).await?),
-        None => None,
+    let metrics = match (&role, config.metrics_addr) {
+        (Role::Alone, Some(addr)) => Some(MetricsServer::bind(addr).await?),
+        _ => None,
     };
     // From here on, every interface named and socket opened is the
     // namespace's (see `crate::host::netns`).
     let netns_info = match &netns {
         Some(ns) => {
-            ns.enter()?;
+            match role {
+                Role::Alone => ns.enter()?,
+                Role::Member(_) => ns.enter_this_thread()?,
+            }
             Some(NetnsInfo {
                 path: ns.path().display().to_string(),
                 id: ns.id()?,
@@ -115,7 +144,10 @@ pub async fn run(
     }
     let settings = &config.settings;
     // Handlers first: a signal during attach still ends in a clean stop.
-    let mut signals = StopSignals::new()?;
+    let mut signals = StopSignals::new(match &role {
+        Role::Alone => None,
+        Role::Member(member) => Some(member.stop.clone()),
+    })?;
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
@@ -131,21 +163,32 @@ pub async fn run(
     };
     selector.netns = netns_info;
     let reloader = Reloader::new(config_file, flags, &config, groups.table.clone(), can_hedge);
-    let mut agent = Agent::new(selector, reloader, &config, Notifier::from_env())?;
+    // systemd hears from an agent of one attachment only (the agent's
+    // READY would otherwise come from each).
+    let notifier = match role {
+        Role::Alone => Notifier::from_env(),
+        Role::Member(_) => Notifier::default(),
+    };
+    let mut agent = Agent::new(selector, reloader, &config, notifier)?;
+    // Scrapes are answered by the main loop, like `selector status`, at
+    // most once per `SCRAPE_REUSE` however many arrive.
     if let Some(metrics) = metrics {
         log::info!(
             "metrics at http://{}/metrics (probes: /healthz, /readyz)",
             metrics.local_addr()?
         );
-        let caller = control.local_caller();
-        let cache = CachedStatus::default();
-        // Scrapes are answered by the main loop, like `selector status`,
-        // at most once per `SCRAPE_REUSE` however many arrive.
-        tokio::spawn(metrics.serve(
-            move || {
-                let (caller, cache) = (caller.clone(), cache.clone());
-                async move { cache.get(|| caller.status()).await }
-            },
+        let sources = Sources::expecting(1);
+        sources.add(Source::of_caller(
+            None,
+            control.local_caller(),
+            agent.health.clone(),
+        ));
+        tokio::spawn(metrics.serve_sources(sources));
+    }
+    if let Role::Member(member) = &role {
+        member.sources.add(Source::of_caller(
+            Some(member.label.clone()),
+            control.local_caller(),
             agent.health.clone(),
         ));
     }
@@ -180,24 +223,48 @@ pub async fn run(
     failure.map_or(Ok(()), Err)
 }
 
-/// SIGINT and SIGTERM, either of which asks the agent to stop.
+/// SIGINT and SIGTERM, either of which asks the agent to stop, and for an
+/// attachment of several, the agent's word that all stop.
 struct StopSignals {
     interrupt: Signal,
     terminate: Signal,
+    told: Option<tokio::sync::watch::Receiver<bool>>,
+    /// The word was taken (once: a second stop, which cuts the wait for the
+    /// redirected reads short, is a signal's).
+    told_taken: bool,
 }
 
 impl StopSignals {
-    fn new() -> Result<Self> {
+    fn new(told: Option<tokio::sync::watch::Receiver<bool>>) -> Result<Self> {
         Ok(Self {
             interrupt: signal(SignalKind::interrupt())?,
             terminate: signal(SignalKind::terminate())?,
+            told,
+            told_taken: false,
         })
     }
 
     async fn recv(&mut self) {
+        let Self {
+            interrupt,
+            terminate,
+            told,
+            told_taken,
+        } = self;
+        let taken = *told_taken;
+        // Already said (while attaching, say): at once.
+        let word = async {
+            match told.as_mut() {
+                Some(told) if !taken => {
+                    let _ = told.wait_for(|stop| *stop).await;
+                }
+                _ => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            _ = self.interrupt.recv() => {}
-            _ = self.terminate.recv() => {}
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+            _ = word => *told_taken = true,
         }
     }
 }

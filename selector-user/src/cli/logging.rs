@@ -41,7 +41,11 @@ pub fn init(format: LogFormat, agent: bool) {
             writeln!(
                 buf,
                 "{}",
-                text_line(record.level(), &record.args().to_string())
+                text_line(
+                    record.level(),
+                    attachment().as_deref(),
+                    &record.args().to_string()
+                )
             )
         }),
         LogFormat::Json => builder.format(|buf, record| {
@@ -53,6 +57,7 @@ pub fn init(format: LogFormat, agent: bool) {
                     &time,
                     record.level(),
                     record.target(),
+                    attachment().as_deref(),
                     &record.args().to_string()
                 )
             )
@@ -62,8 +67,13 @@ pub fn init(format: LogFormat, agent: bool) {
     let _ = builder.try_init();
 }
 
-/// A record in the text format.
-fn text_line(level: log::Level, message: &str) -> String {
+/// The attachment the logging thread runs, with several.
+fn attachment() -> Option<String> {
+    crate::agent::attachments::current()
+}
+
+/// A record in the text format, `[ATTACHMENT]` first with several.
+fn text_line(level: log::Level, attachment: Option<&str>, message: &str) -> String {
     let label = match level {
         log::Level::Error => "error: ",
         log::Level::Warn => "warning: ",
@@ -71,18 +81,30 @@ fn text_line(level: log::Level, message: &str) -> String {
         log::Level::Debug => "debug: ",
         log::Level::Trace => "trace: ",
     };
-    format!("selector: {label}{message}")
+    match attachment {
+        Some(name) => format!("selector: [{name}] {label}{message}"),
+        None => format!("selector: {label}{message}"),
+    }
 }
 
 /// A record in the JSON format.
-fn json_line(time: &str, level: log::Level, target: &str, message: &str) -> String {
-    serde_json::json!({
+fn json_line(
+    time: &str,
+    level: log::Level,
+    target: &str,
+    attachment: Option<&str>,
+    message: &str,
+) -> String {
+    let mut line = serde_json::json!({
         "time": time,
         "level": level.as_str().to_ascii_lowercase(),
         "target": target,
         "message": message,
-    })
-    .to_string()
+    });
+    if let Some(name) = attachment {
+        line["attachment"] = name.into();
+    }
+    line.to_string()
 }
 
 #[cfg(test)]
@@ -92,17 +114,29 @@ mod tests {
     #[test]
     fn text_lines_keep_the_agents_prefix_and_name_the_level() {
         assert_eq!(
-            text_line(log::Level::Info, "attached to eth0"),
+            text_line(log::Level::Info, None, "attached to eth0"),
             "selector: attached to eth0"
         );
         assert_eq!(
             text_line(
+                log::Level::Info,
+                Some("eth0@/run/netns/a"),
+                "attached to eth0"
+            ),
+            "selector: [eth0@/run/netns/a] attached to eth0"
+        );
+        assert_eq!(
+            text_line(
                 log::Level::Warn,
+                None,
                 "the route to 10.0.0.2:11211 leaves by eth1"
             ),
             "selector: warning: the route to 10.0.0.2:11211 leaves by eth1"
         );
-        assert_eq!(text_line(log::Level::Error, "x"), "selector: error: x");
+        assert_eq!(
+            text_line(log::Level::Error, None, "x"),
+            "selector: error: x"
+        );
     }
 
     #[test]
@@ -111,6 +145,7 @@ mod tests {
             "2026-12-03T20:53:00.123Z",
             log::Level::Warn,
             "selector_user::agent::run",
+            None,
             "a \"quoted\"\nword",
         );
         assert!(!line.contains('\n'), "{line}");
@@ -119,5 +154,9 @@ mod tests {
         assert_eq!(v["time"], "2026-12-03T20:53:00.123Z");
         assert_eq!(v["target"], "selector_user::agent::run");
         assert_eq!(v["message"], "a \"quoted\"\nword");
+        assert!(v.get("attachment").is_none(), "{line}");
+        let line = json_line("t", log::Level::Info, "x", Some("eth1"), "m");
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["attachment"], "eth1");
     }
 }

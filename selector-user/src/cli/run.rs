@@ -1,5 +1,6 @@
 //! `selector run`: its flags ([`super::RunArgs`]) into a configuration, then
-//! the agent ([`crate::agent::run`]).
+//! the agent ([`crate::agent::run`]), or with `--attachment` the agent of
+//! several ([`crate::agent::attachments`]).
 
 use anyhow::Result;
 
@@ -8,6 +9,11 @@ use super::{RunArgs, logging::LogFormat};
 /// Runs the agent with `args` until a signal or `--duration`. With the
 /// log in JSON, standard output carries JSON lines only: no tables.
 pub async fn run(args: RunArgs, log_format: LogFormat) -> Result<()> {
+    if !args.attachments.is_empty() {
+        let attachments = args.attachments()?;
+        return crate::agent::attachments::run(attachments, args.options(), args.metrics_addr)
+            .await;
+    }
     let mut config = args.run_config()?;
     config.tables = log_format == LogFormat::Text;
     crate::agent::run::run(config, args.config.clone(), args.options()).await

@@ -3,10 +3,11 @@
 
 use std::{fmt, net::SocketAddr, path::PathBuf};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use clap::Args;
 
 use crate::{
+    agent::attachments::Attachment,
     config::file::{ConfigFile, GroupSpec, Options, RunConfig},
     config::settings::{IngressMode, Protocol, Settings, parse_group, parse_u32},
     config::tunables::TunablesPatch,
@@ -42,6 +43,19 @@ pub struct RunArgs {
     /// re-reads it.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
+    /// One attachment of several served by this agent: a config file as
+    /// for --config (its own iface, netns, groups and settings). Repeat for
+    /// each; flags given here apply to all of them. One --metrics-addr
+    /// serves them all (each sample labelled `attachment`, IFACE or
+    /// IFACE@NETNS); each has its own control socket (`selector status
+    /// --iface IFACE [--netns PATH]`) and is reloaded from its file on
+    /// SIGHUP. No live tables (the lines of several would interleave).
+    #[arg(
+        long = "attachment",
+        value_name = "FILE",
+        conflicts_with_all = ["config", "iface", "groups", "netns", "resolv_conf", "pin"]
+    )]
+    pub attachments: Vec<PathBuf>,
     /// Network interface the application's traffic leaves by (needs an
     /// address of each family the groups use).
     #[arg(long)]
@@ -227,6 +241,28 @@ impl RunArgs {
             Some(path) => ConfigFile::read(path)?.resolve_with(&flags),
             None => flags.resolve(),
         }
+    }
+
+    /// Each `--attachment` file under the flags (all but
+    /// `--metrics-addr`, which is the agent's), checked.
+    pub fn attachments(&self) -> Result<Vec<Attachment>> {
+        let flags = Options {
+            metrics_addr: None,
+            ..self.options()
+        };
+        self.attachments
+            .iter()
+            .map(|file| {
+                let mut config = ConfigFile::read(file)?
+                    .resolve_with(&flags)
+                    .with_context(|| format!("--attachment {}", file.display()))?;
+                config.tables = false;
+                Ok(Attachment {
+                    config,
+                    file: file.clone(),
+                })
+            })
+            .collect()
     }
 
     /// The settings of [`Self::run_config`].

@@ -1,0 +1,213 @@
+//! One agent serving several attachments (`selector run --attachment FILE
+//! ...`): an interface in the agent's own network namespace or in another
+//! (a pod's), each with its own groups, settings, counts, control socket
+//! and reloads, as an agent of its own would have; one metrics and probe
+//! endpoint for all, where every sample carries the label `attachment`.
+//!
+//! Each attachment runs the agent's owner loop ([`crate::agent::run`]) on a
+//! thread of its own, which enters the attachment's namespace first: a
+//! network namespace is a thread's, so its interface, netlink sockets,
+//! hedge sockets and control socket are that namespace's, as with
+//! `--netns`. A signal stops them all; so does the failure of any one (an
+//! attachment that cannot attach fails the start).
+
+use std::{net::SocketAddr, path::PathBuf, thread};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use tokio::{sync::watch, task::JoinSet};
+
+use crate::{
+    agent::{
+        endpoint::{MetricsServer, Sources},
+        run::{Member, Role, run_as},
+    },
+    config::file::{Options, RunConfig},
+};
+
+thread_local! {
+    /// The attachment this thread runs, for the log's lines.
+    static CURRENT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The attachment the calling thread runs, if it runs one of several: its
+/// log lines say which.
+pub fn current() -> Option<String> {
+    CURRENT.with(|c| c.borrow().clone())
+}
+
+/// One attachment: its configuration and the file it was read from (what
+/// a reload reads again).
+pub struct Attachment {
+    pub config: RunConfig,
+    pub file: PathBuf,
+}
+
+/// The attachment's name: its interface, and the namespace it is in.
+pub fn label(config: &RunConfig) -> String {
+    match &config.netns {
+        Some(ns) => format!("{}@{}", config.settings.iface, ns.display()),
+        None => config.settings.iface.clone(),
+    }
+}
+
+/// Checks what only matters with several: no two attachments name the
+/// same interface in the same namespace, none asks for a metrics address
+/// of its own (the agent has one, `--metrics-addr`), none pins (pins are
+/// named by interface).
+pub fn check(attachments: &[Attachment]) -> Result<()> {
+    if attachments.len() < 2 {
+        bail!("--attachment: give at least two (one attachment is `selector run --config FILE`)");
+    }
+    let mut seen = Vec::new();
+    for a in attachments {
+        let name = label(&a.config);
+        let file = a.file.display();
+        if seen.contains(&name) {
+            bail!("--attachment {file}: {name} is attached by an earlier --attachment");
+        }
+        if a.config.metrics_addr.is_some() {
+            bail!(
+                "--attachment {file}: sets metrics-addr; the attachments share the agent's one endpoint (give --metrics-addr on the command line)"
+            );
+        }
+        if a.config.pin.is_some() {
+            bail!(
+                "--attachment {file}: sets pin; not with several attachments (pins are named by interface)"
+            );
+        }
+        seen.push(name);
+    }
+    Ok(())
+}
+
+/// Runs every attachment until a signal, the end of --duration, or the
+/// failure of one (which stops the others); the first failure is returned.
+pub async fn run(
+    attachments: Vec<Attachment>,
+    flags: Options,
+    metrics_addr: Option<SocketAddr>,
+) -> Result<()> {
+    check(&attachments)?;
+    let sources = Sources::expecting(attachments.len());
+    if let Some(addr) = metrics_addr {
+        let server = MetricsServer::bind(addr).await?;
+        log::info!(
+            "metrics of {} attachments at http://{}/metrics (probes: /healthz, /readyz)",
+            attachments.len(),
+            server.local_addr()?
+        );
+        tokio::spawn(server.serve_sources(sources.clone()));
+    }
+    let (stop, told) = watch::channel(false);
+    let mut running = JoinSet::new();
+    for Attachment { config, file } in attachments {
+        let name = label(&config);
+        let member = Member {
+            label: name.clone(),
+            sources: sources.clone(),
+            stop: told.clone(),
+        };
+        let flags = flags.clone();
+        let (done, ended) = tokio::sync::oneshot::channel();
+        thread::Builder::new()
+            .name(name.clone())
+            .spawn(move || {
+                CURRENT.with(|c| *c.borrow_mut() = Some(member.label.clone()));
+                let result = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context("a runtime for the attachment")
+                    .and_then(|runtime| {
+                        runtime.block_on(run_as(config, Some(file), flags, Role::Member(member)))
+                    });
+                let _ = done.send(result);
+            })
+            .with_context(|| format!("starting the thread of attachment {name}"))?;
+        running.spawn(async move {
+            let result = ended
+                .await
+                .unwrap_or_else(|_| Err(anyhow!("its thread ended without a word")));
+            (name, result)
+        });
+    }
+    let mut failure = None;
+    while let Some(ended) = running.join_next().await {
+        let (name, result) = ended.context("waiting for an attachment")?;
+        if let Err(e) = result {
+            log::error!("attachment {name}: {e:#}");
+            if failure.is_none() {
+                failure = Some(e.context(format!("attachment {name}")));
+                // The others stop as on a signal.
+                let _ = stop.send(true);
+            }
+        }
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::file::ConfigFile;
+
+    fn attachment(text: &str) -> Attachment {
+        let file = PathBuf::from("/etc/selector/a.toml");
+        Attachment {
+            config: ConfigFile::parse(Path::new("/etc/selector/a.toml"), text.into())
+                .unwrap()
+                .resolve_with(&Options::default())
+                .unwrap(),
+            file,
+        }
+    }
+
+    const GROUP: &str = "[[group]]\nmembers = [\"10.0.0.1:11211\", \"10.0.0.2:11211\"]\n";
+
+    #[test]
+    fn attachments_are_named_by_interface_and_namespace_and_never_twice() {
+        let host = attachment(&format!("iface = \"eth0\"\n{GROUP}"));
+        let pod = attachment(&format!(
+            "iface = \"eth0\"\nnetns = \"/run/netns/pod1\"\n{GROUP}"
+        ));
+        assert_eq!(label(&host.config), "eth0");
+        assert_eq!(label(&pod.config), "eth0@/run/netns/pod1");
+        check(&[host, pod]).unwrap();
+
+        let twice = [
+            attachment(&format!("iface = \"eth0\"\n{GROUP}")),
+            attachment(&format!("iface = \"eth0\"\n{GROUP}")),
+        ];
+        let e = check(&twice).unwrap_err().to_string();
+        assert!(
+            e.contains("eth0 is attached by an earlier --attachment"),
+            "{e}"
+        );
+
+        let one = [attachment(&format!("iface = \"eth0\"\n{GROUP}"))];
+        assert!(
+            check(&one)
+                .unwrap_err()
+                .to_string()
+                .contains("at least two")
+        );
+
+        let own_endpoint = [
+            attachment(&format!("iface = \"eth0\"\n{GROUP}")),
+            attachment(&format!(
+                "iface = \"eth1\"\nmetrics-addr = \"127.0.0.1:9641\"\n{GROUP}"
+            )),
+        ];
+        let e = check(&own_endpoint).unwrap_err().to_string();
+        assert!(e.contains("sets metrics-addr"), "{e}");
+
+        let pinned = [
+            attachment(&format!("iface = \"eth0\"\n{GROUP}")),
+            attachment(&format!(
+                "iface = \"eth1\"\npin = \"/sys/fs/bpf/x\"\n{GROUP}"
+            )),
+        ];
+        assert!(check(&pinned).unwrap_err().to_string().contains("sets pin"));
+    }
+}

@@ -1,0 +1,218 @@
+//! `selector run --attachment FILE --attachment FILE`: one agent, started
+//! in a namespace standing in for the node's, serves two namespaces
+//! standing in for pods, each with its own replicas, groups and counts: the
+//! reads of each are moved off its stalled primary and rewritten back with
+//! nothing lost, each pod's control socket answers for its attachment, and
+//! one metrics endpoint serves both, every sample labelled `attachment`.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    net::SocketAddr,
+    process::Stdio,
+};
+
+use selector_testbed::{
+    Testbed,
+    agent::{self, Attached, selector_binary},
+    pods::{ScratchDir, load_with_stall, moved_off_the_primary, node_namespace},
+    preload,
+    prometheus::{http_get, promtool_check},
+    topology::CLIENT_IFACE,
+};
+
+const KEYS: usize = 200;
+const METRICS: &str = "127.0.0.1:9655";
+
+fn pod(prefix: &str) -> Testbed {
+    let mut tb = Testbed::new(prefix, 3).expect("testbed");
+    tb.start_memcached().expect("memcached");
+    preload(&tb.client, &tb.replica_endpoints(), KEYS).expect("preload");
+    tb
+}
+
+/// An attachment's file: the pod's eth0 and its replicas as one group.
+fn attachment_file(dir: &std::path::Path, tb: &Testbed) -> std::path::PathBuf {
+    let members: Vec<String> = tb
+        .replica_endpoints()
+        .iter()
+        .map(|e| format!("\"{e}\""))
+        .collect();
+    let path = dir.join(format!("{}.toml", tb.client.name));
+    std::fs::write(
+        &path,
+        format!(
+            "iface = \"{CLIENT_IFACE}\"\nnetns = \"/run/netns/{}\"\nthreshold = 2\ningress = \"tc\"\ntimeout = 500\n\n[[group]]\nmembers = [{}]\n",
+            tb.client.name,
+            members.join(", ")
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// The value of the sample line that starts with `series`, if any.
+fn sample(text: &str, series: &str) -> Option<f64> {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))?;
+    line.rsplit(' ').next()?.parse().ok()
+}
+
+#[test]
+fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
+    let (a, b) = (pod("selaa"), pod("selab"));
+    let node = node_namespace("sela");
+    let dir = ScratchDir::new("attachments");
+    let (file_a, file_b) = (
+        attachment_file(dir.path(), &a),
+        attachment_file(dir.path(), &b),
+    );
+    let mut child = node
+        .command(selector_binary().to_str().unwrap())
+        .args(["run", "--attachment"])
+        .arg(&file_a)
+        .arg("--attachment")
+        .arg(&file_b)
+        .args(["--metrics-addr", METRICS, "--quiet"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut agent = agent::AgentProcess(child);
+    // Both attachments say they attached, each line naming its own.
+    let labels: Vec<String> = [&a, &b]
+        .iter()
+        .map(|tb| format!("{CLIENT_IFACE}@/run/netns/{}", tb.client.name))
+        .collect();
+    let mut attached = Vec::new();
+    while attached.len() < 2 {
+        let line = lines
+            .next()
+            .expect("the agent ended before both attached")
+            .unwrap();
+        if let Some(label) = labels
+            .iter()
+            .find(|l| line.starts_with(&format!("selector: [{l}] attached to {CLIENT_IFACE}")))
+        {
+            attached.push(label.clone());
+        }
+    }
+    for tb in [&a, &b] {
+        let on_pod = agent::attached(&tb.client, CLIENT_IFACE);
+        assert_eq!((on_pod.tcx_egress, on_pod.tcx_ingress), (1, 1));
+    }
+    assert_eq!(agent::attached(&node, CLIENT_IFACE), Attached::NOTHING);
+
+    // Both pods stall at once; each pod's reads leave its own primary.
+    let (report_a, report_b) = std::thread::scope(|s| {
+        let ha = s.spawn(|| load_with_stall(&a, KEYS));
+        let hb = s.spawn(|| load_with_stall(&b, KEYS));
+        (ha.join().unwrap(), hb.join().unwrap())
+    });
+    for (tb, report) in [(&a, &report_a), (&b, &report_b)] {
+        assert_eq!(report.lost(), 0, "{}: nothing may be lost", tb.client.name);
+        assert_eq!((report.wrong_values, report.wrong_source), (0, 0));
+        // Through the pod's own control socket.
+        let status = agent::status_json::<serde_json::Value>(&tb.client, CLIENT_IFACE);
+        moved_off_the_primary(&status);
+        assert_eq!(
+            status["backends"][0]["requests"].as_u64().unwrap(),
+            report.sent,
+            "{}: its own counts only",
+            tb.client.name
+        );
+    }
+
+    // One endpoint for both, in the node's namespace.
+    let metrics: SocketAddr = METRICS.parse().unwrap();
+    let scraped = node
+        .run(move || http_get(metrics, "/metrics", None))
+        .unwrap()
+        .unwrap();
+    assert_eq!(scraped.status, 200);
+    let primary = a.replica_endpoints()[0];
+    for (label, report) in labels.iter().zip([&report_a, &report_b]) {
+        let requests = sample(
+            &scraped.body,
+            &format!(
+                "selector_requests_total{{attachment=\"{label}\",backend=\"{primary}\",group=\"1\"}}"
+            ),
+        );
+        assert_eq!(
+            requests,
+            Some(report.sent as f64),
+            "{label}:\n{}",
+            scraped.body
+        );
+        let away = sample(
+            &scraped.body,
+            &format!(
+                "selector_redirected_total{{attachment=\"{label}\",backend=\"{primary}\",group=\"1\",direction=\"away\"}}"
+            ),
+        );
+        assert!(away.is_some_and(|v| v > 0.0), "{label}:\n{}", scraped.body);
+    }
+    let (valid, said) = promtool_check(&scraped.body);
+    assert!(valid, "promtool: {said}\n{}", scraped.body);
+    let ready = node
+        .run(move || http_get(metrics, "/readyz", None))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ready.status, 200, "{}", ready.body);
+    for label in &labels {
+        assert!(
+            ready.body.contains(&format!("{label}: ready")),
+            "{}",
+            ready.body
+        );
+    }
+
+    // A signal stops both, and both detach.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    let out: Vec<String> = lines.map(Result::unwrap).collect();
+    for label in &labels {
+        assert!(
+            out.iter().any(|l| l.starts_with(&format!(
+                "selector: [{label}] detaching from {CLIENT_IFACE}"
+            ))),
+            "{out:#?}"
+        );
+    }
+    for tb in [&a, &b] {
+        assert_eq!(agent::attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
+}
+
+#[test]
+fn an_attachment_that_cannot_attach_fails_the_start_and_leaves_nothing() {
+    let a = pod("selaf");
+    let node = node_namespace("self");
+    let dir = ScratchDir::new("attachments");
+    let good = attachment_file(dir.path(), &a);
+    // An interface the pod does not have.
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&good).unwrap().replace(
+            &format!("iface = \"{CLIENT_IFACE}\""),
+            "iface = \"nosuch0\"",
+        ),
+    )
+    .unwrap();
+    let (code, out) = agent::run_selector(
+        &node,
+        &[
+            "run",
+            "--attachment",
+            good.to_str().unwrap(),
+            "--attachment",
+            bad.to_str().unwrap(),
+            "--quiet",
+        ],
+    );
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("nosuch0"), "{out}");
+    assert_eq!(agent::attached(&a.client, CLIENT_IFACE), Attached::NOTHING);
+}
