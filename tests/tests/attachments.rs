@@ -8,6 +8,7 @@
 use std::{
     io::{BufRead as _, BufReader},
     net::SocketAddr,
+    os::unix::net::UnixDatagram,
     process::Stdio,
 };
 
@@ -67,6 +68,12 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
         attachment_file(dir.path(), &a),
         attachment_file(dir.path(), &b),
     );
+    // systemd's notification socket, as a `Type=notify` unit has.
+    let notify = dir.path().join("notify");
+    let notifications = UnixDatagram::bind(&notify).unwrap();
+    notifications
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
     let mut child = node
         .command(selector_binary().to_str().unwrap())
         .args(["run", "--attachment"])
@@ -74,6 +81,8 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
         .arg("--attachment")
         .arg(&file_b)
         .args(["--metrics-addr", METRICS, "--quiet"])
+        .env("NOTIFY_SOCKET", &notify)
+        .env("WATCHDOG_USEC", "200000")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -102,6 +111,17 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
         let on_pod = agent::attached(&tb.client, CLIENT_IFACE);
         assert_eq!((on_pod.tcx_egress, on_pod.tcx_ingress), (1, 1));
     }
+    // READY once both are ready, then the watchdog's pings.
+    let mut buf = [0u8; 256];
+    let n = notifications.recv(&mut buf).expect("READY from the agent");
+    assert_eq!(
+        String::from_utf8_lossy(&buf[..n]),
+        "READY=1\nSTATUS=steering 2 attachments"
+    );
+    let n = notifications.recv(&mut buf).expect("a watchdog ping");
+    assert_eq!(&buf[..n], b"WATCHDOG=1");
+    // Read on, as systemd does (it ends with the agent's socket).
+    std::thread::spawn(move || while notifications.recv(&mut buf).is_ok() {});
     assert_eq!(agent::attached(&node, CLIENT_IFACE), Attached::NOTHING);
 
     // Both pods stall at once; each pod's reads leave its own primary.
@@ -168,6 +188,27 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
         );
     }
 
+    // Each attachment reloads its own file through its own socket; the
+    // other's settings stay.
+    let file_a_text = std::fs::read_to_string(&file_a).unwrap();
+    std::fs::write(
+        &file_a,
+        file_a_text.replace("threshold = 2", "threshold = 3"),
+    )
+    .unwrap();
+    for (tb, threshold) in [(&a, 3), (&b, 2)] {
+        let (code, msg) = agent::run_selector(&tb.client, &["reload", "--iface", CLIENT_IFACE]);
+        assert_eq!(code, 0, "{}: {msg}", tb.client.name);
+        let status = agent::status_json::<serde_json::Value>(&tb.client, CLIENT_IFACE);
+        assert_eq!(status["settings"]["threshold"], threshold, "{status}");
+        assert_eq!(status["config_reload_success"], true, "{status}");
+    }
+    let ready = node
+        .run(move || http_get(metrics, "/readyz", None))
+        .unwrap()
+        .unwrap();
+    assert_eq!(ready.status, 200, "after the reloads: {}", ready.body);
+
     // A signal stops both, and both detach.
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
@@ -215,4 +256,48 @@ fn an_attachment_that_cannot_attach_fails_the_start_and_leaves_nothing() {
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("nosuch0"), "{out}");
     assert_eq!(agent::attached(&a.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+#[test]
+fn when_one_attachment_ends_the_agent_stops_the_others() {
+    let (a, b) = (pod("selae"), pod("selag"));
+    let node = node_namespace("sele");
+    let dir = ScratchDir::new("attachments");
+    let file_a = attachment_file(dir.path(), &a);
+    // Its own file says how long it runs.
+    let file_b = attachment_file(dir.path(), &b);
+    let text = std::fs::read_to_string(&file_b).unwrap();
+    std::fs::write(
+        &file_b,
+        text.replace("threshold = 2", "threshold = 2\nduration = 1"),
+    )
+    .unwrap();
+    // An agent that waited for the other would be ended by `timeout`
+    // (exit 124).
+    let out = node
+        .command("timeout")
+        .arg("20")
+        .arg(selector_binary())
+        .args(["run", "--attachment"])
+        .arg(&file_a)
+        .arg("--attachment")
+        .arg(&file_b)
+        .arg("--quiet")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the agent must end with its first attachment: {text}"
+    );
+    let out = text;
+    let label_b = format!("{CLIENT_IFACE}@/run/netns/{}", b.client.name);
+    assert!(
+        out.contains(&format!("attachment {label_b} ended: stopping the others")),
+        "{out}"
+    );
+    for tb in [&a, &b] {
+        assert_eq!(agent::attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
 }

@@ -8,20 +8,26 @@
 //! thread of its own, which enters the attachment's namespace first: a
 //! network namespace is a thread's, so its interface, netlink sockets,
 //! hedge sockets and control socket are that namespace's, as with
-//! `--netns`. A signal stops them all; so does the failure of any one (an
-//! attachment that cannot attach fails the start).
+//! `--netns`. A signal stops them all; so does the end of any one (a
+//! failure: an attachment that cannot attach fails the start).
 
 use std::{net::SocketAddr, path::PathBuf, thread};
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use tokio::{sync::watch, task::JoinSet};
+use tokio::{
+    signal::unix::{SignalKind, signal},
+    sync::watch,
+    task::JoinSet,
+};
 
 use crate::{
     agent::{
         endpoint::{MetricsServer, Sources},
         run::{Member, Role, run_as},
+        sd_notify::Notifier,
     },
     config::file::{Options, RunConfig},
+    host::preflight::{CAP_NET_RAW, drop_capability, has_capability},
 };
 
 thread_local! {
@@ -34,6 +40,10 @@ thread_local! {
 pub fn current() -> Option<String> {
     CURRENT.with(|c| c.borrow().clone())
 }
+
+/// How often the agent looks whether every attachment is ready, to tell
+/// systemd.
+const READY_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// One attachment: its configuration and the file it was read from (what
 /// a reload reads again).
@@ -80,14 +90,22 @@ pub fn check(attachments: &[Attachment]) -> Result<()> {
     Ok(())
 }
 
-/// Runs every attachment until a signal, the end of --duration, or the
-/// failure of one (which stops the others); the first failure is returned.
+/// Runs every attachment until a signal, the end of --duration, or the end
+/// of any one (a failure, or its file's own duration), which stops the
+/// others; the first failure is returned.
+///
+/// The agent takes SIGINT and SIGTERM for all, from before the first
+/// attachment starts (a signal in between is not lost), and tells them
+/// through a count of stops: the first stops steering, a second cuts the
+/// wait for the redirected reads short.
 pub async fn run(
     attachments: Vec<Attachment>,
     flags: Options,
     metrics_addr: Option<SocketAddr>,
 ) -> Result<()> {
     check(&attachments)?;
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
     let sources = Sources::expecting(attachments.len());
     if let Some(addr) = metrics_addr {
         let server = MetricsServer::bind(addr).await?;
@@ -98,8 +116,18 @@ pub async fn run(
         );
         tokio::spawn(server.serve_sources(sources.clone()));
     }
-    let (stop, told) = watch::channel(false);
+    let (stop, told) = watch::channel(0u32);
+    let stop_all = |stop: &watch::Sender<u32>| {
+        stop.send_if_modified(|asked| {
+            let first = *asked == 0;
+            if first {
+                *asked = 1;
+            }
+            first
+        });
+    };
     let mut running = JoinSet::new();
+    let mut failure = None;
     for Attachment { config, file } in attachments {
         let name = label(&config);
         let member = Member {
@@ -109,20 +137,23 @@ pub async fn run(
         };
         let flags = flags.clone();
         let (done, ended) = tokio::sync::oneshot::channel();
-        thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                CURRENT.with(|c| *c.borrow_mut() = Some(member.label.clone()));
-                let result = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .context("a runtime for the attachment")
-                    .and_then(|runtime| {
-                        runtime.block_on(run_as(config, Some(file), flags, Role::Member(member)))
-                    });
-                let _ = done.send(result);
-            })
-            .with_context(|| format!("starting the thread of attachment {name}"))?;
+        let started = thread::Builder::new().name(name.clone()).spawn(move || {
+            CURRENT.with(|c| *c.borrow_mut() = Some(member.label.clone()));
+            let result = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("a runtime for the attachment")
+                .and_then(|runtime| {
+                    runtime.block_on(run_as(config, Some(file), flags, Role::Member(member)))
+                });
+            let _ = done.send(result);
+        });
+        if let Err(e) = started {
+            // The ones started stop, and are waited for.
+            failure = Some(anyhow!(e).context(format!("starting the thread of attachment {name}")));
+            stop_all(&stop);
+            break;
+        }
         running.spawn(async move {
             let result = ended
                 .await
@@ -130,15 +161,51 @@ pub async fn run(
             (name, result)
         });
     }
-    let mut failure = None;
-    while let Some(ended) = running.join_next().await {
-        let (name, result) = ended.context("waiting for an attachment")?;
-        if let Err(e) = result {
-            log::error!("attachment {name}: {e:#}");
-            if failure.is_none() {
-                failure = Some(e.context(format!("attachment {name}")));
-                // The others stop as on a signal.
-                let _ = stop.send(true);
+    // systemd (`Type=notify`) hears READY once every attachment is ready,
+    // then the watchdog's pings while every attachment's loop turns.
+    let notifier = Notifier::from_env();
+    if notifier.enabled() {
+        let (sources, count) = (sources.clone(), running.len());
+        tokio::spawn(async move {
+            while !sources.all_ready() {
+                tokio::time::sleep(READY_POLL).await;
+            }
+            notifier.ready(&format!("steering {count} attachments"));
+            let Some(period) = notifier.watchdog_period() else {
+                return;
+            };
+            loop {
+                tokio::time::sleep(period).await;
+                if sources.all_live() {
+                    notifier.watchdog();
+                }
+            }
+        });
+    }
+    // The attachments' threads took CAP_NET_RAW with them (each opens its
+    // hedge sockets, then gives it up); this thread, which serves the
+    // endpoint, needs it no more.
+    if has_capability(CAP_NET_RAW)? {
+        drop_capability(CAP_NET_RAW)?;
+    }
+    loop {
+        tokio::select! {
+            _ = interrupt.recv() => stop.send_modify(|asked| *asked += 1),
+            _ = terminate.recv() => stop.send_modify(|asked| *asked += 1),
+            ended = running.join_next() => {
+                let Some(ended) = ended else { break };
+                let (name, result) = ended.context("waiting for an attachment")?;
+                match result {
+                    Err(e) => {
+                        log::error!("attachment {name}: {e:#}");
+                        failure.get_or_insert(e.context(format!("attachment {name}")));
+                    }
+                    Ok(()) if *stop.borrow() == 0 => {
+                        log::info!("attachment {name} ended: stopping the others");
+                    }
+                    Ok(()) => {}
+                }
+                stop_all(&stop);
             }
         }
     }

@@ -142,6 +142,16 @@ impl Sources {
         Ok(render_labelled(format, &statuses))
     }
 
+    /// Whether every attachment has started and is ready (`/readyz`).
+    pub fn all_ready(&self) -> bool {
+        self.verdict(health::readiness).ok
+    }
+
+    /// Whether every attachment has started and its loop turns (`/healthz`).
+    pub fn all_live(&self) -> bool {
+        self.verdict(health::liveness).ok
+    }
+
     /// A probe's verdict over every attachment: healthy if each is and all
     /// have attached; the text of each, prefixed by its label.
     fn verdict(

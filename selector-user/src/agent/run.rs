@@ -72,8 +72,11 @@ pub struct Member {
     pub label: String,
     /// Where it registers with the agent's one metrics endpoint.
     pub sources: Sources,
-    /// Turns true when the agent stops every attachment (one failed).
-    pub stop: tokio::sync::watch::Receiver<bool>,
+    /// How many stops the agent asked for: the first stops steering,
+    /// the second cuts the wait for the redirected reads short, as
+    /// signals do for an agent of one attachment (the agent takes the
+    /// signals for all).
+    pub stop: tokio::sync::watch::Receiver<u32>,
 }
 
 /// Attaches, then sweeps and prints until a signal or the duration ends;
@@ -144,10 +147,13 @@ pub async fn run_as(
     }
     let settings = &config.settings;
     // Handlers first: a signal during attach still ends in a clean stop.
-    let mut signals = StopSignals::new(match &role {
-        Role::Alone => None,
-        Role::Member(member) => Some(member.stop.clone()),
-    })?;
+    let mut signals = match &role {
+        Role::Alone => StopSignals::os()?,
+        Role::Member(member) => StopSignals::Told {
+            stops: member.stop.clone(),
+            taken: 0,
+        },
+    };
     // SIGHUP reloads the config file (and no longer ends the process).
     let mut hangups = signal(SignalKind::hangup())?;
     let mut control = ControlServer::bind(&settings.iface)?;
@@ -223,48 +229,48 @@ pub async fn run_as(
     failure.map_or(Ok(()), Err)
 }
 
-/// SIGINT and SIGTERM, either of which asks the agent to stop, and for an
-/// attachment of several, the agent's word that all stop.
-struct StopSignals {
-    interrupt: Signal,
-    terminate: Signal,
-    told: Option<tokio::sync::watch::Receiver<bool>>,
-    /// The word was taken (once: a second stop, which cuts the wait for the
-    /// redirected reads short, is a signal's).
-    told_taken: bool,
+/// What asks the agent to stop: SIGINT or SIGTERM, or for an attachment of
+/// several, the agent that took them (or whose other attachment ended).
+enum StopSignals {
+    Os {
+        interrupt: Signal,
+        terminate: Signal,
+    },
+    Told {
+        stops: tokio::sync::watch::Receiver<u32>,
+        /// The stops already taken.
+        taken: u32,
+    },
 }
 
 impl StopSignals {
-    fn new(told: Option<tokio::sync::watch::Receiver<bool>>) -> Result<Self> {
-        Ok(Self {
+    fn os() -> Result<Self> {
+        Ok(Self::Os {
             interrupt: signal(SignalKind::interrupt())?,
             terminate: signal(SignalKind::terminate())?,
-            told,
-            told_taken: false,
         })
     }
 
     async fn recv(&mut self) {
-        let Self {
-            interrupt,
-            terminate,
-            told,
-            told_taken,
-        } = self;
-        let taken = *told_taken;
-        // Already said (while attaching, say): at once.
-        let word = async {
-            match told.as_mut() {
-                Some(told) if !taken => {
-                    let _ = told.wait_for(|stop| *stop).await;
+        match self {
+            Self::Os {
+                interrupt,
+                terminate,
+            } => {
+                tokio::select! {
+                    _ = interrupt.recv() => {}
+                    _ = terminate.recv() => {}
                 }
-                _ => std::future::pending().await,
             }
-        };
-        tokio::select! {
-            _ = interrupt.recv() => {}
-            _ = terminate.recv() => {}
-            _ = word => *told_taken = true,
+            // A stop asked before (while attaching, say) is taken at once.
+            Self::Told { stops, taken } => {
+                let already = *taken;
+                match stops.wait_for(|asked| *asked > already).await {
+                    Ok(asked) => *taken = *asked,
+                    // The agent is gone: nothing else will ask.
+                    Err(_) => *taken = already + 1,
+                }
+            }
         }
     }
 }

@@ -62,8 +62,13 @@ impl Notifier {
                 ));
             }
         };
+        // Never blocks the loop that notifies: a receiver that does not
+        // read (its queue holds a few datagrams) loses a notification
+        // instead of stopping the agent.
+        let socket = UnixDatagram::unbound()?;
+        socket.set_nonblocking(true)?;
         Ok(Self {
-            target: Some((UnixDatagram::unbound()?, address)),
+            target: Some((socket, address)),
             watchdog,
         })
     }
@@ -85,9 +90,16 @@ impl Notifier {
         let Some((socket, address)) = &self.target else {
             return;
         };
-        if let Err(e) = socket.send_to_addr(state.as_bytes(), address) {
-            let first = state.lines().next().unwrap_or("");
-            log::warn!("notifying systemd ({first}): {e}");
+        match socket.send_to_addr(state.as_bytes(), address) {
+            Ok(_) => {}
+            // Its queue is full: this one is lost, the next may pass.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                log::debug!("notifying systemd: its queue is full, one notification lost");
+            }
+            Err(e) => {
+                let first = state.lines().next().unwrap_or("");
+                log::warn!("notifying systemd ({first}): {e}");
+            }
         }
     }
 
@@ -151,6 +163,26 @@ mod tests {
         assert_eq!(watchdog_interval(Some("0"), None, 42), None);
         assert_eq!(watchdog_interval(Some("soon"), None, 42), None);
         assert_eq!(watchdog_interval(None, Some("42"), 42), None);
+    }
+
+    #[test]
+    fn a_receiver_that_does_not_read_never_blocks_the_notifier() {
+        let name = format!("selector-notify-full-{}", std::process::id());
+        let listener =
+            UnixDatagram::bind_addr(&SocketAddr::from_abstract_name(&name).unwrap()).unwrap();
+        let notifier = Notifier::to(&format!("@{name}"), None).unwrap();
+        // Far more than the receiver's queue holds, none read.
+        let (done, finished) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for _ in 0..1000 {
+                notifier.watchdog();
+            }
+            done.send(()).unwrap();
+        });
+        finished
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the notifier blocked on a full queue");
+        assert_eq!(received(&listener), "WATCHDOG=1");
     }
 
     fn received(socket: &UnixDatagram) -> String {

@@ -11,8 +11,8 @@ use super::{RunArgs, logging::LogFormat};
 pub async fn run(args: RunArgs, log_format: LogFormat) -> Result<()> {
     if !args.attachments.is_empty() {
         let attachments = args.attachments()?;
-        return crate::agent::attachments::run(attachments, args.options(), args.metrics_addr)
-            .await;
+        let flags = args.attachment_options();
+        return crate::agent::attachments::run(attachments, flags, args.metrics_addr).await;
     }
     let mut config = args.run_config()?;
     config.tables = log_format == LogFormat::Text;

@@ -243,13 +243,18 @@ impl RunArgs {
         }
     }
 
-    /// Each `--attachment` file under the flags (all but
-    /// `--metrics-addr`, which is the agent's), checked.
-    pub fn attachments(&self) -> Result<Vec<Attachment>> {
-        let flags = Options {
+    /// The flags laid over each `--attachment` file, at start and on each
+    /// reload: all but `--metrics-addr`, which is the agent's.
+    pub fn attachment_options(&self) -> Options {
+        Options {
             metrics_addr: None,
             ..self.options()
-        };
+        }
+    }
+
+    /// Each `--attachment` file under [`Self::attachment_options`], checked.
+    pub fn attachments(&self) -> Result<Vec<Attachment>> {
+        let flags = self.attachment_options();
         self.attachments
             .iter()
             .map(|file| {

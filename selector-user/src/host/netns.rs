@@ -117,6 +117,12 @@ impl NetNs {
         // SAFETY: setns of the calling thread, with an open nsfs descriptor.
         if unsafe { libc::setns(self.file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
             let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EPERM) {
+                bail!(
+                    "netns {}: entering the network namespace needs CAP_SYS_ADMIN ({e})",
+                    self.path.display()
+                );
+            }
             return Err(e).with_context(|| format!("netns {}: setns", self.path.display()));
         }
         Ok(())
