@@ -23,7 +23,7 @@ use tokio::{
 use crate::{
     agent::{
         endpoint::{MetricsServer, Sources},
-        run::{Member, Role, run_as},
+        run::{Member, Role, Stops, run_as},
         sd_notify::Notifier,
     },
     config::file::{Options, RunConfig},
@@ -96,8 +96,9 @@ pub fn check(attachments: &[Attachment]) -> Result<()> {
 ///
 /// The agent takes SIGINT and SIGTERM for all, from before the first
 /// attachment starts (a signal in between is not lost), and tells them
-/// through a count of stops: the first stops steering, a second cuts the
-/// wait for the redirected reads short.
+/// ([`Stops`]): stop steering, and how many signals came (one that comes
+/// while an attachment waits for its redirected reads cuts the wait short;
+/// another attachment's end does not).
 pub async fn run(
     attachments: Vec<Attachment>,
     flags: Options,
@@ -116,14 +117,14 @@ pub async fn run(
         );
         tokio::spawn(server.serve_sources(sources.clone()));
     }
-    let (stop, told) = watch::channel(0u32);
-    let stop_all = |stop: &watch::Sender<u32>| {
-        stop.send_if_modified(|asked| {
-            let first = *asked == 0;
-            if first {
-                *asked = 1;
-            }
-            first
+    let (stop, told) = watch::channel(Stops::default());
+    let stop_all = |stop: &watch::Sender<Stops>| {
+        stop.send_if_modified(|asked| !std::mem::replace(&mut asked.all, true));
+    };
+    let signalled = |stop: &watch::Sender<Stops>| {
+        stop.send_modify(|asked| {
+            asked.all = true;
+            asked.signals += 1;
         });
     };
     let mut running = JoinSet::new();
@@ -185,22 +186,30 @@ pub async fn run(
     // The attachments' threads took CAP_NET_RAW with them (each opens its
     // hedge sockets, then gives it up); this thread, which serves the
     // endpoint, needs it no more.
-    if has_capability(CAP_NET_RAW)? {
-        drop_capability(CAP_NET_RAW)?;
+    // A failure here ends nothing: the attachments are running.
+    if let Err(e) = has_capability(CAP_NET_RAW).and_then(|has| match has {
+        true => drop_capability(CAP_NET_RAW),
+        false => Ok(()),
+    }) {
+        log::warn!("giving up CAP_NET_RAW on the agent's own thread: {e:#}");
     }
     loop {
         tokio::select! {
-            _ = interrupt.recv() => stop.send_modify(|asked| *asked += 1),
-            _ = terminate.recv() => stop.send_modify(|asked| *asked += 1),
+            _ = interrupt.recv() => signalled(&stop),
+            _ = terminate.recv() => signalled(&stop),
             ended = running.join_next() => {
                 let Some(ended) = ended else { break };
-                let (name, result) = ended.context("waiting for an attachment")?;
+                // The waiting task cannot panic; said, not unwrapped.
+                let (name, result) = match ended {
+                    Ok(ended) => ended,
+                    Err(e) => ("?".to_string(), Err(anyhow!("waiting for an attachment: {e}"))),
+                };
                 match result {
                     Err(e) => {
                         log::error!("attachment {name}: {e:#}");
                         failure.get_or_insert(e.context(format!("attachment {name}")));
                     }
-                    Ok(()) if *stop.borrow() == 0 => {
+                    Ok(()) if !stop.borrow().all => {
                         log::info!("attachment {name} ended: stopping the others");
                     }
                     Ok(()) => {}

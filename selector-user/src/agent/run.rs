@@ -72,11 +72,19 @@ pub struct Member {
     pub label: String,
     /// Where it registers with the agent's one metrics endpoint.
     pub sources: Sources,
-    /// How many stops the agent asked for: the first stops steering,
-    /// the second cuts the wait for the redirected reads short, as
-    /// signals do for an agent of one attachment (the agent takes the
-    /// signals for all).
-    pub stop: tokio::sync::watch::Receiver<u32>,
+    /// What the agent asks of all its attachments (it takes the signals
+    /// for all).
+    pub stop: tokio::sync::watch::Receiver<Stops>,
+}
+
+/// The agent's word to its attachments: stop steering (a signal, or
+/// another attachment ended), and how many signals came, of which one that
+/// comes while an attachment waits for its redirected reads cuts the wait
+/// short, as for an agent of one attachment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stops {
+    pub all: bool,
+    pub signals: u32,
 }
 
 /// Attaches, then sweeps and prints until a signal or the duration ends;
@@ -151,7 +159,7 @@ pub async fn run_as(
         Role::Alone => StopSignals::os()?,
         Role::Member(member) => StopSignals::Told {
             stops: member.stop.clone(),
-            taken: 0,
+            signals_seen: 0,
         },
     };
     // SIGHUP reloads the config file (and no longer ends the process).
@@ -230,16 +238,16 @@ pub async fn run_as(
 }
 
 /// What asks the agent to stop: SIGINT or SIGTERM, or for an attachment of
-/// several, the agent that took them (or whose other attachment ended).
+/// several, the agent's word ([`Stops`]).
 enum StopSignals {
     Os {
         interrupt: Signal,
         terminate: Signal,
     },
     Told {
-        stops: tokio::sync::watch::Receiver<u32>,
-        /// The stops already taken.
-        taken: u32,
+        stops: tokio::sync::watch::Receiver<Stops>,
+        /// The signals already accounted for.
+        signals_seen: u32,
     },
 }
 
@@ -251,7 +259,39 @@ impl StopSignals {
         })
     }
 
+    /// Until asked to stop steering (a stop asked before, while attaching
+    /// say, is taken at once).
     async fn recv(&mut self) {
+        match self {
+            Self::Os { .. } => self.signal().await,
+            Self::Told {
+                stops,
+                signals_seen,
+            } => {
+                let seen = *signals_seen;
+                if let Ok(asked) = stops.wait_for(|s| s.all || s.signals > seen).await {
+                    *signals_seen = asked.signals;
+                }
+            }
+        }
+    }
+
+    /// The signals so far are the one that stopped steering, or came
+    /// before the wait for the redirected reads: only a later one cuts it
+    /// short ([`Self::signal`]).
+    fn draining(&mut self) {
+        if let Self::Told {
+            stops,
+            signals_seen,
+        } = self
+        {
+            *signals_seen = stops.borrow().signals;
+        }
+    }
+
+    /// Until a signal (for an attachment of several, one the agent passes
+    /// on after [`Self::draining`]); not another attachment's end.
+    async fn signal(&mut self) {
         match self {
             Self::Os {
                 interrupt,
@@ -262,13 +302,15 @@ impl StopSignals {
                     _ = terminate.recv() => {}
                 }
             }
-            // A stop asked before (while attaching, say) is taken at once.
-            Self::Told { stops, taken } => {
-                let already = *taken;
-                match stops.wait_for(|asked| *asked > already).await {
-                    Ok(asked) => *taken = *asked,
-                    // The agent is gone: nothing else will ask.
-                    Err(_) => *taken = already + 1,
+            Self::Told {
+                stops,
+                signals_seen,
+            } => {
+                let seen = *signals_seen;
+                match stops.wait_for(|s| s.signals > seen).await {
+                    Ok(asked) => *signals_seen = asked.signals,
+                    // The agent is gone: no signal will be passed on.
+                    Err(_) => std::future::pending().await,
                 }
             }
         }
@@ -519,6 +561,7 @@ impl Agent {
     /// now would leave their replies unrewritten, and the application drops
     /// a reply from a replica it did not ask. A second signal cuts it short.
     async fn stop(&mut self, signals: &mut StopSignals, control: &mut ControlServer) -> Result<()> {
+        signals.draining();
         self.selector.stop_steering()?;
         let mut waiting = self.selector.redirected_in_flight()? + self.selector.hedges_in_flight();
         print_stopping(waiting);
@@ -535,7 +578,7 @@ impl Agent {
         loop {
             self.health.turned();
             tokio::select! {
-                _ = signals.recv() => {
+                _ = signals.signal() => {
                     log::info!("second signal: detaching with {waiting} redirected reads in flight");
                     return Ok(());
                 }
@@ -865,4 +908,61 @@ fn ticks_after(period: Duration) -> tokio::time::Interval {
     let mut ticks = tokio::time::interval_at(Instant::now() + period, period);
     ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
     ticks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether `wait` ends within a moment.
+    async fn ends<F: std::future::Future>(wait: F) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), wait)
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn an_attachment_stops_when_told_and_only_a_later_signal_cuts_its_drain_short() {
+        let (agent, told) = tokio::sync::watch::channel(Stops::default());
+        let mut signals = StopSignals::Told {
+            stops: told,
+            signals_seen: 0,
+        };
+        assert!(!ends(signals.recv()).await, "nothing asked yet");
+        // Another attachment ended: steering stops ...
+        agent.send_modify(|s| s.all = true);
+        assert!(ends(signals.recv()).await);
+        // ... but the wait for the redirected reads is not cut short by it.
+        signals.draining();
+        assert!(!ends(signals.signal()).await);
+        agent.send_modify(|s| s.signals += 1);
+        assert!(ends(signals.signal()).await, "a signal cuts it short");
+
+        // Stopped by a signal: that one does not cut the drain short too.
+        let (agent, told) = tokio::sync::watch::channel(Stops::default());
+        let mut signals = StopSignals::Told {
+            stops: told,
+            signals_seen: 0,
+        };
+        agent.send_modify(|s| {
+            s.all = true;
+            s.signals = 1;
+        });
+        assert!(ends(signals.recv()).await);
+        signals.draining();
+        assert!(!ends(signals.signal()).await);
+        agent.send_modify(|s| s.signals = 2);
+        assert!(ends(signals.signal()).await);
+
+        // Steering ended by itself (its duration); a stop asked meanwhile
+        // by another attachment's end cuts nothing short.
+        let (agent, told) = tokio::sync::watch::channel(Stops::default());
+        let mut signals = StopSignals::Told {
+            stops: told,
+            signals_seen: 0,
+        };
+        signals.draining();
+        agent.send_modify(|s| s.all = true);
+        assert!(!ends(signals.signal()).await);
+    }
 }

@@ -92,9 +92,10 @@ impl Notifier {
         };
         match socket.send_to_addr(state.as_bytes(), address) {
             Ok(_) => {}
-            // Its queue is full: this one is lost, the next may pass.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                log::debug!("notifying systemd: its queue is full, one notification lost");
+            // Its queue is full: a ping is lost (the next may pass), any
+            // other notification is said lost.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && state == "WATCHDOG=1" => {
+                log::debug!("notifying systemd: its queue is full, one watchdog ping lost");
             }
             Err(e) => {
                 let first = state.lines().next().unwrap_or("");
