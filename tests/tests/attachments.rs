@@ -9,12 +9,13 @@ use std::{
     io::{BufRead as _, BufReader},
     net::SocketAddr,
     os::unix::net::UnixDatagram,
+    path::Path,
     process::Stdio,
 };
 
 use selector_testbed::{
-    Testbed,
-    agent::{self, Attached, selector_binary},
+    Namespace, Testbed,
+    agent::{self, Agent, Attached, selector_binary},
     pods::{ScratchDir, load_with_stall, moved_off_the_primary, node_namespace},
     preload,
     prometheus::{http_get, promtool_check},
@@ -51,6 +52,46 @@ fn attachment_file(dir: &std::path::Path, tb: &Testbed) -> std::path::PathBuf {
     path
 }
 
+/// `selector run --attachment FILE ... --metrics-addr METRICS --quiet` in
+/// `node` with `env`, once each attachment of `labels` said it attached
+/// (in its own line, `[LABEL] attached to eth0`).
+fn spawn_attachments(
+    node: &Namespace,
+    files: &[&Path],
+    metrics: &str,
+    env: &[(&str, &str)],
+    labels: &[String],
+) -> Agent {
+    let mut command = node.command(selector_binary().to_str().unwrap());
+    command.arg("run");
+    for file in files {
+        command.arg("--attachment").arg(file);
+    }
+    let mut child = command
+        .args(["--metrics-addr", metrics, "--quiet"])
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let agent = agent::AgentProcess(child);
+    let mut attached: Vec<&String> = Vec::new();
+    while attached.len() < labels.len() {
+        let line = lines
+            .next()
+            .expect("the agent ended before every attachment attached")
+            .unwrap();
+        if let Some(label) = labels
+            .iter()
+            .find(|l| line.starts_with(&format!("selector: [{l}] attached to {CLIENT_IFACE}")))
+        {
+            attached.push(label);
+        }
+    }
+    (agent, lines)
+}
+
 /// The value of the sample line that starts with `series`, if any.
 fn sample(text: &str, series: &str) -> Option<f64> {
     let line = text
@@ -74,39 +115,20 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
     notifications
         .set_read_timeout(Some(std::time::Duration::from_secs(10)))
         .unwrap();
-    let mut child = node
-        .command(selector_binary().to_str().unwrap())
-        .args(["run", "--attachment"])
-        .arg(&file_a)
-        .arg("--attachment")
-        .arg(&file_b)
-        .args(["--metrics-addr", METRICS, "--quiet"])
-        .env("NOTIFY_SOCKET", &notify)
-        .env("WATCHDOG_USEC", "200000")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut agent = agent::AgentProcess(child);
-    // Both attachments say they attached, each line naming its own.
     let labels: Vec<String> = [&a, &b]
         .iter()
         .map(|tb| format!("{CLIENT_IFACE}@/run/netns/{}", tb.client.name))
         .collect();
-    let mut attached = Vec::new();
-    while attached.len() < 2 {
-        let line = lines
-            .next()
-            .expect("the agent ended before both attached")
-            .unwrap();
-        if let Some(label) = labels
-            .iter()
-            .find(|l| line.starts_with(&format!("selector: [{l}] attached to {CLIENT_IFACE}")))
-        {
-            attached.push(label.clone());
-        }
-    }
+    let (mut agent, lines) = spawn_attachments(
+        &node,
+        &[&file_a, &file_b],
+        METRICS,
+        &[
+            ("NOTIFY_SOCKET", notify.to_str().unwrap()),
+            ("WATCHDOG_USEC", "200000"),
+        ],
+        &labels,
+    );
     for tb in [&a, &b] {
         let on_pod = agent::attached(&tb.client, CLIENT_IFACE);
         assert_eq!((on_pod.tcx_egress, on_pod.tcx_ingress), (1, 1));
@@ -299,5 +321,67 @@ fn when_one_attachment_ends_the_agent_stops_the_others() {
     );
     for tb in [&a, &b] {
         assert_eq!(agent::attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+    }
+}
+
+#[test]
+fn an_attachment_in_the_agents_own_namespace_runs_beside_a_pods() {
+    let a = pod("selan");
+    let node = node_namespace("seli");
+    let dir = ScratchDir::new("attachments");
+    let in_pod = attachment_file(dir.path(), &a);
+    // The node's own eth0 (no netns key): the same members, routed there.
+    let on_node = dir.path().join("node.toml");
+    std::fs::write(
+        &on_node,
+        std::fs::read_to_string(&in_pod)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with("netns"))
+            .map(|l| format!("{l}\n"))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let metrics = "127.0.0.1:9656";
+    let pod_label = format!("{CLIENT_IFACE}@/run/netns/{}", a.client.name);
+    let (mut agent, _lines) = spawn_attachments(
+        &node,
+        &[&on_node, &in_pod],
+        metrics,
+        &[],
+        &[CLIENT_IFACE.to_string(), pod_label.clone()],
+    );
+    // Each on its own namespace's eth0.
+    for ns in [&node, &a.client] {
+        let on = agent::attached(ns, CLIENT_IFACE);
+        assert_eq!((on.tcx_egress, on.tcx_ingress), (1, 1), "{}", ns.name);
+    }
+    let node_status = agent::status_json::<serde_json::Value>(&node, CLIENT_IFACE);
+    assert!(node_status["netns"].is_null(), "{node_status}");
+    let pod_status = agent::status_json::<serde_json::Value>(&a.client, CLIENT_IFACE);
+    assert_eq!(
+        pod_status["netns"]["path"],
+        format!("/run/netns/{}", a.client.name).as_str()
+    );
+    let metrics: SocketAddr = metrics.parse().unwrap();
+    let scraped = node
+        .run(move || http_get(metrics, "/metrics", None))
+        .unwrap()
+        .unwrap();
+    for label in [CLIENT_IFACE.to_string(), pod_label] {
+        assert!(
+            sample(
+                &scraped.body,
+                &format!("selector_in_flight{{attachment=\"{label}\"}}")
+            )
+            .is_some(),
+            "{label}:\n{}",
+            scraped.body
+        );
+    }
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    for ns in [&node, &a.client] {
+        assert_eq!(agent::attached(ns, CLIENT_IFACE), Attached::NOTHING);
     }
 }
