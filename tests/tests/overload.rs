@@ -68,6 +68,15 @@ fn wait_for_pending(running: &SweptSelector, want: &[u64], within: Duration) -> 
     }
 }
 
+/// Waits until `total` requests are pending over all replicas, or
+/// `within` has passed.
+fn wait_for_total_pending(running: &SweptSelector, total: u64, within: Duration) {
+    let deadline = Instant::now() + within;
+    while pending(running).iter().sum::<u64>() < total && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
 // ---------------------------------------------------------------- memcached
 
 /// Gets under the cap (4 per replica, 3 replicas).
@@ -318,9 +327,15 @@ fn reject_answers_dig_with_servfail_while_every_nsd_is_stopped() {
     for s in &servers {
         s.stop();
     }
-    // Under the cap: one query per replica, unanswered while stopped.
-    let waiting: Vec<_> = (0..3)
-        .map(|_| dns::spawn_dig(&tb.client, &args).expect("dig"))
+    // Under the cap: one query per replica, unanswered while stopped. One
+    // at a time: two digs admitted at once on two CPUs may both see the
+    // primary under its cap (the cap is read, then the count raised).
+    let waiting: Vec<_> = (1..=3u64)
+        .map(|sent| {
+            let dig = dns::spawn_dig(&tb.client, &args).expect("dig");
+            wait_for_total_pending(&running, sent, Duration::from_secs(1));
+            dig
+        })
         .collect();
     let pending_full = wait_for_pending(&running, &[1, 1, 1], Duration::from_secs(1));
     // Over the cap: SERVFAIL at once, built by the kernel.
