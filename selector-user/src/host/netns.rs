@@ -94,18 +94,8 @@ impl NetNs {
                 self.path.display()
             );
         }
-        // SAFETY: setns on the only thread, with an open nsfs descriptor.
-        if unsafe { libc::setns(self.file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EPERM) {
-                bail!(
-                    "--netns {}: entering the network namespace needs CAP_SYS_ADMIN ({e})",
-                    self.path.display()
-                );
-            }
-            return Err(e).with_context(|| format!("--netns {}: setns", self.path.display()));
-        }
-        Ok(())
+        // The only thread: the whole process moves.
+        self.setns("--netns")
     }
 
     /// Moves the calling thread only into the namespace: an agent serving
@@ -114,16 +104,19 @@ impl NetNs {
     /// threads it starts afterwards are born in it). Sockets the thread
     /// opened before stay where they were.
     pub fn enter_this_thread(&self) -> Result<()> {
+        self.setns("netns")
+    }
+
+    /// setns of the calling thread; errors start with `what` and the path.
+    fn setns(&self, what: &str) -> Result<()> {
         // SAFETY: setns of the calling thread, with an open nsfs descriptor.
         if unsafe { libc::setns(self.file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
             let e = io::Error::last_os_error();
+            let path = self.path.display();
             if e.raw_os_error() == Some(libc::EPERM) {
-                bail!(
-                    "netns {}: entering the network namespace needs CAP_SYS_ADMIN ({e})",
-                    self.path.display()
-                );
+                bail!("{what} {path}: entering the network namespace needs CAP_SYS_ADMIN ({e})");
             }
-            return Err(e).with_context(|| format!("netns {}: setns", self.path.display()));
+            return Err(e).with_context(|| format!("{what} {path}: setns"));
         }
         Ok(())
     }
