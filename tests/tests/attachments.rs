@@ -2,8 +2,10 @@
 //! in a namespace standing in for the node's, serves two namespaces
 //! standing in for pods, each with its own replicas, groups and counts: the
 //! reads of each are moved off its stalled primary and rewritten back with
-//! nothing lost, each pod's control socket answers for its attachment, and
-//! one metrics endpoint serves both, every sample labelled `attachment`.
+//! nothing lost, each pod's control socket answers for its attachment, one
+//! metrics endpoint serves both, every sample labelled `attachment`, and
+//! one control endpoint in the node's namespace routes each command to the
+//! attachment it names by that label.
 
 use std::{
     io::{BufRead as _, BufReader},
@@ -210,21 +212,109 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
         );
     }
 
-    // Each attachment reloads its own file through its own socket; the
-    // other's settings stay.
+    // The one control endpoint, in the node's namespace: a bare status is
+    // every attachment's, in the order given, each its own.
+    let (code, out) = agent::run_selector(&node, &["status", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let all: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    let listed: Vec<&str> = all["attachments"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["attachment"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, [labels[0].as_str(), labels[1].as_str()], "{all}");
+    for (i, report) in [&report_a, &report_b].into_iter().enumerate() {
+        let status = &all["attachments"][i]["status"];
+        assert_eq!(
+            status["backends"][0]["requests"].as_u64(),
+            Some(report.sent),
+            "{}: {status}",
+            labels[i]
+        );
+    }
+    let (code, text) = agent::run_selector(&node, &["status"]);
+    assert_eq!(code, 0, "{text}");
+    for label in &labels {
+        assert!(text.contains(&format!("attachment {label}:\n")), "{text}");
+    }
+    // A change must name its attachment; an unknown one is refused.
+    let (code, out) = agent::run_selector(&node, &["set", "--threshold", "5"]);
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("name one with --attachment"), "{out}");
+    let (code, out) = agent::run_selector(
+        &node,
+        &[
+            "set",
+            "--attachment",
+            "eth9@/run/netns/none",
+            "--threshold",
+            "5",
+        ],
+    );
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("no attachment eth9@/run/netns/none"), "{out}");
+    // Set, drain and undrain reach the attachment named, and only it.
+    let (code, out) = agent::run_selector(
+        &node,
+        &["set", "--attachment", &labels[1], "--threshold", "4"],
+    );
+    assert_eq!(code, 0, "{out}");
+    let spare = b.replica_endpoints()[2].to_string();
+    let (code, out) = agent::run_selector(&node, &["drain", "--attachment", &labels[1], &spare]);
+    assert_eq!(code, 0, "{out}");
+    let status_b = agent::status_json::<serde_json::Value>(&b.client, CLIENT_IFACE);
+    assert_eq!(status_b["settings"]["threshold"], 4, "{status_b}");
+    assert_eq!(
+        status_b["drained"],
+        serde_json::json!([spare]),
+        "{status_b}"
+    );
+    let status_a = agent::status_json::<serde_json::Value>(&a.client, CLIENT_IFACE);
+    assert_eq!(status_a["settings"]["threshold"], 2, "{status_a}");
+    assert_eq!(status_a["drained"], serde_json::json!([]), "{status_a}");
+    let (code, out) = agent::run_selector(&node, &["undrain", "--attachment", &labels[1], &spare]);
+    assert_eq!(code, 0, "{out}");
+    let status_b = agent::status_json::<serde_json::Value>(&b.client, CLIENT_IFACE);
+    assert_eq!(status_b["drained"], serde_json::json!([]), "{status_b}");
+
+    // Each attachment reloads its own file, through the one endpoint or
+    // its own socket; the other's settings stay.
     let file_a_text = std::fs::read_to_string(&file_a).unwrap();
     std::fs::write(
         &file_a,
         file_a_text.replace("threshold = 2", "threshold = 3"),
     )
     .unwrap();
+    let (code, msg) = agent::run_selector(&node, &["reload", "--attachment", &labels[0]]);
+    assert_eq!(code, 0, "{msg}");
+    let (code, msg) = agent::run_selector(&b.client, &["reload", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{msg}");
     for (tb, threshold) in [(&a, 3), (&b, 2)] {
-        let (code, msg) = agent::run_selector(&tb.client, &["reload", "--iface", CLIENT_IFACE]);
-        assert_eq!(code, 0, "{}: {msg}", tb.client.name);
         let status = agent::status_json::<serde_json::Value>(&tb.client, CLIENT_IFACE);
         assert_eq!(status["settings"]["threshold"], threshold, "{status}");
         assert_eq!(status["config_reload_success"], true, "{status}");
     }
+    // A second agent of several attachments in the node's namespace is
+    // refused before it attaches anything.
+    let (code, out) = agent::run_selector(
+        &node,
+        &[
+            "run",
+            "--attachment",
+            file_a.to_str().unwrap(),
+            "--attachment",
+            file_b.to_str().unwrap(),
+            "--quiet",
+        ],
+    );
+    assert_ne!(code, 0, "{out}");
+    assert!(
+        out.contains(
+            "a selector of several attachments is already running in this network namespace"
+        ),
+        "{out}"
+    );
     let ready = node
         .run(move || http_get(metrics, "/readyz", None))
         .unwrap()

@@ -2,7 +2,9 @@
 //! ...`): an interface in the agent's own network namespace or in another
 //! (a pod's), each with its own groups, settings, counts, control socket
 //! and reloads, as an agent of its own would have; one metrics and probe
-//! endpoint for all, where every sample carries the label `attachment`.
+//! endpoint for all, where every sample carries the label `attachment`,
+//! and one control endpoint for all, where each request names its
+//! attachment by the same label ([`crate::agent::control_router`]).
 //!
 //! Each attachment runs the agent's owner loop ([`crate::agent::run`]) on a
 //! thread of its own, which enters the attachment's namespace first: a
@@ -22,6 +24,7 @@ use tokio::{
 
 use crate::{
     agent::{
+        control_router::ControlRouter,
         endpoint::{MetricsServer, Sources},
         run::{Member, Role, Stops, run_as},
         sd_notify::Notifier,
@@ -107,7 +110,11 @@ pub async fn run(
     check(&attachments)?;
     let mut interrupt = signal(SignalKind::interrupt())?;
     let mut terminate = signal(SignalKind::terminate())?;
-    let sources = Sources::expecting(attachments.len());
+    let sources = Sources::of_attachments(attachments.iter().map(|a| label(&a.config)).collect());
+    // Bound first: a second agent of several attachments in this
+    // namespace is refused before anything is attached.
+    let router = ControlRouter::bind()?;
+    tokio::spawn(router.serve(sources.clone()));
     if let Some(addr) = metrics_addr {
         let server = MetricsServer::bind(addr).await?;
         log::info!(

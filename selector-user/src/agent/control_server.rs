@@ -1,21 +1,27 @@
 //! The agent's side of the control socket: accepting connections, reading
-//! one request each, and applying it to the running selector.
+//! one request each, and applying it to the running selector. The
+//! listening and the reading serve the endpoint of an agent of several
+//! attachments too ([`crate::agent::control_router`]).
 
-use std::time::Duration;
+use std::{future::Future, time::Duration};
 
 use std::os::unix::fs::PermissionsExt as _;
 
 use anyhow::{Context as _, Result, anyhow};
+use serde::de::DeserializeOwned;
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _, BufReader},
     net::{UnixListener, UnixStream},
-    sync::{mpsc, oneshot},
+    sync::{OwnedSemaphorePermit, mpsc, oneshot},
 };
 
 use crate::{
     agent::limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
     agent::reload::Reloader,
-    api::{MAX_REQUEST_BYTES, Reply, Request, Status, socket::RunningLock},
+    api::{
+        MAX_REQUEST_BYTES, Reply, Request, Status,
+        socket::{Endpoint, RunningLock},
+    },
     config::tunables::TunablesPatch,
     datapath::Selector,
     telemetry::{self, TailHistory},
@@ -23,6 +29,51 @@ use crate::{
 
 /// How long a client has to send its request.
 const REQUEST_WAIT: Duration = Duration::from_secs(1);
+
+/// A control socket bound under its endpoint's lock, admitting at most
+/// [`ConnectionLimit`]'s connections at once.
+pub struct ControlListener {
+    listener: UnixListener,
+    /// Held while the agent runs; removes the socket file when dropped.
+    _running: RunningLock,
+    limit: ConnectionLimit,
+}
+
+impl ControlListener {
+    /// Takes the endpoint's lock (refused while another agent holds it) and
+    /// binds its socket, for root and the agent's user only.
+    pub fn bind(endpoint: &Endpoint) -> Result<Self> {
+        let running = RunningLock::take(endpoint)?;
+        let listener = std::os::unix::net::UnixListener::bind(running.socket())
+            .with_context(|| format!("binding {}", running.socket().display()))?;
+        std::fs::set_permissions(running.socket(), std::fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            listener: UnixListener::from_std(listener)?,
+            _running: running,
+            limit: ConnectionLimit::default(),
+        })
+    }
+
+    /// The next connection there is room for, with its place (cancel-safe:
+    /// use it in `select!`). One beyond the limit is closed at once.
+    pub async fn accept(&self) -> (UnixStream, OwnedSemaphorePermit) {
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, _)) => {
+                    if let Some(permit) = self.limit.admit() {
+                        return (stream, permit);
+                    }
+                }
+                // Out of descriptors, say: wait instead of spinning.
+                Err(e) => {
+                    log::warn!("control socket: accept failed: {e}");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            }
+        }
+    }
+}
 
 /// A request on its way to the main loop, with where to send the reply.
 pub struct ControlCall {
@@ -34,10 +85,7 @@ pub struct ControlCall {
 /// own, so a slow or idle client never holds up the sweep; their requests
 /// come back to the main loop, the only owner of the selector.
 pub struct ControlServer {
-    listener: UnixListener,
-    /// Held while the agent runs; removes the socket file when dropped.
-    _running: RunningLock,
-    limit: ConnectionLimit,
+    listener: ControlListener,
     calls_tx: mpsc::Sender<ControlCall>,
     calls_rx: mpsc::Receiver<ControlCall>,
 }
@@ -47,16 +95,10 @@ impl ControlServer {
     /// attaching, this is also what refuses a second agent on the same
     /// interface.
     pub fn bind(iface: &str) -> Result<Self> {
-        let running = RunningLock::take(iface)?;
-        let listener = std::os::unix::net::UnixListener::bind(running.socket())
-            .with_context(|| format!("binding {}", running.socket().display()))?;
-        std::fs::set_permissions(running.socket(), std::fs::Permissions::from_mode(0o600))?;
-        listener.set_nonblocking(true)?;
+        let listener = ControlListener::bind(&Endpoint::Interface(iface.into()))?;
         let (calls_tx, calls_rx) = mpsc::channel(8);
         Ok(Self {
-            listener: UnixListener::from_std(listener)?,
-            _running: running,
-            limit: ConnectionLimit::default(),
+            listener,
             calls_tx,
             calls_rx,
         })
@@ -66,20 +108,12 @@ impl ControlServer {
     pub async fn next_call(&mut self) -> ControlCall {
         loop {
             tokio::select! {
-                accepted = self.listener.accept() => match accepted {
-                    // Beyond the limit: closed at once (dropped).
-                    Ok((stream, _)) => if let Some(permit) = self.limit.admit() {
-                        let calls = self.calls_tx.clone();
-                        tokio::spawn(async move {
-                            read_request(stream, calls).await;
-                            drop(permit);
-                        });
-                    },
-                    // Out of descriptors, say: wait instead of spinning.
-                    Err(e) => {
-                        log::warn!("control socket: accept failed: {e}");
-                        tokio::time::sleep(ACCEPT_BACKOFF).await;
-                    }
+                (stream, permit) = self.listener.accept() => {
+                    let caller = self.local_caller();
+                    tokio::spawn(async move {
+                        answer_connection(stream, |request| caller.call(request)).await;
+                        drop(permit);
+                    });
                 },
                 Some(call) = self.calls_rx.recv() => return call,
             }
@@ -100,10 +134,21 @@ pub struct LocalCaller(mpsc::Sender<ControlCall>);
 impl LocalCaller {
     /// The status, as `selector status --json` shows it.
     pub async fn status(&self) -> Result<Status> {
-        match forward(&self.0, Request::Status).await {
+        match self.call(Request::Status).await {
             Reply::Status(status) => Ok(*status),
             Reply::Error { message } => Err(anyhow!(message)),
-            Reply::Done { message } => Err(anyhow!("unexpected reply to status: {message}")),
+            other => Err(anyhow!("unexpected reply to status: {other:?}")),
+        }
+    }
+
+    /// Passes `request` to the owner loop and waits for its reply.
+    pub async fn call(&self, request: Request) -> Reply {
+        let (reply, answered) = oneshot::channel();
+        match self.0.send(ControlCall { request, reply }).await {
+            Ok(()) => answered
+                .await
+                .unwrap_or_else(|_| error("the agent is stopping")),
+            Err(_) => error("the agent is stopping"),
         }
     }
 }
@@ -200,9 +245,15 @@ fn drain(
     })
 }
 
-/// Reads one request line from a connection, passes it to the main loop and
-/// writes the reply line. Only root or the agent's own user may control it.
-async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
+/// Reads one request line (a `R`) from a connection, has `answer` reply
+/// to it and writes the reply line. Only root or the agent's own user may
+/// control it.
+pub async fn answer_connection<R, F, Fut>(stream: UnixStream, answer: F)
+where
+    R: DeserializeOwned,
+    F: FnOnce(R) -> Fut,
+    Fut: Future<Output = Reply>,
+{
     // SAFETY: geteuid has no preconditions.
     let own_uid = unsafe { libc::geteuid() };
     let allowed = stream
@@ -218,7 +269,7 @@ async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
         error("no request received")
     } else {
         match serde_json::from_str(line.trim_end()) {
-            Ok(request) => forward(&calls, request).await,
+            Ok(request) => answer(request).await,
             Err(e) => error(&format!("bad request: {e}")),
         }
     };
@@ -232,18 +283,8 @@ async fn read_request(stream: UnixStream, calls: mpsc::Sender<ControlCall>) {
     }
 }
 
-/// Passes a request to the main loop and waits for its reply.
-async fn forward(calls: &mpsc::Sender<ControlCall>, request: Request) -> Reply {
-    let (reply, answered) = oneshot::channel();
-    match calls.send(ControlCall { request, reply }).await {
-        Ok(()) => answered
-            .await
-            .unwrap_or_else(|_| error("the agent is stopping")),
-        Err(_) => error("the agent is stopping"),
-    }
-}
-
-fn error(message: &str) -> Reply {
+/// An error reply.
+pub fn error(message: &str) -> Reply {
     Reply::Error {
         message: message.into(),
     }

@@ -67,6 +67,8 @@ pub struct Source {
     label: Option<String>,
     fetch: Arc<dyn Fn() -> StatusFuture + Send + Sync>,
     health: Health,
+    /// Its owner loop, for the control requests routed to it.
+    caller: Option<LocalCaller>,
 }
 
 impl Source {
@@ -79,6 +81,7 @@ impl Source {
             label,
             fetch: Arc::new(move || Box::pin(status())),
             health,
+            caller: None,
         }
     }
 
@@ -86,31 +89,64 @@ impl Source {
     /// [`SCRAPE_REUSE`] however many scrapes arrive.
     pub fn of_caller(label: Option<String>, caller: LocalCaller, health: Health) -> Self {
         let cache = CachedStatus::default();
-        Self::new(
-            label,
-            move || {
-                let (caller, cache) = (caller.clone(), cache.clone());
-                async move { cache.get(|| caller.status()).await }
-            },
-            health,
-        )
+        let fetching = caller.clone();
+        Self {
+            caller: Some(caller),
+            ..Self::new(
+                label,
+                move || {
+                    let (caller, cache) = (fetching.clone(), cache.clone());
+                    async move { cache.get(|| caller.status()).await }
+                },
+                health,
+            )
+        }
     }
 }
 
-/// The attachments the endpoint serves, added as each attaches, and how
-/// many there will be (until all are there, the agent is not ready).
+/// The attachments the endpoint serves, added as each attaches, and the
+/// labels of those there will be (until all are there, the agent is not
+/// ready).
 #[derive(Clone)]
 pub struct Sources {
-    expected: usize,
+    expected: Arc<[Option<String>]>,
     list: Arc<Mutex<Vec<Source>>>,
 }
 
 impl Sources {
-    pub fn expecting(expected: usize) -> Self {
+    /// For an agent of one attachment (no label).
+    pub fn alone() -> Self {
+        Self::expecting(vec![None])
+    }
+
+    /// For an agent of the attachments labelled `labels`.
+    pub fn of_attachments(labels: Vec<String>) -> Self {
+        Self::expecting(labels.into_iter().map(Some).collect())
+    }
+
+    fn expecting(expected: Vec<Option<String>>) -> Self {
         Self {
-            expected,
+            expected: expected.into(),
             list: Arc::default(),
         }
+    }
+
+    /// The labels of the attachments there will be, in the order given.
+    pub fn expected_labels(&self) -> Vec<String> {
+        self.expected.iter().flatten().cloned().collect()
+    }
+
+    /// The owner loops of the attachments started, with their labels, in
+    /// the order given.
+    pub fn callers(&self) -> Vec<(String, LocalCaller)> {
+        let sources = self.sources();
+        self.expected
+            .iter()
+            .filter_map(|label| {
+                let source = sources.iter().find(|s| &s.label == label)?;
+                Some((label.clone()?, source.caller.clone()?))
+            })
+            .collect()
     }
 
     pub fn add(&self, source: Source) {
@@ -170,13 +206,13 @@ impl Sources {
         {
             return probe(&health.state(), now);
         }
-        let mut ok = sources.len() == self.expected;
+        let mut ok = sources.len() == self.expected.len();
         let mut body = String::new();
         if !ok {
             body += &format!(
                 "{} of {} attachments started\n",
                 sources.len(),
-                self.expected
+                self.expected.len()
             );
         }
         for source in &sources {
@@ -268,7 +304,7 @@ impl MetricsServer {
         F: Fn() -> Fut + Clone + Send + Sync + 'static,
         Fut: Future<Output = Result<Status>> + Send + 'static,
     {
-        let sources = Sources::expecting(1);
+        let sources = Sources::alone();
         sources.add(Source::new(None, status, health));
         self.serve_sources(sources).await
     }

@@ -1,9 +1,10 @@
 //! The running agent: one owner loop ([`run`]) holds the [`crate::datapath::Selector`]
 //! and serves the control socket, reloads, the metrics endpoint and systemd;
 //! an agent of several attachments ([`attachments`]) runs one such loop per
-//! attachment.
+//! attachment, with one control endpoint for all ([`control_router`]).
 
 pub mod attachments;
+pub mod control_router;
 pub mod control_server;
 pub mod endpoint;
 pub mod health;

@@ -191,7 +191,7 @@ pub async fn run_as(
             "metrics at http://{}/metrics (probes: /healthz, /readyz)",
             metrics.local_addr()?
         );
-        let sources = Sources::expecting(1);
+        let sources = Sources::alone();
         sources.add(Source::of_caller(
             None,
             control.local_caller(),

@@ -23,6 +23,18 @@
 //! {"reply":"error","message":"threshold must be at least 1"}
 //! ```
 //!
+//! An agent of several attachments (`selector run --attachment`) has one
+//! more socket, for all of them ([`socket::Endpoint::Attachments`]): the
+//! same requests, each naming its attachment by label ([`Routed`]); a
+//! status naming none is answered with every attachment's:
+//!
+//! ```text
+//! {"attachment":"eth0@/run/netns/pod-a","request":"drain",...}
+//! {"request":"status"}
+//! {"reply":"attachments","attachments":[{"attachment":"eth0@/run/netns/pod-a",
+//!  "status":{...Status...}}, ...]}
+//! ```
+//!
 //! [`Status`] is also what `selector status --json` prints.
 
 pub mod build_info;
@@ -54,10 +66,26 @@ pub enum Request {
     Reload,
 }
 
+/// A request to the endpoint of an agent of several attachments: for the
+/// attachment labelled `attachment` (`IFACE` or `IFACE@NETNS`, as in the
+/// metrics). Only a status may name none: then it is every attachment's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routed {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attachment: Option<String>,
+    #[serde(flatten)]
+    pub request: Request,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case")]
 pub enum Reply {
     Status(Box<Status>),
+    /// Each attachment's status, in the order of the agent's
+    /// `--attachment` flags (those started).
+    Attachments {
+        attachments: Vec<AttachmentStatus>,
+    },
     /// A change was applied; the message says what is in force now.
     Done {
         message: String,
@@ -284,6 +312,13 @@ impl From<&Settings> for SettingsInForce {
     }
 }
 
+/// One attachment's status in the reply of an agent of several.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AttachmentStatus {
+    pub attachment: String,
+    pub status: Status,
+}
+
 /// Longest request line the agent reads.
 pub const MAX_REQUEST_BYTES: u64 = 4096;
 
@@ -340,7 +375,32 @@ mod tests {
             Request::Reload,
         ] {
             round_trip(&r);
+            round_trip(&Routed {
+                attachment: Some("eth0@/run/netns/pod-a".into()),
+                request: r.clone(),
+            });
+            // A plain request is a routed one naming no attachment.
+            let plain = serde_json::to_string(&r).unwrap();
+            assert_eq!(
+                serde_json::from_str::<Routed>(&plain).unwrap(),
+                Routed {
+                    attachment: None,
+                    request: r
+                }
+            );
         }
+        let drain: Routed = serde_json::from_str(
+            r#"{"attachment":"eth0","request":"drain","backend":"10.0.0.2:11211","drained":true}"#,
+        )
+        .unwrap();
+        assert_eq!(drain.attachment.as_deref(), Some("eth0"));
+        assert_eq!(
+            drain.request,
+            Request::Drain {
+                backend: backend(),
+                drained: true
+            }
+        );
     }
 
     #[test]
@@ -469,6 +529,12 @@ mod tests {
             }],
         };
         round_trip(&Reply::Status(Box::new(status.clone())));
+        round_trip(&Reply::Attachments {
+            attachments: vec![AttachmentStatus {
+                attachment: "eth0@/run/netns/pod-a".into(),
+                status: status.clone(),
+            }],
+        });
         round_trip(&Reply::Done {
             message: "10.0.0.2:11211 drained".into(),
         });

@@ -9,6 +9,12 @@
 //! agent is running. A client checks that whoever accepted its connection
 //! is root or its own user before it believes the reply, and reads at most
 //! [`MAX_REPLY_BYTES`] of it.
+//!
+//! An agent of several attachments (`selector run --attachment`) also
+//! listens on `/run/selector/net-INODE/attachments/agent.sock`, in its own
+//! namespace, with its lock beside it: one endpoint for all its
+//! attachments, requests naming one by label ([`super::Routed`]). A
+//! directory of its own, so its names never pass for an interface's.
 
 use std::{
     fs::{self, DirBuilder, File, OpenOptions},
@@ -26,7 +32,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Reply, Request};
+use serde::Serialize;
+
+use super::Reply;
 
 /// The root of the agents' socket directories.
 pub const RUN_DIR: &str = "/run/selector";
@@ -46,23 +54,69 @@ pub fn namespace_dir() -> Result<PathBuf> {
     Ok(Path::new(RUN_DIR).join(format!("net-{inode}")))
 }
 
-/// The control socket of the agent on `iface` in this network namespace.
-pub fn socket_path(iface: &str) -> Result<PathBuf> {
-    Ok(namespace_dir()?.join(format!("{iface}.sock")))
+/// Which agent's socket, in this network namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// The agent (or the attachment of an agent of several) on an interface.
+    Interface(String),
+    /// The one endpoint of the agent of several attachments.
+    Attachments,
 }
 
-fn lock_path(iface: &str) -> Result<PathBuf> {
-    Ok(namespace_dir()?.join(format!("{iface}.lock")))
+impl Endpoint {
+    fn dir(&self) -> Result<PathBuf> {
+        let dir = namespace_dir()?;
+        Ok(match self {
+            Self::Interface(_) => dir,
+            Self::Attachments => dir.join("attachments"),
+        })
+    }
+
+    fn file(&self, suffix: &str) -> Result<PathBuf> {
+        let name = match self {
+            Self::Interface(iface) => iface.as_str(),
+            Self::Attachments => "agent",
+        };
+        Ok(self.dir()?.join(format!("{name}.{suffix}")))
+    }
+
+    /// Its control socket.
+    pub fn socket(&self) -> Result<PathBuf> {
+        self.file("sock")
+    }
+
+    fn lock(&self) -> Result<PathBuf> {
+        self.file("lock")
+    }
+
+    /// An agent of it, running, for messages: "a selector is running on
+    /// eth0 in this network namespace" with `a` "a" and `is` "is".
+    fn running(&self, a: &str, is: &str) -> String {
+        match self {
+            Self::Interface(iface) => {
+                format!("{a} selector {is} running on {iface} in this network namespace")
+            }
+            Self::Attachments => format!(
+                "{a} selector of several attachments {is} running in this network namespace"
+            ),
+        }
+    }
 }
 
-/// Creates this namespace's directory (and [`RUN_DIR`]) private to the
-/// agent's user, or makes them so when they are its own: a directory
-/// another user owns or could write in would let it bind the name first.
-pub fn private_namespace_dir() -> Result<PathBuf> {
-    let dir = namespace_dir()?;
+/// Creates the endpoint's directory (and those above it, from
+/// [`RUN_DIR`]) private to the agent's user, or makes them so when they
+/// are its own: a directory another user owns or could write in would let
+/// it bind the name first.
+fn private_dir(endpoint: &Endpoint) -> Result<PathBuf> {
+    let dir = endpoint.dir()?;
+    let namespace = namespace_dir()?;
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
-    for d in [Path::new(RUN_DIR), dir.as_path()] {
+    let mut dirs = vec![Path::new(RUN_DIR), namespace.as_path()];
+    if dir != namespace {
+        dirs.push(dir.as_path());
+    }
+    for d in dirs {
         match DirBuilder::new().mode(0o700).create(d) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
@@ -93,7 +147,7 @@ pub fn private_namespace_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// The lock a running agent holds on `iface` in this network namespace.
+/// The lock a running agent holds on its endpoint in this network namespace.
 pub struct RunningLock {
     _file: File,
     socket: PathBuf,
@@ -102,9 +156,9 @@ pub struct RunningLock {
 impl RunningLock {
     /// Takes the lock, or fails when another agent holds it. The socket
     /// file an earlier agent left is removed: the caller binds it anew.
-    pub fn take(iface: &str) -> Result<Self> {
-        private_namespace_dir()?;
-        let path = lock_path(iface)?;
+    pub fn take(endpoint: &Endpoint) -> Result<Self> {
+        private_dir(endpoint)?;
+        let path = endpoint.lock()?;
         let file = OpenOptions::new()
             .create(true)
             .truncate(false)
@@ -116,11 +170,11 @@ impl RunningLock {
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                bail!("a selector is already running on {iface} in this network namespace");
+                bail!("{}", endpoint.running("a", "is already"));
             }
             return Err(e).with_context(|| format!("locking {}", path.display()));
         }
-        let socket = socket_path(iface)?;
+        let socket = endpoint.socket()?;
         match fs::remove_file(&socket) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
                 return Err(e).with_context(|| format!("removing {}", socket.display()));
@@ -146,9 +200,9 @@ impl Drop for RunningLock {
     }
 }
 
-/// Whether an agent holds the lock of `iface` in this network namespace.
-pub fn agent_running(iface: &str) -> Result<bool> {
-    let path = lock_path(iface)?;
+/// Whether an agent holds the lock of `endpoint` in this network namespace.
+pub fn agent_running(endpoint: &Endpoint) -> Result<bool> {
+    let path = endpoint.lock()?;
     let file = match File::open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
@@ -174,7 +228,7 @@ pub fn running_agents() -> Result<Vec<String>> {
         let Some(iface) = name.to_str().and_then(|n| n.strip_suffix(".lock")) else {
             continue;
         };
-        if agent_running(iface)? {
+        if agent_running(&Endpoint::Interface(iface.into()))? {
             found.push(iface.to_string());
         }
     }
@@ -206,10 +260,11 @@ fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
     Ok(cred.uid)
 }
 
-/// Sends one request to the agent on `iface` (in this network namespace)
-/// and returns its reply.
-pub fn send(iface: &str, request: &Request) -> Result<Reply> {
-    let path = socket_path(iface)?;
+/// Sends one request (a [`super::Request`], or a [`super::Routed`] one to
+/// [`Endpoint::Attachments`]) to the agent of `endpoint` in this network
+/// namespace and returns its reply.
+pub fn send<R: Serialize>(endpoint: &Endpoint, request: &R) -> Result<Reply> {
+    let path = endpoint.socket()?;
     let mut stream = match UnixStream::connect(&path) {
         Ok(stream) => stream,
         Err(e) if e.kind() == io::ErrorKind::PermissionDenied => bail!(
@@ -217,12 +272,8 @@ pub fn send(iface: &str, request: &Request) -> Result<Reply> {
             path.display()
         ),
         Err(e) => {
-            return Err(e).with_context(|| {
-                format!(
-                    "no selector is running on {iface} in this network namespace ({})",
-                    path.display()
-                )
-            });
+            return Err(e)
+                .with_context(|| format!("{} ({})", endpoint.running("no", "is"), path.display()));
         }
     };
     // SAFETY: geteuid has no preconditions.

@@ -37,7 +37,7 @@ pub fn detach(args: DetachArgs) -> Result<()> {
     let iface = &args.iface;
     // The interface (and an agent's control socket) are the namespace's.
     crate::host::netns::enter_if_given(args.netns.netns.as_deref())?;
-    if crate::api::socket::agent_running(iface)? {
+    if crate::api::socket::agent_running(&crate::api::socket::Endpoint::Interface(iface.clone()))? {
         bail!(
             "a selector agent is running on {iface}; stop it first (SIGTERM; with --pin it leaves the pins for this command)"
         );

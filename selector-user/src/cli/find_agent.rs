@@ -1,17 +1,25 @@
 //! Which agent a control command (`status`, `set`, `drain`, `undrain`,
-//! `reload`) talks to when `--iface` is left out: the only one running in
-//! this network namespace, found by the locks the agents hold beside their
+//! `reload`) talks to: the one on `--iface`; the endpoint of the agent of
+//! several attachments with `--attachment`, or when it runs in this
+//! network namespace and neither is given; else the only agent running in
+//! it. Running agents are found by the locks they hold beside their
 //! sockets (see [`crate::api::socket`]).
 
 use anyhow::{Result, bail};
 
-/// `iface` if given, else the interface of the one agent in this network
-/// namespace; none or several is an error saying what to do.
-pub fn agent_iface(iface: Option<String>) -> Result<String> {
-    match iface {
-        Some(iface) => Ok(iface),
-        None => only_agent(crate::api::socket::running_agents()?),
-    }
+use crate::api::socket::{Endpoint, agent_running, running_agents};
+
+/// The endpoint to talk to, and the attachment to name there.
+pub fn endpoint(
+    iface: Option<String>,
+    attachment: Option<String>,
+) -> Result<(Endpoint, Option<String>)> {
+    Ok(match (iface, attachment) {
+        (Some(iface), _) => (Endpoint::Interface(iface), None),
+        (None, Some(label)) => (Endpoint::Attachments, Some(label)),
+        (None, None) if agent_running(&Endpoint::Attachments)? => (Endpoint::Attachments, None),
+        (None, None) => (Endpoint::Interface(only_agent(running_agents()?)?), None),
+    })
 }
 
 /// The one agent's interface.
@@ -51,7 +59,14 @@ mod tests {
             several,
             "2 selector agents run in this network namespace (on eth1, veth0): name one with --iface"
         );
-        // A given --iface is used as it is, whatever runs.
-        assert_eq!(agent_iface(Some("eth7".into())).unwrap(), "eth7");
+        // A given --iface or --attachment is used as it is, whatever runs.
+        assert_eq!(
+            endpoint(Some("eth7".into()), None).unwrap(),
+            (Endpoint::Interface("eth7".into()), None)
+        );
+        assert_eq!(
+            endpoint(None, Some("eth0@/run/netns/a".into())).unwrap(),
+            (Endpoint::Attachments, Some("eth0@/run/netns/a".into()))
+        );
     }
 }

@@ -22,7 +22,7 @@ pub use generate::{CompletionsArgs, ManArgs};
 pub use run::run;
 pub use run_args::RunArgs;
 
-use crate::api::{self, Reply, Request};
+use crate::api::{self, Reply, Request, Routed, socket::Endpoint};
 use crate::config::tunables::TunablesPatch;
 
 #[derive(Debug, Parser)]
@@ -94,24 +94,34 @@ pub struct NetnsArg {
     pub netns: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, Args)]
-pub struct ReloadArgs {
+/// Which running agent a control command talks to.
+#[derive(Debug, Default, Args)]
+pub struct AgentArgs {
     /// Interface the agent runs on (in this network namespace); may be
     /// left out when exactly one agent runs in it.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "attachment")]
     pub iface: Option<String>,
+    /// The attachment of an agent of several (`selector run --attachment`)
+    /// to talk to, by its label: IFACE, or IFACE@NETNS for one in another
+    /// namespace (as in its metrics and `selector status`). Without it and
+    /// without --iface, such an agent in this namespace is talked to:
+    /// `status` shows every attachment, the other commands need it.
+    #[arg(long, value_name = "LABEL")]
+    pub attachment: Option<String>,
     #[command(flatten)]
     pub netns: NetnsArg,
 }
 
 #[derive(Debug, Args)]
-pub struct StatusArgs {
-    /// Interface the agent runs on (in this network namespace); may be
-    /// left out when exactly one agent runs in it.
-    #[arg(long)]
-    pub iface: Option<String>,
+pub struct ReloadArgs {
     #[command(flatten)]
-    pub netns: NetnsArg,
+    pub agent: AgentArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub agent: AgentArgs,
     /// Print the status as one JSON document (schema: docs/reference/status.md).
     #[arg(long)]
     pub json: bool,
@@ -119,24 +129,16 @@ pub struct StatusArgs {
 
 #[derive(Debug, Args)]
 pub struct SetArgs {
-    /// Interface the agent runs on (in this network namespace); may be
-    /// left out when exactly one agent runs in it.
-    #[arg(long)]
-    pub iface: Option<String>,
     #[command(flatten)]
-    pub netns: NetnsArg,
+    pub agent: AgentArgs,
     #[command(flatten)]
     pub tunables: TunablesPatch,
 }
 
 #[derive(Debug, Args)]
 pub struct BackendArgs {
-    /// Interface the agent runs on (in this network namespace); may be
-    /// left out when exactly one agent runs in it.
-    #[arg(long)]
-    pub iface: Option<String>,
     #[command(flatten)]
-    pub netns: NetnsArg,
+    pub agent: AgentArgs,
     /// The backend, as given to --group.
     pub backend: SocketAddr,
 }
@@ -144,14 +146,14 @@ pub struct BackendArgs {
 /// Runs a control command against the agent on its interface and prints
 /// the reply.
 pub fn control(command: Command) -> Result<()> {
-    let (iface, netns, request, json) = match command {
+    let (agent, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
         Command::Check(a) => return check::check(&a),
         Command::Completions(a) => return generate::completions(&a, &mut std::io::stdout()),
         Command::Man(a) => return generate::man(&a, &mut std::io::stdout()),
         Command::Detach(a) => return detach::detach(a),
-        Command::Status(a) => (a.iface, a.netns, Request::Status, a.json),
-        Command::Reload(a) => (a.iface, a.netns, Request::Reload, false),
+        Command::Status(a) => (a.agent, Request::Status, a.json),
+        Command::Reload(a) => (a.agent, Request::Reload, false),
         Command::Set(a) => {
             if a.tunables.is_empty() {
                 bail!(
@@ -159,11 +161,10 @@ pub fn control(command: Command) -> Result<()> {
                     TunablesPatch::flags().join(", ")
                 );
             }
-            (a.iface, a.netns, Request::Set(a.tunables), false)
+            (a.agent, Request::Set(a.tunables), false)
         }
         Command::Drain(a) => (
-            a.iface,
-            a.netns,
+            a.agent,
             Request::Drain {
                 backend: a.backend,
                 drained: true,
@@ -171,8 +172,7 @@ pub fn control(command: Command) -> Result<()> {
             false,
         ),
         Command::Undrain(a) => (
-            a.iface,
-            a.netns,
+            a.agent,
             Request::Drain {
                 backend: a.backend,
                 drained: false,
@@ -181,11 +181,31 @@ pub fn control(command: Command) -> Result<()> {
         ),
     };
     // The agent's socket is in the namespace it attached in.
-    crate::host::netns::enter_if_given(netns.netns.as_deref())?;
-    let iface = find_agent::agent_iface(iface)?;
-    match api::send(&iface, &request)? {
+    crate::host::netns::enter_if_given(agent.netns.netns.as_deref())?;
+    let reply = match find_agent::endpoint(agent.iface, agent.attachment)? {
+        (endpoint @ Endpoint::Interface(_), _) => api::send(&endpoint, &request)?,
+        (endpoint @ Endpoint::Attachments, attachment) => api::send(
+            &endpoint,
+            &Routed {
+                attachment,
+                request,
+            },
+        )?,
+    };
+    match reply {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
         Reply::Status(status) => print!("{}", status.render()),
+        Reply::Attachments { attachments } if json => println!(
+            "{}",
+            serde_json::to_string(&serde_json::json!({ "attachments": attachments }))?
+        ),
+        Reply::Attachments { attachments } => {
+            let blocks: Vec<String> = attachments
+                .iter()
+                .map(|a| format!("attachment {}:\n{}", a.attachment, a.status.render()))
+                .collect();
+            print!("{}", blocks.join("\n"));
+        }
         Reply::Done { message } => println!("{message}"),
         Reply::Error { message } => bail!("{message}"),
     }

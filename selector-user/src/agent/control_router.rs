@@ -1,0 +1,148 @@
+//! The one control endpoint of an agent of several attachments (`selector
+//! run --attachment`): `selector status|set|drain|undrain|reload
+//! --attachment LABEL` reach it, in the agent's own network namespace
+//! ([`Endpoint::Attachments`]), and each request goes to the owner loop of
+//! the attachment it names, as its own control socket's would; a status
+//! naming none is every attachment's.
+
+use anyhow::Result;
+
+use crate::{
+    agent::{
+        control_server::{ControlListener, answer_connection, error},
+        endpoint::Sources,
+    },
+    api::{AttachmentStatus, Reply, Request, Routed, socket::Endpoint},
+};
+
+/// Where a request goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// To the attachment of this label.
+    One(String),
+    /// A status of every attachment started.
+    All,
+}
+
+/// Where `routed` goes among the attachments `expected` (labels, in the
+/// order given) of which `started` are running; an error says why nowhere.
+pub fn route(routed: &Routed, expected: &[String], started: &[String]) -> Result<Route, String> {
+    match &routed.attachment {
+        Some(label) if started.contains(label) => Ok(Route::One(label.clone())),
+        Some(label) if expected.contains(label) => {
+            Err(format!("attachment {label} has not started yet"))
+        }
+        Some(label) => Err(format!(
+            "no attachment {label}: the agent's attachments are {}",
+            expected.join(", ")
+        )),
+        None if routed.request == Request::Status => Ok(Route::All),
+        None => Err(format!(
+            "this agent serves several attachments: name one with --attachment ({})",
+            expected.join(", ")
+        )),
+    }
+}
+
+/// The endpoint's listening socket.
+pub struct ControlRouter {
+    listener: ControlListener,
+}
+
+impl ControlRouter {
+    /// Takes the endpoint's lock and binds its socket, in this thread's
+    /// network namespace; a second agent of several attachments in it is
+    /// refused.
+    pub fn bind() -> Result<Self> {
+        Ok(Self {
+            listener: ControlListener::bind(&Endpoint::Attachments)?,
+        })
+    }
+
+    /// Answers connections until the task is dropped, each in a task of
+    /// its own, routing to the attachments of `sources` (added as they
+    /// attach).
+    pub async fn serve(self, sources: Sources) {
+        loop {
+            let (stream, permit) = self.listener.accept().await;
+            let sources = sources.clone();
+            tokio::spawn(async move {
+                answer_connection(stream, |routed: Routed| answer(&sources, routed)).await;
+                drop(permit);
+            });
+        }
+    }
+}
+
+/// The reply to `routed`: its attachment's, or every attachment's status.
+async fn answer(sources: &Sources, routed: Routed) -> Reply {
+    let callers = sources.callers();
+    let started: Vec<String> = callers.iter().map(|(label, _)| label.clone()).collect();
+    match route(&routed, &sources.expected_labels(), &started) {
+        Err(message) => error(&message),
+        Ok(Route::One(label)) => match callers.into_iter().find(|(l, _)| *l == label) {
+            Some((_, caller)) => caller.call(routed.request).await,
+            None => error(&format!("attachment {label} has not started yet")),
+        },
+        Ok(Route::All) => {
+            let mut attachments = Vec::with_capacity(callers.len());
+            for (attachment, caller) in callers {
+                match caller.status().await {
+                    Ok(status) => attachments.push(AttachmentStatus { attachment, status }),
+                    Err(e) => return error(&format!("attachment {attachment}: {e:#}")),
+                }
+            }
+            Reply::Attachments { attachments }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn to(attachment: Option<&str>, request: Request) -> Routed {
+        Routed {
+            attachment: attachment.map(String::from),
+            request,
+        }
+    }
+
+    #[test]
+    fn requests_go_to_the_attachment_they_name_and_a_bare_status_to_all() {
+        let expected = ["eth0".to_string(), "eth0@/run/netns/pod-a".to_string()];
+        let started = &expected[..];
+        assert_eq!(
+            route(
+                &to(Some("eth0@/run/netns/pod-a"), Request::Reload),
+                &expected,
+                started
+            ),
+            Ok(Route::One("eth0@/run/netns/pod-a".into()))
+        );
+        assert_eq!(
+            route(&to(None, Request::Status), &expected, started),
+            Ok(Route::All)
+        );
+        assert_eq!(
+            route(&to(None, Request::Reload), &expected, started),
+            Err("this agent serves several attachments: name one with --attachment (eth0, eth0@/run/netns/pod-a)".into())
+        );
+        assert_eq!(
+            route(&to(Some("eth1"), Request::Status), &expected, started),
+            Err(
+                "no attachment eth1: the agent's attachments are eth0, eth0@/run/netns/pod-a"
+                    .into()
+            )
+        );
+        // Named before it attached: said so, not "no attachment".
+        assert_eq!(
+            route(
+                &to(Some("eth0@/run/netns/pod-a"), Request::Status),
+                &expected,
+                &expected[..1]
+            ),
+            Err("attachment eth0@/run/netns/pod-a has not started yet".into())
+        );
+    }
+}
