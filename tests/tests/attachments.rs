@@ -94,6 +94,21 @@ fn spawn_attachments(
     (agent, lines)
 }
 
+/// The reply of this namespace's eth0 control socket to a reload that
+/// names an attachment.
+fn raw_request_to_eth0() -> String {
+    use std::{io::Read as _, io::Write as _, os::unix::fs::MetadataExt as _};
+    let inode = std::fs::metadata("/proc/thread-self/ns/net").unwrap().ino();
+    let path = format!("/run/selector/net-{inode}/{CLIENT_IFACE}.sock");
+    let mut stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
+    stream
+        .write_all(b"{\"attachment\":\"eth0\",\"request\":\"reload\"}\n")
+        .unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    reply
+}
+
 /// The value of the sample line that starts with `series`, if any.
 fn sample(text: &str, series: &str) -> Option<f64> {
     let line = text
@@ -273,6 +288,23 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
     let status_a = agent::status_json::<serde_json::Value>(&a.client, CLIENT_IFACE);
     assert_eq!(status_a["settings"]["threshold"], 2, "{status_a}");
     assert_eq!(status_a["drained"], serde_json::json!([]), "{status_a}");
+    // The bare status pairs each label with its own attachment's status.
+    let (code, out) = agent::run_selector(&node, &["status", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let all: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for (i, threshold) in [2, 4].into_iter().enumerate() {
+        assert_eq!(all["attachments"][i]["attachment"], labels[i].as_str());
+        assert_eq!(
+            all["attachments"][i]["status"]["settings"]["threshold"], threshold,
+            "{all}"
+        );
+    }
+    // A pod's own socket takes no request meant for the agent's endpoint.
+    let said = a.client.run(raw_request_to_eth0).unwrap();
+    assert!(
+        said.contains("this is the control socket of one attachment"),
+        "{said}"
+    );
     let (code, out) = agent::run_selector(&node, &["undrain", "--attachment", &labels[1], &spare]);
     assert_eq!(code, 0, "{out}");
     let status_b = agent::status_json::<serde_json::Value>(&b.client, CLIENT_IFACE);
@@ -448,6 +480,16 @@ fn an_attachment_in_the_agents_own_namespace_runs_beside_a_pods() {
     }
     let node_status = agent::status_json::<serde_json::Value>(&node, CLIENT_IFACE);
     assert!(node_status["netns"].is_null(), "{node_status}");
+    // The node's eth0 lock is the agent's own attachment's: a bare status
+    // is still the agent's, every attachment's.
+    let (code, out) = agent::run_selector(&node, &["status", "--json"]);
+    assert_eq!(code, 0, "{out}");
+    let all: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(
+        all["attachments"].as_array().map(Vec::len),
+        Some(2),
+        "{all}"
+    );
     let pod_status = agent::status_json::<serde_json::Value>(&a.client, CLIENT_IFACE);
     assert_eq!(
         pod_status["netns"]["path"],

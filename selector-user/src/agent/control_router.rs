@@ -5,15 +5,22 @@
 //! the attachment it names, as its own control socket's would; a status
 //! naming none is every attachment's.
 
+use std::time::Duration;
+
 use anyhow::Result;
+use tokio::task::JoinSet;
 
 use crate::{
     agent::{
-        control_server::{ControlListener, answer_connection, error},
+        control_server::{ControlListener, LocalCaller, answer_connection, error},
         endpoint::Sources,
     },
     api::{AttachmentStatus, Reply, Request, Routed, socket::Endpoint},
 };
+
+/// Longest an attachment's loop may take to answer (a client waits 5 s):
+/// one that is slow or stuck costs its own requests, not the endpoint.
+const ANSWER_WAIT: Duration = Duration::from_secs(4);
 
 /// Where a request goes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -74,27 +81,59 @@ impl ControlRouter {
     }
 }
 
-/// The reply to `routed`: its attachment's, or every attachment's status.
+/// The reply to `routed`: its attachment's, or every attachment's status
+/// (asked of all at once).
 async fn answer(sources: &Sources, routed: Routed) -> Reply {
     let callers = sources.callers();
     let started: Vec<String> = callers.iter().map(|(label, _)| label.clone()).collect();
     match route(&routed, &sources.expected_labels(), &started) {
         Err(message) => error(&message),
         Ok(Route::One(label)) => match callers.into_iter().find(|(l, _)| *l == label) {
-            Some((_, caller)) => caller.call(routed.request).await,
+            Some((_, caller)) => within_wait(&label, &caller, routed.request).await,
             None => error(&format!("attachment {label} has not started yet")),
         },
         Ok(Route::All) => {
-            let mut attachments = Vec::with_capacity(callers.len());
-            for (attachment, caller) in callers {
-                match caller.status().await {
-                    Ok(status) => attachments.push(AttachmentStatus { attachment, status }),
-                    Err(e) => return error(&format!("attachment {attachment}: {e:#}")),
+            let mut asked = JoinSet::new();
+            for (i, (label, caller)) in callers.into_iter().enumerate() {
+                asked.spawn(async move {
+                    let reply = within_wait(&label, &caller, Request::Status).await;
+                    (i, label, reply)
+                });
+            }
+            let mut replies: Vec<_> = asked.join_all().await;
+            replies.sort_by_key(|(i, _, _)| *i);
+            let mut attachments = Vec::with_capacity(replies.len());
+            for (_, attachment, reply) in replies {
+                match reply {
+                    Reply::Status(status) => attachments.push(AttachmentStatus {
+                        attachment,
+                        status: *status,
+                    }),
+                    Reply::Error { message } => {
+                        return error(&format!("attachment {attachment}: {message}"));
+                    }
+                    other => {
+                        return error(&format!(
+                            "attachment {attachment}: unexpected reply to status: {other:?}"
+                        ));
+                    }
                 }
             }
             Reply::Attachments { attachments }
         }
     }
+}
+
+/// `caller`'s reply to `request`, or an error after [`ANSWER_WAIT`].
+async fn within_wait(label: &str, caller: &LocalCaller, request: Request) -> Reply {
+    tokio::time::timeout(ANSWER_WAIT, caller.call(request))
+        .await
+        .unwrap_or_else(|_| {
+            error(&format!(
+                "attachment {label} did not answer within {} s",
+                ANSWER_WAIT.as_secs()
+            ))
+        })
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use crate::{
     agent::limits::{ACCEPT_BACKOFF, ConnectionLimit, WRITE_WAIT},
     agent::reload::Reloader,
     api::{
-        MAX_REQUEST_BYTES, Reply, Request, Status,
+        MAX_REQUEST_BYTES, Reply, Request, Routed, Status,
         socket::{Endpoint, RunningLock},
     },
     config::tunables::TunablesPatch,
@@ -111,7 +111,17 @@ impl ControlServer {
                 (stream, permit) = self.listener.accept() => {
                     let caller = self.local_caller();
                     tokio::spawn(async move {
-                        answer_connection(stream, |request| caller.call(request)).await;
+                        answer_connection(stream, |routed: Routed| async move {
+                            // Meant for the agent's endpoint of several:
+                            // not applied to whichever attachment this is.
+                            match routed.attachment {
+                                Some(label) => error(&format!(
+                                    "this is the control socket of one attachment: it takes no --attachment ({label})"
+                                )),
+                                None => caller.call(routed.request).await,
+                            }
+                        })
+                        .await;
                         drop(permit);
                     });
                 },

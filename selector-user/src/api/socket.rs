@@ -74,7 +74,10 @@ impl Endpoint {
 
     fn file(&self, suffix: &str) -> Result<PathBuf> {
         let name = match self {
-            Self::Interface(iface) => iface.as_str(),
+            Self::Interface(iface) => {
+                crate::config::settings::check_iface_name(iface)?;
+                iface.as_str()
+            }
             Self::Attachments => "agent",
         };
         Ok(self.dir()?.join(format!("{name}.{suffix}")))
@@ -159,13 +162,25 @@ impl RunningLock {
     pub fn take(endpoint: &Endpoint) -> Result<Self> {
         private_dir(endpoint)?;
         let path = endpoint.lock()?;
+        // Not through a link, and ours: one planted while the directory
+        // was open to others is refused.
         let file = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        let owner = file.metadata()?.uid();
+        if owner != uid {
+            bail!(
+                "{} belongs to uid {owner}, not the agent's user (uid {uid}): remove it",
+                path.display()
+            );
+        }
         // SAFETY: flock on a descriptor we own.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
             let e = io::Error::last_os_error();

@@ -232,6 +232,16 @@ impl fmt::Display for BackendPlan {
     }
 }
 
+/// Refuses what cannot be an interface's name (Linux's rule: 1 to 15
+/// bytes, no `/`, not `.` or `..`): it names files (control sockets, pins).
+pub fn check_iface_name(iface: &str) -> Result<()> {
+    if iface.is_empty() || iface.len() > 15 || iface.contains('/') || iface == "." || iface == ".."
+    {
+        anyhow::bail!("bad interface name '{iface}'");
+    }
+    Ok(())
+}
+
 impl Settings {
     /// Settings with every default of `selector run`; change fields with
     /// struct-update syntax (`Settings { timeout, ..Settings::new(..) }`),

@@ -265,9 +265,7 @@ impl PinDir {
 
     /// For `detach --pin DIR`: `DIR/IF` as it is (it may hold nothing).
     pub fn at(dir: &Path, iface: &str) -> Result<Self> {
-        if iface.is_empty() || iface.contains('/') || iface == "." || iface == ".." {
-            bail!("bad interface name '{iface}'");
-        }
+        crate::config::settings::check_iface_name(iface)?;
         Ok(Self {
             root: dir.join(iface),
         })
