@@ -175,6 +175,29 @@ fn fail(sel: &mut Selector, member: u32, first_id: u16) {
 }
 
 #[test]
+fn the_check_reads_each_groups_own_drained_members() {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    // A second group, whose member 1 is drained: group 0's member 1 is
+    // not, and only a check that reads group 0's own word sees that.
+    settings.groups.push(
+        (3..6)
+            .map(|i| std::net::SocketAddr::from(replica(i)))
+            .collect(),
+    );
+    let mut sel = Selector::load(&settings).expect("load");
+    let other = sel
+        .backend_index(std::net::SocketAddr::from(replica(4)))
+        .unwrap();
+    sel.set_drained(other, true).unwrap();
+    fail(&mut sel, 1, 100);
+    assert_eq!(states(&sel)[..3], ["healthy", "ejected", "healthy"]);
+    // Drained while ejected: the operator's choice wins, it is restored.
+    sel.set_drained(1, true).unwrap();
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[..3], ["healthy", "healthy", "healthy"]);
+}
+
+#[test]
 fn an_ejected_replica_is_never_chosen_and_an_ejected_primary_is_left_at_once() {
     let mut sel = memcached();
     fail(&mut sel, 1, 100);

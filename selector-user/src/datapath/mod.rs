@@ -2,6 +2,7 @@
 //! names aya maps, programs and links. [`Selector`] is the handle.
 
 pub mod attachment;
+pub mod batch;
 #[cfg(feature = "testing")]
 pub mod bench;
 pub mod detach;
@@ -10,7 +11,6 @@ pub mod hedges;
 pub mod loader;
 mod marks;
 pub mod next_hops;
-pub mod percpu_batch;
 pub mod pinning;
 #[cfg(feature = "testing")]
 pub mod plant;

@@ -112,7 +112,7 @@ impl Selector {
     ) -> Result<Vec<T>> {
         let end = self.backends.iter().map(|b| b.index + 1).max().unwrap_or(0);
         let mut out = Vec::with_capacity(end as usize);
-        crate::datapath::percpu_batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
+        crate::datapath::batch::for_each(self.map(name)?, 0, end, |_, per_cpu: &[T]| {
             let mut total = T::default();
             for v in per_cpu {
                 add(&mut total, v);
@@ -139,7 +139,7 @@ impl Selector {
                 let known = cache.get(&b.index);
                 let moved = known.is_none_or(|k| k.completed != completed);
                 if moved || known.is_some_and(|k| k.moved) {
-                    let buckets = crate::datapath::percpu_batch::sum_u64(
+                    let buckets = crate::datapath::batch::sum_u64(
                         map,
                         b.index * LATENCY_BUCKETS,
                         LATENCY_BUCKETS,
@@ -175,8 +175,7 @@ impl Selector {
     /// Packets passed untouched, by direction and reason, summed over CPUs.
     pub fn passed(&self) -> Result<Vec<(Direction, PassReason, u64)>> {
         let reasons = PassReason::ALL.len() as u32;
-        let counts =
-            crate::datapath::percpu_batch::sum_u64(self.map(names::PASSED)?, 0, 2 * reasons)?;
+        let counts = crate::datapath::batch::sum_u64(self.map(names::PASSED)?, 0, 2 * reasons)?;
         let mut out = Vec::new();
         for direction in [Direction::Egress, Direction::Ingress] {
             for reason in PassReason::ALL {
@@ -191,7 +190,7 @@ impl Selector {
 impl Selector {
     /// Packets the programs pulled, by direction, summed over CPUs.
     pub fn headers_pulled(&self) -> Result<HeadersPulled> {
-        let counts = crate::datapath::percpu_batch::sum_u64(self.map(names::PULLED)?, 0, 2)?;
+        let counts = crate::datapath::batch::sum_u64(self.map(names::PULLED)?, 0, 2)?;
         Ok(HeadersPulled {
             egress: counts[Direction::Egress as usize],
             ingress: counts[Direction::Ingress as usize],

@@ -1,8 +1,9 @@
-//! Reading a per-CPU array in a few system calls (BPF_MAP_LOOKUP_BATCH)
-//! instead of one per element: the latency histograms alone are
-//! 512 backends x 96 buckets, and one lookup each made the agent's
-//! per-interval snapshot cost more than everything else it does; the
-//! per-backend counters are 512 more each.
+//! Reading an array, or a per-CPU array, in a few system calls
+//! (BPF_MAP_LOOKUP_BATCH) instead of one per element: the latency
+//! histograms alone are 512 backends x 96 buckets, and one lookup each made
+//! the agent's per-interval snapshot cost more than everything else it
+//! does; the per-backend counters are 512 more each; and the ejection
+//! check, every 10 ms, reads every group's drained members.
 
 use std::os::fd::{AsFd as _, AsRawFd as _};
 
@@ -35,22 +36,26 @@ pub fn sum_u64(map: &Map, first: u32, len: u32) -> Result<Vec<u64>> {
     Ok(out)
 }
 
-/// Calls `f` with each element `first..first + len` of the per-CPU array
-/// of `T`s behind `map`: its index and its value on every CPU.
+/// Calls `f` with each element `first..first + len` of the array of `T`s
+/// behind `map`: its index and its value on every CPU (a per-CPU array),
+/// or its one value (an array).
 pub fn for_each<T: Copy + Default>(
     map: &Map,
     first: u32,
     len: u32,
     mut f: impl FnMut(u32, &[T]),
 ) -> Result<()> {
-    let Map::PerCpuArray(data) = map else {
-        bail!("not a per-CPU array");
+    let (data, cpus) = match map {
+        Map::PerCpuArray(data) => {
+            // The kernel lays per-CPU values out at 8-byte strides.
+            if !size_of::<T>().is_multiple_of(8) {
+                bail!("per-CPU values of {} bytes", size_of::<T>());
+            }
+            (data, possible_cpus()?)
+        }
+        Map::Array(data) => (data, 1),
+        _ => bail!("not an array"),
     };
-    // The kernel lays per-CPU values out at 8-byte strides.
-    if !size_of::<T>().is_multiple_of(8) {
-        bail!("per-CPU values of {} bytes", size_of::<T>());
-    }
-    let cpus = possible_cpus()?;
     let fd = data.fd().as_fd().as_raw_fd();
     // Buffers for one call, no larger than asked for: a histogram of 96
     // buckets is read on its own, 512 times per snapshot under load.
