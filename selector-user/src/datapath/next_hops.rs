@@ -113,20 +113,13 @@ impl NextHops {
             });
             wanted.insert(*id, known.unwrap_or_default());
         }
-        // Backends gone since (a reload removed them) are unknown again.
-        for id in self.published.keys() {
-            wanted.entry(*id).or_default();
-        }
         let mut map: Array<_, NextHopMac> = Array::try_from(selector.map_mut(names::NEXT_HOPS)?)?;
-        for (id, entry) in &wanted {
-            if self.published.get(id) != Some(entry) {
-                map.set(*id, *entry, 0)
-                    .with_context(|| format!("writing the next hop of backend {id}"))?;
-            }
+        for (id, entry) in writes(&self.published, &wanted) {
+            map.set(id, entry, 0)
+                .with_context(|| format!("writing the next hop of backend {id}"))?;
         }
         self.published = wanted;
-        self.published.retain(|_, e| e.ifindex != 0);
-        Ok(self.published.len())
+        Ok(self.published.values().filter(|e| e.ifindex != 0).count())
     }
 
     /// The routes changed (the kernel said so): the next refresh looks
@@ -148,6 +141,29 @@ impl NextHops {
     }
 }
 
+/// The entries to write to go from `published` (what the map holds, as
+/// far as this agent wrote it) to `wanted` (every backend's, unknown ones
+/// zero): those that changed or were never written, and zero for a
+/// backend gone since (a reload removed it) that had one. An entry that
+/// stays unknown is not written again (it was, on every refresh, for every
+/// member whose neighbour is unresolved).
+fn writes(
+    published: &HashMap<u32, NextHopMac>,
+    wanted: &HashMap<u32, NextHopMac>,
+) -> Vec<(u32, NextHopMac)> {
+    let changed = wanted
+        .iter()
+        .filter(|(id, entry)| published.get(id) != Some(entry))
+        .map(|(id, entry)| (*id, *entry));
+    let gone = published
+        .iter()
+        .filter(|(id, entry)| !wanted.contains_key(id) && entry.ifindex != 0)
+        .map(|(id, _)| (*id, NextHopMac::default()));
+    let mut all: Vec<_> = changed.chain(gone).collect();
+    all.sort_by_key(|(id, _)| *id);
+    all
+}
+
 #[cfg(feature = "testing")]
 /// For callers without an agent loop (tests, benchmarks): marks the
 /// backends' next hops managed, waits up to `wait` for them to resolve, and
@@ -159,4 +175,37 @@ pub fn publish_once(selector: &mut Selector, wait: Duration) -> Vec<std::net::So
         log::warn!("publishing the next hops: {e:#}");
     }
     unresolved
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hop(last: u8) -> NextHopMac {
+        NextHopMac {
+            dst: [2, 0, 0, 0, 0, last],
+            src: [2, 0, 0, 0, 0, 1],
+            ifindex: 7,
+        }
+    }
+
+    #[test]
+    fn only_changed_entries_are_written_and_unknown_ones_once() {
+        let unknown = NextHopMac::default();
+        let first: HashMap<u32, NextHopMac> = [(0, hop(10)), (1, unknown)].into();
+        // Nothing written yet: both, the unknown one as zero.
+        assert_eq!(
+            writes(&HashMap::new(), &first),
+            [(0, hop(10)), (1, unknown)]
+        );
+        // The same again: nothing (an unresolved member is not rewritten).
+        assert_eq!(writes(&first, &first), []);
+        // Resolved now, and the other's address changed.
+        let second: HashMap<u32, NextHopMac> = [(0, hop(11)), (1, hop(12))].into();
+        assert_eq!(writes(&first, &second), [(0, hop(11)), (1, hop(12))]);
+        // Backend 1 removed by a reload: its entry goes back to zero, once.
+        let third: HashMap<u32, NextHopMac> = [(0, hop(11))].into();
+        assert_eq!(writes(&second, &third), [(1, unknown)]);
+        assert_eq!(writes(&third, &third), []);
+    }
 }
