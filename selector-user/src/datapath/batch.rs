@@ -53,7 +53,17 @@ pub fn for_each<T: Copy + Default>(
             }
             (data, possible_cpus()?)
         }
-        Map::Array(data) => (data, 1),
+        Map::Array(data) => {
+            // Values are copied back to back at the map's value size.
+            let value_size = data.info()?.value_size() as usize;
+            if value_size != size_of::<T>() {
+                bail!(
+                    "array values of {value_size} bytes, read as {}",
+                    size_of::<T>()
+                );
+            }
+            (data, 1)
+        }
         _ => bail!("not an array"),
     };
     let fd = data.fd().as_fd().as_raw_fd();

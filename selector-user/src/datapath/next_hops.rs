@@ -132,9 +132,15 @@ impl NextHops {
     /// (for pinned programs left running without an agent to follow
     /// neighbour changes).
     pub fn forget_all(&mut self, selector: &mut Selector) -> Result<()> {
+        // Every backend's too, not only what this agent wrote: adopted
+        // pins hold the previous agent's entries until a refresh succeeds.
+        let mut ids: Vec<u32> = selector.backends.iter().map(|b| b.index).collect();
+        ids.extend(self.published.keys());
+        ids.sort_unstable();
+        ids.dedup();
         let mut map: Array<_, NextHopMac> = Array::try_from(selector.map_mut(names::NEXT_HOPS)?)?;
-        for id in self.published.keys() {
-            map.set(*id, NextHopMac::default(), 0)?;
+        for id in ids {
+            map.set(id, NextHopMac::default(), 0)?;
         }
         self.published.clear();
         Ok(())
