@@ -23,6 +23,7 @@ use selector_testbed::{
     prometheus::{http_get, promtool_check},
     topology::CLIENT_IFACE,
 };
+use selector_user::api::{Request, Routed, socket::Endpoint};
 
 const KEYS: usize = 200;
 const METRICS: &str = "127.0.0.1:9655";
@@ -64,13 +65,10 @@ fn spawn_attachments(
     env: &[(&str, &str)],
     labels: &[String],
 ) -> Agent {
-    let mut command = node.command(selector_binary().to_str().unwrap());
-    command.arg("run");
-    for file in files {
-        command.arg("--attachment").arg(file);
-    }
-    let mut child = command
-        .args(["--metrics-addr", metrics, "--quiet"])
+    let mut child = node
+        .command(selector_binary().to_str().unwrap())
+        .args(run_args(files))
+        .args(["--metrics-addr", metrics])
         .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -97,16 +95,22 @@ fn spawn_attachments(
 /// The reply of this namespace's eth0 control socket to a reload that
 /// names an attachment.
 fn raw_request_to_eth0() -> String {
-    use std::{io::Read as _, io::Write as _, os::unix::fs::MetadataExt as _};
-    let inode = std::fs::metadata("/proc/thread-self/ns/net").unwrap().ino();
-    let path = format!("/run/selector/net-{inode}/{CLIENT_IFACE}.sock");
-    let mut stream = std::os::unix::net::UnixStream::connect(&path).unwrap();
-    stream
-        .write_all(b"{\"attachment\":\"eth0\",\"request\":\"reload\"}\n")
-        .unwrap();
-    let mut reply = String::new();
-    stream.read_to_string(&mut reply).unwrap();
-    reply
+    let routed = Routed {
+        attachment: Some(CLIENT_IFACE.into()),
+        request: Request::Reload,
+    };
+    let reply = selector_user::api::send(&Endpoint::Interface(CLIENT_IFACE.into()), &routed);
+    format!("{reply:?}")
+}
+
+/// `selector run --quiet` with each of `files` as an `--attachment`.
+fn run_args(files: &[&Path]) -> Vec<String> {
+    let mut args = vec!["run".to_string(), "--quiet".into()];
+    for file in files {
+        args.push("--attachment".into());
+        args.push(file.to_str().unwrap().into());
+    }
+    args
 }
 
 /// The value of the sample line that starts with `series`, if any.
@@ -329,17 +333,9 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
     }
     // A second agent of several attachments in the node's namespace is
     // refused before it attaches anything.
-    let (code, out) = agent::run_selector(
-        &node,
-        &[
-            "run",
-            "--attachment",
-            file_a.to_str().unwrap(),
-            "--attachment",
-            file_b.to_str().unwrap(),
-            "--quiet",
-        ],
-    );
+    let args = run_args(&[&file_a, &file_b]);
+    let (code, out) =
+        agent::run_selector(&node, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_ne!(code, 0, "{out}");
     assert!(
         out.contains(
@@ -386,17 +382,9 @@ fn an_attachment_that_cannot_attach_fails_the_start_and_leaves_nothing() {
         ),
     )
     .unwrap();
-    let (code, out) = agent::run_selector(
-        &node,
-        &[
-            "run",
-            "--attachment",
-            good.to_str().unwrap(),
-            "--attachment",
-            bad.to_str().unwrap(),
-            "--quiet",
-        ],
-    );
+    let args = run_args(&[&good, &bad]);
+    let (code, out) =
+        agent::run_selector(&node, &args.iter().map(String::as_str).collect::<Vec<_>>());
     assert_ne!(code, 0, "{out}");
     assert!(out.contains("nosuch0"), "{out}");
     assert_eq!(agent::attached(&a.client, CLIENT_IFACE), Attached::NOTHING);
@@ -422,11 +410,7 @@ fn when_one_attachment_ends_the_agent_stops_the_others() {
         .command("timeout")
         .arg("20")
         .arg(selector_binary())
-        .args(["run", "--attachment"])
-        .arg(&file_a)
-        .arg("--attachment")
-        .arg(&file_b)
-        .arg("--quiet")
+        .args(run_args(&[&file_a, &file_b]))
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).to_string();

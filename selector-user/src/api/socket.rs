@@ -32,9 +32,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use serde::Serialize;
-
-use super::Reply;
+use super::{Reply, Routed};
 
 /// The root of the agents' socket directories.
 pub const RUN_DIR: &str = "/run/selector";
@@ -275,10 +273,10 @@ fn peer_uid(stream: &UnixStream) -> io::Result<u32> {
     Ok(cred.uid)
 }
 
-/// Sends one request (a [`super::Request`], or a [`super::Routed`] one to
-/// [`Endpoint::Attachments`]) to the agent of `endpoint` in this network
-/// namespace and returns its reply.
-pub fn send<R: Serialize>(endpoint: &Endpoint, request: &R) -> Result<Reply> {
+/// Sends one request to the agent of `endpoint` in this network namespace
+/// and returns its reply. Only [`Endpoint::Attachments`] takes one that
+/// names an attachment; naming none, it is a plain [`super::Request`].
+pub fn send(endpoint: &Endpoint, request: &Routed) -> Result<Reply> {
     let path = endpoint.socket()?;
     let mut stream = match UnixStream::connect(&path) {
         Ok(stream) => stream,

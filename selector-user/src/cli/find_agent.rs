@@ -28,18 +28,19 @@ pub fn endpoint(
 }
 
 /// The labels of the attachments the agent of several in this namespace
-/// has started (none if it cannot say).
+/// has started.
 fn attachments_started() -> Result<Vec<String>> {
     let asked = Routed {
         attachment: None,
         request: Request::Status,
     };
-    Ok(match crate::api::send(&Endpoint::Attachments, &asked)? {
+    match crate::api::send(&Endpoint::Attachments, &asked)? {
         Reply::Attachments { attachments } => {
-            attachments.into_iter().map(|a| a.attachment).collect()
+            Ok(attachments.into_iter().map(|a| a.attachment).collect())
         }
-        _ => Vec::new(),
-    })
+        Reply::Error { message } => bail!("the agent of several attachments: {message}"),
+        other => bail!("the agent of several attachments: unexpected reply {other:?}"),
+    }
 }
 
 /// With an agent of several attachments (`labels`) in this namespace: it,

@@ -22,7 +22,7 @@ pub use generate::{CompletionsArgs, ManArgs};
 pub use run::run;
 pub use run_args::RunArgs;
 
-use crate::api::{self, Reply, Request, Routed, socket::Endpoint};
+use crate::api::{self, Reply, Request, Routed};
 use crate::config::tunables::TunablesPatch;
 
 #[derive(Debug, Parser)]
@@ -182,16 +182,15 @@ pub fn control(command: Command) -> Result<()> {
     };
     // The agent's socket is in the namespace it attached in.
     crate::host::netns::enter_if_given(agent.netns.netns.as_deref())?;
-    let reply = match find_agent::endpoint(agent.iface, agent.attachment)? {
-        (endpoint @ Endpoint::Interface(_), _) => api::send(&endpoint, &request)?,
-        (endpoint @ Endpoint::Attachments, attachment) => api::send(
-            &endpoint,
-            &Routed {
-                attachment,
-                request,
-            },
-        )?,
-    };
+    // Naming no attachment, it is a plain request on the wire.
+    let (endpoint, attachment) = find_agent::endpoint(agent.iface, agent.attachment)?;
+    let reply = api::send(
+        &endpoint,
+        &Routed {
+            attachment,
+            request,
+        },
+    )?;
     match reply {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
         Reply::Status(status) => print!("{}", status.render()),
