@@ -198,6 +198,29 @@ fn the_check_reads_each_groups_own_drained_members() {
 }
 
 #[test]
+fn a_member_a_reload_added_is_checked_too() {
+    use std::{net::SocketAddr, time::Instant};
+
+    use selector_user::datapath::regroup::{GroupTable, plan_groups};
+
+    let mut sel = memcached();
+    // The check keeps the members by group between checks: one before
+    // the reload, so a check that kept them past it would not see the
+    // added member.
+    sel.check_ejection(sys::monotonic_ns());
+    let addr = |(a, p): ([u8; 4], u16)| SocketAddr::from((a, p));
+    let mut members = sel.settings.groups[0].clone();
+    members.push(addr(replica(3)));
+    let table = GroupTable::from_start(&sel.settings.groups, &[None]);
+    let changes = plan_groups(&table, &[members], &[None], Instant::now()).unwrap();
+    sel.apply_groups(&changes).unwrap();
+    sel.backends = changes.table.backends();
+    let added = sel.backend_index(addr(replica(3))).unwrap();
+    fail(&mut sel, added, 100);
+    assert_eq!(states(&sel), ["healthy", "healthy", "healthy", "ejected"]);
+}
+
+#[test]
 fn an_ejected_replica_is_never_chosen_and_an_ejected_primary_is_left_at_once() {
     let mut sel = memcached();
     fail(&mut sel, 1, 100);

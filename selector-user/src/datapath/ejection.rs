@@ -17,6 +17,7 @@ use selector_common::{
 };
 
 use crate::{
+    config::settings::BackendPlan,
     datapath::Selector,
     host::shared::{atomic, load},
     telemetry::EjectionState,
@@ -28,6 +29,36 @@ pub struct Ejection {
     groups: HashMap<u32, GroupRecord>,
     /// xorshift state for the jitter.
     random: u64,
+    /// The members by group, kept between checks: a check every 10 ms
+    /// that regrouped them (hash maps, vectors, a sort) was most of an
+    /// idle agent's CPU.
+    layout: Layout,
+    /// Each group's active members, as the last check read them.
+    active: Vec<u32>,
+}
+
+/// The configured members by group, in group order, and the backends they
+/// were made from (rebuilt only when those change: a reload).
+#[derive(Debug, Default)]
+struct Layout {
+    backends: Vec<BackendPlan>,
+    groups: Vec<(u32, Vec<(usize, SocketAddr)>)>,
+}
+
+impl Layout {
+    fn of(backends: &[BackendPlan]) -> Layout {
+        let mut by_group: HashMap<u32, Vec<(usize, SocketAddr)>> = HashMap::new();
+        for b in backends {
+            let (group, position) = split_backend_id(b.index);
+            by_group.entry(group).or_default().push((position, b.addr));
+        }
+        let mut groups: Vec<_> = by_group.into_iter().collect();
+        groups.sort();
+        Layout {
+            backends: backends.to_vec(),
+            groups,
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -89,34 +120,45 @@ impl Selector {
     /// One step of every group at `now_ns`: ejects, probes, restores, and
     /// returns what happened, one line each, for the log.
     pub fn check_ejection(&mut self, now_ns: u64) -> Vec<String> {
-        let params = self.settings.ejection.params(self.settings.timeout);
+        if self.ejection.layout.backends != self.backends {
+            self.ejection.layout = Layout::of(&self.backends);
+        }
         // Every group's drained members in one system call (one lookup
         // per backend, every 10 ms, was most of an idle agent's CPU).
-        let mut active: HashMap<u32, u32> = HashMap::new();
         let groups = self.backends.iter().map(|b| b.group + 1).max().unwrap_or(0);
+        let mut active = std::mem::take(&mut self.ejection.active);
+        active.clear();
+        active.resize(groups as usize, 0);
         let read = self.map(names::GROUPS).and_then(|map| {
             crate::datapath::batch::for_each(map, 0, groups, |g, group: &[Group]| {
-                active.insert(g, group[0].active);
+                if let Some(a) = active.get_mut(g as usize) {
+                    *a = group[0].active;
+                }
             })
         });
-        if read.is_err() {
-            return Vec::new();
-        }
-        let mut by_group: HashMap<u32, Vec<(usize, SocketAddr)>> = HashMap::new();
-        for b in &self.backends {
-            let (group, position) = split_backend_id(b.index);
-            by_group.entry(group).or_default().push((position, b.addr));
-        }
+        let layout = std::mem::take(&mut self.ejection.layout);
+        let lines = match read {
+            Ok(()) => self.check_groups(&layout, &active, now_ns),
+            Err(_) => Vec::new(),
+        };
+        self.ejection.layout = layout;
+        self.ejection.active = active;
+        lines
+    }
+
+    /// `check_ejection` of each group in `layout`, `active` its members
+    /// in service.
+    fn check_groups(&mut self, layout: &Layout, active: &[u32], now_ns: u64) -> Vec<String> {
+        let params = self.settings.ejection.params(self.settings.timeout);
         let mut lines = Vec::new();
-        let mut groups: Vec<_> = by_group.into_iter().collect();
-        groups.sort();
-        for (group, members) in groups {
+        for (group, members) in &layout.groups {
+            let group = *group;
             let h = self.health.ptr(group as usize);
             // SAFETY: fields of a live shared element, 8-byte aligned.
             let bits = unsafe { load(&raw mut (*h).bits) };
             let mut seen = [Seen::default(); MAX_GROUP_MEMBERS];
             let mut len = 0;
-            for &(p, _) in &members {
+            for &(p, _) in members {
                 let p = p % MAX_GROUP_MEMBERS;
                 // SAFETY: as above.
                 let (failures, good) =
@@ -124,7 +166,9 @@ impl Selector {
                 seen[p] = Seen {
                     failures,
                     good,
-                    eligible: active.get(&group).is_some_and(|a| a & (1 << p) != 0),
+                    eligible: active
+                        .get(group as usize)
+                        .is_some_and(|a| a & (1 << p) != 0),
                     probe_offered: bits & probe_bit(p) != 0,
                 };
                 len = len.max(p + 1);
@@ -135,7 +179,7 @@ impl Selector {
                 .get(&group)
                 .copied()
                 .unwrap_or_default();
-            for &(p, _) in &members {
+            for &(p, _) in members {
                 let p = p % MAX_GROUP_MEMBERS;
                 record.good[p].observe(seen[p].good, record.checked_ns);
             }
