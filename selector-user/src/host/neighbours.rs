@@ -56,6 +56,12 @@ pub struct Neighbour {
 }
 
 impl Neighbour {
+    /// The link-layer address a next hop may be written with: this
+    /// entry's, if it is resolved (all a refresh of the next hops reads).
+    pub fn usable_address(&self) -> Option<&[u8]> {
+        self.lladdr.as_deref().filter(|_| self.is_resolved())
+    }
+
     /// Has a usable link-layer address now.
     pub fn is_resolved(&self) -> bool {
         self.lladdr.is_some()
@@ -292,16 +298,7 @@ impl Netlink {
             .into_iter()
             .filter_map(|r| match r {
                 RouteNetlinkMessage::NewNeighbour(n) if n.header.ifindex == ifindex => {
-                    let addr = n.attributes.iter().find_map(|a| match a {
-                        NeighbourAttribute::Destination(NeighbourAddress::Inet(a)) => {
-                            Some(IpAddr::V4(*a))
-                        }
-                        NeighbourAttribute::Destination(NeighbourAddress::Inet6(a)) => {
-                            Some(IpAddr::V6(*a))
-                        }
-                        _ => None,
-                    })?;
-                    Some((addr, parse_neighbour(n)))
+                    neighbour_entry(n)
                 }
                 _ => None,
             })
@@ -333,6 +330,16 @@ fn neighbour_message(hop: NextHop) -> NeighbourMessage {
             IpAddr::V6(a) => NeighbourAddress::Inet6(a),
         }));
     m
+}
+
+/// A neighbour message's address and entry (`None` without an address).
+pub fn neighbour_entry(m: NeighbourMessage) -> Option<(IpAddr, Neighbour)> {
+    let addr = m.attributes.iter().find_map(|a| match a {
+        NeighbourAttribute::Destination(NeighbourAddress::Inet(a)) => Some(IpAddr::V4(*a)),
+        NeighbourAttribute::Destination(NeighbourAddress::Inet6(a)) => Some(IpAddr::V6(*a)),
+        _ => None,
+    })?;
+    Some((addr, parse_neighbour(m)))
 }
 
 fn parse_neighbour(m: NeighbourMessage) -> Neighbour {
