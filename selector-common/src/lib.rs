@@ -2,6 +2,8 @@
 //! programs and its agent. Everything here is `no_std` so the same code runs in
 //! the kernel and in host unit tests.
 #![no_std]
+// The kernel build's register barrier (`opaque`).
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 // clap's derive names `std`; the agent's build (feature `user`) has it.
 #[cfg(feature = "user")]
@@ -16,6 +18,7 @@ pub mod hedge;
 pub mod inflight;
 pub mod latency;
 pub mod maps;
+pub mod opaque;
 pub mod policy;
 pub mod reject;
 pub mod service;

@@ -203,26 +203,26 @@ pub(crate) fn clamp_cost(c: u64) -> u64 {
 }
 
 /// 1 if `a < b`, else 0; both below 2^63. The difference goes through
-/// `black_box`, or the compiler recognises a comparison and emits a branch
+/// `crate::opaque`, or the compiler recognises a comparison and emits a branch
 /// (the BPF instruction set has no conditional move): each such branch
 /// splits the kernel verifier's walk into two states with an exact flag
 /// (0 or 1), which no longer merge, eight times per loop.
 #[inline(always)]
 pub(crate) fn is_less(a: u64, b: u64) -> u64 {
-    core::hint::black_box(a.wrapping_sub(b)) >> 63
+    crate::opaque::opaque(a.wrapping_sub(b)) >> 63
 }
 
-/// 1 if `x == 0`, else 0 (through `black_box`, as `is_less`).
+/// 1 if `x == 0`, else 0 (through `crate::opaque`, as `is_less`).
 #[inline(always)]
 pub(crate) fn is_zero(x: u64) -> u64 {
-    1 - (core::hint::black_box(x | x.wrapping_neg()) >> 63)
+    1 - (crate::opaque::opaque(x | x.wrapping_neg()) >> 63)
 }
 
-/// `a` if `flag` is 1, `b` if it is 0. The mask goes through `black_box`
+/// `a` if `flag` is 1, `b` if it is 0. The mask goes through `crate::opaque`
 /// so the compiler cannot turn it back into a branch.
 #[inline(always)]
 pub(crate) fn select(flag: u64, a: u64, b: u64) -> u64 {
-    let mask = core::hint::black_box(flag.wrapping_neg());
+    let mask = crate::opaque::opaque(flag.wrapping_neg());
     (a & mask) | (b & !mask)
 }
 
@@ -341,7 +341,7 @@ pub fn admit(
     // mask it can prove changes nothing): Linux 6.1's verifier refuses a
     // variable stack offset it cannot bound below ("math between fp
     // pointer and register with unbounded min value").
-    let at = |pos: usize| load.pending[core::hint::black_box(pos) % MAX_GROUP_MEMBERS];
+    let at = |pos: usize| load.pending[crate::opaque::opaque_usize(pos) % MAX_GROUP_MEMBERS];
     if cap == 0 || chosen >= MAX_GROUP_MEMBERS || at(chosen) < cap {
         return Admission::Send(chosen);
     }

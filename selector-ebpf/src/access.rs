@@ -5,6 +5,8 @@
 use aya_ebpf::programs::{TcContext, XdpContext};
 use core::mem::size_of;
 
+use selector_common::opaque::opaque_usize;
+
 pub const ETH_LEN: usize = 14;
 pub const IPV4_LEN: usize = 20;
 pub const IPV6_LEN: usize = 40;
@@ -35,7 +37,7 @@ pub trait Packet {
 /// refuses any access through a modified context pointer.
 #[inline(always)]
 pub fn skb(ctx: &TcContext) -> *const aya_ebpf::bindings::__sk_buff {
-    core::hint::black_box(ctx.skb.skb as *const aya_ebpf::bindings::__sk_buff)
+    opaque_usize(ctx.skb.skb as usize) as *const aya_ebpf::bindings::__sk_buff
 }
 
 impl Packet for TcContext {
@@ -89,8 +91,8 @@ pub fn ptr_at<T>(pkt: &impl Packet, offset: usize) -> Result<*mut T, ()> {
     // carries the access size as its constant part. Left alone, the
     // compiler may fold `at + 1 > end` into `at >= end`, which proves
     // nothing at a variable offset; opaque values keep the form.
-    let at = core::hint::black_box(pkt.data() + offset);
-    let last = core::hint::black_box(at + size_of::<T>());
+    let at = opaque_usize(pkt.data() + offset);
+    let last = opaque_usize(at + size_of::<T>());
     if last > pkt.data_end() {
         return Err(());
     }

@@ -21,6 +21,7 @@ use selector_common::{
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, mark_words, slots_for},
     latency::LATENCY_BUCKETS,
+    opaque::opaque_usize,
     pass_index, split_backend_id,
 };
 
@@ -137,7 +138,7 @@ pub static NEXT_HOPS: Array<NextHopMac> = Array::with_max_entries(MAX_BACKENDS, 
 /// unbounded memory access").
 #[inline(always)]
 pub fn member_index(position: usize) -> usize {
-    core::hint::black_box(position) % MAX_GROUP_MEMBERS
+    opaque_usize(position) % MAX_GROUP_MEMBERS
 }
 
 /// Where backend `id` listens, as a rewrite target.

@@ -16,7 +16,11 @@
 //! pulled.
 
 use aya_ebpf::programs::TcContext;
-use selector_common::{Direction, Endpoint, PassReason, descriptor::MAX_DESCRIPTOR_SPAN};
+use selector_common::{
+    Direction, Endpoint, PassReason,
+    descriptor::MAX_DESCRIPTOR_SPAN,
+    opaque::{opaque, opaque_usize},
+};
 use selector_ebpf::access::skb;
 pub use selector_ebpf::access::{ETH_LEN, IPV4_LEN, IPV6_LEN, Packet, UDP_LEN, ptr_at, read_bytes};
 
@@ -210,13 +214,13 @@ pub struct Ip {
 pub fn src_address(pkt: &impl Packet, l: Layout) -> Result<[u8; 16], ()> {
     // The 16 bytes that end with the address: the whole IPv6 address, or
     // the IPv4 one and the 12 header bytes before it.
-    let v6 = core::hint::black_box(usize::from(l.v6));
+    let v6 = opaque_usize(usize::from(l.v6));
     address_ending_at(pkt, l.l3 + 8 * v6, v6)
 }
 
 #[inline(always)]
 pub fn dst_address(pkt: &impl Packet, l: Layout) -> Result<[u8; 16], ()> {
-    let v6 = core::hint::black_box(usize::from(l.v6));
+    let v6 = opaque_usize(usize::from(l.v6));
     address_ending_at(pkt, l.l3 + 4 + 20 * v6, v6)
 }
 
@@ -228,7 +232,7 @@ pub fn dst_address(pkt: &impl Packet, l: Layout) -> Result<[u8; 16], ()> {
 #[inline(always)]
 fn address_ending_at(pkt: &impl Packet, at: usize, v6: usize) -> Result<[u8; 16], ()> {
     let bytes: [u8; 16] = read_bytes(pkt, at)?;
-    let [hi, lo] = mapped_words(bytes, core::hint::black_box(0u64.wrapping_sub(v6 as u64)));
+    let [hi, lo] = mapped_words(bytes, opaque(0u64.wrapping_sub(v6 as u64)));
     let mut addr = [0u8; 16];
     addr[..8].copy_from_slice(&hi.to_ne_bytes());
     addr[8..].copy_from_slice(&lo.to_ne_bytes());
