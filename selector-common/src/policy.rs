@@ -166,8 +166,10 @@ impl GroupLoad {
         let mut best = 0u64;
         let mut best_cost = NO_COST;
         let mut ties = 0u64;
+        // Only the group's members: a position past them is never usable.
+        let len = self.len % (MAX_GROUP_MEMBERS + 1);
         let mut pos = 0;
-        while pos < MAX_GROUP_MEMBERS {
+        while pos < len {
             let unusable = 1 - ((usable >> pos) & 1);
             let c = clamp_cost(cost(pos)) | (unusable << 62);
             let less = is_less(c, best_cost);
