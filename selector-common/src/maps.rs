@@ -134,15 +134,19 @@ pub mod bench {
     /// one lookup and one delete per reply), for per-packet cost ratios.
     pub const REFERENCE_REQUEST: &str = "selector_reference_request";
     pub const REFERENCE_REPLY: &str = "selector_reference_reply";
+    /// The reference reply on TC ingress, for attaching beside the
+    /// reference request on real traffic (the closed-loop floor).
+    pub const REFERENCE_REPLY_TC: &str = "selector_reference_reply_tc";
     /// The reference programs' hash map.
     pub const REFERENCE: &str = "REFERENCE";
 
     /// Every program above.
-    pub const PROGRAMS: [&str; 4] = [
+    pub const PROGRAMS: [&str; 5] = [
         BASELINE_TC,
         BASELINE_XDP,
         REFERENCE_REQUEST,
         REFERENCE_REPLY,
+        REFERENCE_REPLY_TC,
     ];
     /// Every map above.
     pub const MAPS: [&str; 1] = [REFERENCE];

@@ -269,6 +269,34 @@ fn quick_failure_rows_produce_every_row_and_clean_up() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The closed-loop throughput rows (`--only throughput`) on one short
+/// round with the debug agent: every row appears with gets answered, and
+/// the reference programs' row passed its own check (its programs inserted
+/// and deleted on the real gets; the run fails otherwise); nothing is left
+/// behind. No ratio is asserted.
+#[test]
+fn quick_throughput_rows_produce_every_row_and_clean_up() {
+    use selector_testbed::bench::throughput::CONFIGS;
+
+    let (out, mut bench) = bench_with_the_debug_agent("throughput");
+    bench
+        .args(["--quick", "--only", "throughput", "--keys", "100"])
+        .args(["--throughput-rounds", "1"]);
+    let pid = run_to_success(bench);
+    let md = std::fs::read_to_string(out.join("throughput.md")).expect("throughput.md");
+    for config in &CONFIGS {
+        let line = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {} |", config.label)))
+            .unwrap_or_else(|| panic!("row {} missing:\n{md}", config.label));
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        let ops: f64 = cells[2].parse().unwrap_or_else(|e| panic!("{line}: {e}"));
+        assert!(ops > 0.0, "no get answered: {line}");
+    }
+    assert_no_namespaces_left(&format!("tput-{pid}-"));
+    let _ = std::fs::remove_dir_all(&out);
+}
+
 /// The resolver rows (`--only resolver`: glibc's getaddrinfo through a
 /// resolv.conf of two NSD nameservers, the first stalling) on one short
 /// round with the debug agent: every row appears with all its lookups

@@ -1,8 +1,10 @@
 //! The per-packet cost benchmark's programs, an object of their own
 //! (`selector-bench`) so that the agent's object holds only what it
 //! attaches: two empty programs, the baselines costs are measured against,
-//! and the reference request and reply paths (`reference`). Never
-//! attached: the benchmark runs them with BPF_PROG_TEST_RUN.
+//! and the reference request and reply paths (`reference`). The per-packet
+//! cost runs them with BPF_PROG_TEST_RUN; the closed-loop throughput
+//! attaches the empty ones, and the reference request with the reply's TC
+//! variant, as floors.
 #![no_std]
 #![no_main]
 
@@ -38,4 +40,13 @@ pub fn selector_reference_request(ctx: TcContext) -> i32 {
 pub fn selector_reference_reply(ctx: XdpContext) -> u32 {
     reference::reply(&ctx);
     xdp_action::XDP_PASS
+}
+
+/// The reference reply path on TC ingress: attached with the reference
+/// request by the closed-loop benchmark, the least a request tracker costs
+/// on the hooks the agent uses by default.
+#[classifier]
+pub fn selector_reference_reply_tc(ctx: TcContext) -> i32 {
+    reference::reply(&ctx);
+    TC_ACT_PIPE
 }

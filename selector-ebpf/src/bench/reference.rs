@@ -2,9 +2,11 @@
 //! a request tracker cannot avoid, to measure the selector's paths against.
 //! A request: find the client socket and the request id, one hash insert
 //! of its send time. A reply: the same parse, one lookup, one delete. No
-//! backend check, no policy, no counters, no rewrite. Never attached: the
-//! benchmark runs them with BPF_PROG_TEST_RUN, and their map holds one
-//! entry unless the benchmark sizes it (`bench::REFERENCE`).
+//! backend check, no policy, no counters, no rewrite. The per-packet cost
+//! runs them with BPF_PROG_TEST_RUN; the closed-loop throughput attaches
+//! them (the reply's TC variant) as the floor of any request tracker on
+//! those hooks. Their map holds one entry unless the benchmark sizes it
+//! (`bench::REFERENCE`).
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::map, maps::HashMap};
 use selector_common::{Endpoint, InflightKey};

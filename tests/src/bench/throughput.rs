@@ -6,10 +6,13 @@
 //! observe mode, and armed with `--threshold 1` (it redirects whenever the
 //! primary has one more pending than a replica), at the agent's default
 //! `--ingress auto` (TC ingress on the veth), and observe with `--ingress
-//! xdp` as context. Two more rows split the cost of observe mode: the
-//! empty programs on the same hooks (what attaching at all costs) and
-//! observe's programs left pinned after the agent exited (the kernel's
-//! share, without the agent process on the CPUs). Each row runs in segments
+//! xdp` as context. Three more rows split the cost of observe mode: the
+//! empty programs on the same hooks (what attaching at all costs), the
+//! reference programs on them (the per-packet cost's reference request and
+//! reply: one hash insert per get, one lookup and delete per reply, the
+//! least any request tracker does: the floor of the target), and observe's
+//! programs left pinned after the agent exited (the kernel's share, without
+//! the agent process on the CPUs). Each row runs in segments
 //! interleaved with the other rows (the order rotating each round); ratios
 //! are of medians of the segments' ops/s to the no-agent row's.
 
@@ -27,8 +30,8 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, ensure};
-use aya::programs::{SchedClassifier, TcAttachType};
-use selector_common::bench;
+use aya::programs::{SchedClassifier, TcAttachType, tc::SchedClassifierLinkId};
+use selector_common::{InflightKey, bench};
 use selector_user::datapath::bench::BenchPrograms;
 
 use super::agent_process::{AgentChild, check_agent, start_agent};
@@ -62,6 +65,9 @@ pub enum Attachment {
     Agent(&'static [&'static str]),
     /// The object's empty programs on TC egress and TC ingress.
     EmptyPrograms,
+    /// The object's reference request on TC egress and reference reply on
+    /// TC ingress.
+    ReferencePrograms,
     /// `selector run --pin` with these flags, then stopped: its programs
     /// stay attached with no agent process.
     PinnedWithoutAgent(&'static [&'static str]),
@@ -78,7 +84,8 @@ pub struct Config {
 
 const OBSERVE: &[&str] = &["--policy", "observe"];
 
-const CONFIGS: [Config; 6] = [
+/// Every row, the no-agent baseline first.
+pub const CONFIGS: [Config; 7] = [
     Config {
         label: "no agent",
         attachment: Attachment::None,
@@ -105,6 +112,11 @@ const CONFIGS: [Config; 6] = [
         target: false,
     },
     Config {
+        label: "reference programs (one insert, one lookup and delete) on TC egress and ingress",
+        attachment: Attachment::ReferencePrograms,
+        target: false,
+    },
+    Config {
         label: "observe's programs pinned, agent exited",
         attachment: Attachment::PinnedWithoutAgent(OBSERVE),
         target: false,
@@ -121,6 +133,8 @@ enum Attached {
     Programs {
         _holder: Box<BenchPrograms>,
     },
+    /// Detached by `finish`, which first checks they did their work.
+    Reference(Box<ReferencePrograms>),
     Pinned {
         bpffs: Bpffs,
         agent: PathBuf,
@@ -146,6 +160,9 @@ impl Attached {
             Attachment::EmptyPrograms => Some(Self::Programs {
                 _holder: Box::new(empty_programs(client)?),
             }),
+            Attachment::ReferencePrograms => Some(Self::Reference(Box::new(
+                ReferencePrograms::attach(client)?,
+            ))),
             Attachment::PinnedWithoutAgent(extra) => {
                 let bpffs = Bpffs::mount();
                 let mut with_pin = args(extra);
@@ -160,8 +177,13 @@ impl Attached {
         })
     }
 
-    /// Detaches what the row left behind.
-    fn finish(self, client: &Namespace) -> Result<()> {
+    /// Detaches what the row left behind; `load` is the segment's, which
+    /// the reference programs' check repeats.
+    fn finish(self, tb: &Testbed, load: &Load) -> Result<()> {
+        let client = &tb.client;
+        if let Self::Reference(reference) = self {
+            return reference.check_and_detach(client, load);
+        }
         if let Self::Pinned { bpffs, agent } = self {
             let status = client
                 .command(agent.to_str().context("agent path")?)
@@ -172,6 +194,100 @@ impl Attached {
         }
         Ok(())
     }
+}
+
+/// The reference request on the client's TC egress and the reference
+/// reply on its TC ingress (TCX, as the agent's programs), their map sized
+/// as the agent's default in-flight table.
+struct ReferencePrograms {
+    holder: BenchPrograms,
+    ingress: Option<SchedClassifierLinkId>,
+}
+
+/// Entries of the reference programs' map: the agent's default in-flight
+/// table's slots (`--inflight-max`).
+const REFERENCE_ENTRIES: u32 = 65_536;
+
+impl ReferencePrograms {
+    fn attach(client: &Namespace) -> Result<Self> {
+        client.run(move || -> Result<Self> {
+            let mut holder = BenchPrograms::load(REFERENCE_ENTRIES)?;
+            let ebpf = holder.ebpf_mut();
+            let request: &mut SchedClassifier = ebpf
+                .program_mut(bench::REFERENCE_REQUEST)
+                .context("the reference request program")?
+                .try_into()?;
+            request.attach(CLIENT_IFACE, TcAttachType::Egress)?;
+            let reply: &mut SchedClassifier = ebpf
+                .program_mut(bench::REFERENCE_REPLY_TC)
+                .context("the reference reply program (TC)")?
+                .try_into()?;
+            let ingress = reply.attach(CLIENT_IFACE, TcAttachType::Ingress)?;
+            Ok(Self {
+                holder,
+                ingress: Some(ingress),
+            })
+        })?
+    }
+
+    /// Keys in the reference map now.
+    fn entries(&mut self) -> Result<usize> {
+        let map = self
+            .holder
+            .ebpf_mut()
+            .map_mut(bench::REFERENCE)
+            .context("the reference map")?;
+        let map: aya::maps::HashMap<_, InflightKey, u64> = aya::maps::HashMap::try_from(map)?;
+        Ok(map.keys().filter(Result::is_ok).count())
+    }
+
+    /// Shows the row measured what it says, then detaches: every reply
+    /// deleted its request's entry (at most the loops' last requests and
+    /// the timed-out ones remain), and with the reply program detached a
+    /// few more gets leave entries (the request program inserts).
+    fn check_and_detach(mut self, client: &Namespace, load: &Load) -> Result<()> {
+        let left = self.entries()?;
+        ensure!(
+            left as u64 <= load.concurrency as u64 + load.timeouts,
+            "reference programs: {left} entries left after the segment, more than its \
+             {} loops and {} timeouts: the reply program deletes nothing",
+            load.concurrency,
+            load.timeouts
+        );
+        if let Some(link) = self.ingress.take() {
+            let reply: &mut SchedClassifier = self
+                .holder
+                .ebpf_mut()
+                .program_mut(bench::REFERENCE_REPLY_TC)
+                .context("the reference reply program (TC)")?
+                .try_into()?;
+            // A TCX link: closing it detaches, in whatever namespace.
+            reply.detach(link)?;
+        }
+        closed_loop(
+            client,
+            load.primary,
+            load.concurrency,
+            load.keys,
+            Duration::from_millis(100),
+        )?;
+        let inserted = self.entries()?;
+        ensure!(
+            inserted > left,
+            "reference programs: no entry inserted by 100 ms of gets with the reply program \
+             detached ({inserted} entries): the request program inserts nothing"
+        );
+        Ok(())
+    }
+}
+
+/// A row's load, as the reference programs' check needs it.
+struct Load {
+    primary: SocketAddrV4,
+    concurrency: usize,
+    keys: usize,
+    /// Requests of the measured segment that timed out.
+    timeouts: u64,
 }
 
 /// The benchmark object's empty TC program attached to the interface's
@@ -305,7 +421,13 @@ pub fn measure(o: &ThroughputOptions, command: &str) -> Result<ThroughputReport>
             row.segments.push(per_s);
             row.timeouts += timeouts;
             if let Some(a) = attached {
-                a.finish(&tb.client)?;
+                let load = Load {
+                    primary,
+                    concurrency: o.concurrency,
+                    keys: o.keys,
+                    timeouts,
+                };
+                a.finish(&tb, &load)?;
             }
         }
     }
