@@ -31,6 +31,11 @@ use crate::{
 /// combined stack limit.
 #[inline(always)]
 pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
+    // First: TCP and the like pay a few loads, no map read (the mark
+    // below is only ever set on a datagram).
+    if prologue::plainly_not_udp::<Request>(ctx) {
+        return Ok(TC_CONTINUE);
+    }
     let config = config().ok_or(())?;
     // Our own packet crossing egress a second time (a redirected request):
     // already counted and steered. Clear the bit so it leaves as it came.

@@ -36,6 +36,9 @@ pub fn selector_egress(ctx: TcContext) -> i32 {
 
 #[xdp]
 pub fn selector_ingress(ctx: XdpContext) -> u32 {
+    if prologue::plainly_not_udp::<prologue::Reply>(&ctx) {
+        return xdp_action::XDP_PASS;
+    }
     match ingress::try_ingress(&ctx) {
         Ok(ingress::Verdict::Drop) => xdp_action::XDP_DROP,
         _ => xdp_action::XDP_PASS,
@@ -52,6 +55,9 @@ pub fn selector_ingress_tc(ctx: TcContext) -> i32 {
             ctx.set_mark(mark & !config.mark);
             return TC_CONTINUE;
         }
+    }
+    if prologue::plainly_not_udp::<prologue::Reply>(&ctx) {
+        return TC_CONTINUE;
     }
     // Classified from the linear part: only a member's reply is pulled.
     packet::pull_short_headers(&ctx, selector_common::Direction::Ingress);

@@ -114,6 +114,18 @@ pub fn pass<P: Path, T>(reason: PassReason) -> Result<T, ()> {
     Err(())
 }
 
+/// Whether the packet is plainly not UDP (`packet::plainly_not_udp`):
+/// counted as `NotIpUdp` then, and the entry point passes it at once,
+/// before it reads anything else.
+#[inline(always)]
+pub fn plainly_not_udp<P: Path>(ctx: &impl Packet) -> bool {
+    let not_udp = packet::plainly_not_udp(ctx);
+    if not_udp {
+        count_pass(P::DIRECTION, PassReason::NotIpUdp);
+    }
+    not_udp
+}
+
 /// The frame's IP header, its layout forgotten (`packet::forget_layout`).
 #[inline(always)]
 pub fn ip<P: Path>(ctx: &impl Packet) -> Result<Ip, ()> {
