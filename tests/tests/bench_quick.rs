@@ -146,7 +146,7 @@ fn untouched_rows_are_produced_and_the_agent_pulls_none_of_their_packets() {
     let (md, csv) = (read("untouched.md"), read("untouched.csv"));
     for m in Measure::ALL {
         assert!(md.contains(&format!("| {} |", m.label())), "{md}");
-        for attached in ["no", "yes"] {
+        for attached in ["no", "yes", "empty"] {
             assert!(
                 csv.lines()
                     .any(|l| l.starts_with(&format!("{},{attached},1,", m.id()))),

@@ -292,7 +292,7 @@ struct Load {
 
 /// The benchmark object's empty TC program attached to the interface's
 /// egress and ingress (TCX), as the agent's programs are.
-fn empty_programs(client: &Namespace) -> Result<BenchPrograms> {
+pub(super) fn empty_programs(client: &Namespace) -> Result<BenchPrograms> {
     client.run(move || -> Result<BenchPrograms> {
         let mut holder = BenchPrograms::load(1)?;
         let tc: &mut SchedClassifier = holder

@@ -1,8 +1,10 @@
 //! Traffic the selector does not steer (`--only untouched`): what being
 //! attached costs everything else the host sends and receives through the
 //! interface. Real tools between the client namespace and replica 0, with
-//! no agent and with the release agent at its shipped defaults (only
-//! `--iface` and `--group`), in alternating segments:
+//! no agent, with the release agent at its shipped defaults (only
+//! `--iface` and `--group`), and with the benchmark object's empty
+//! programs on the same TC hooks (the floor: what being attached at all
+//! costs), in interleaved segments:
 //! - TCP bulk throughput, the client sending and the client receiving
 //!   (iperf3, `-R` for the second);
 //! - TCP request/response rate: one 64-byte request and its echo at a time
@@ -16,7 +18,7 @@
 //! TCP sends and receives large skbs whose payload is in page fragments
 //! (`topology::offloads_on`).
 //! Each row's ratio is the median of its agent segments over the median of
-//! its no-agent segments, all from the same run.
+//! its no-agent segments, all from the same run; so is the empty programs'.
 
 use std::{
     fmt::Write as _,
@@ -208,11 +210,18 @@ pub struct RowResult {
     pub without: Vec<f64>,
     /// Values with the agent attached, in run order.
     pub with: Vec<f64>,
+    /// Values with the empty programs attached, in run order.
+    pub empty: Vec<f64>,
 }
 
 impl RowResult {
     pub fn ratio(&self) -> f64 {
         median(self.with.clone()) / median(self.without.clone())
+    }
+
+    /// The empty programs' median over the no-agent median: the floor.
+    pub fn empty_ratio(&self) -> f64 {
+        median(self.empty.clone()) / median(self.without.clone())
     }
 }
 
@@ -272,6 +281,25 @@ fn pulled(client: &Namespace, agent: &std::path::Path) -> Result<HeadersPulled> 
     Ok(status.headers_pulled)
 }
 
+/// What is attached to the client's interface during a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Attached {
+    Nothing,
+    Agent,
+    /// The benchmark object's empty TC programs.
+    Empty,
+}
+
+impl Attached {
+    fn label(self) -> &'static str {
+        match self {
+            Attached::Nothing => "no agent",
+            Attached::Agent => "agent",
+            Attached::Empty => "empty programs",
+        }
+    }
+}
+
 /// Runs every selected row on a fresh testbed (2 replicas, one group whose
 /// members listen on no port the tools use).
 pub fn measure(o: &UntouchedOptions, command: &str) -> Result<UntouchedReport> {
@@ -303,21 +331,25 @@ pub fn measure(o: &UntouchedOptions, command: &str) -> Result<UntouchedReport> {
             measure,
             without: Vec::new(),
             with: Vec::new(),
+            empty: Vec::new(),
         })
         .collect();
     let mut total = HeadersPulled::default();
     for round in 0..o.rounds {
-        // Alternate which goes first, so neither always follows the other.
-        let order = if round % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
+        // Rotate the order, so no attachment always follows another.
+        let mut order = [Attached::Nothing, Attached::Agent, Attached::Empty];
+        order.rotate_left(round % 3);
         for attached in order {
-            let agent = if attached {
+            let agent = if attached == Attached::Agent {
                 let child = start_agent(&tb.client, &o.agent, &args)?;
                 thread::sleep(Duration::from_millis(300));
                 Some(child)
+            } else {
+                None
+            };
+            // Detached when dropped, after the segment.
+            let _empty = if attached == Attached::Empty {
+                Some(super::throughput::empty_programs(&tb.client)?)
             } else {
                 None
             };
@@ -331,13 +363,13 @@ pub fn measure(o: &UntouchedOptions, command: &str) -> Result<UntouchedReport> {
                     round + 1,
                     o.rounds,
                     row.measure.label(),
-                    if attached { "agent" } else { "no agent" },
+                    attached.label(),
                     row.measure.unit()
                 );
-                if attached {
-                    row.with.push(value);
-                } else {
-                    row.without.push(value);
+                match attached {
+                    Attached::Nothing => row.without.push(value),
+                    Attached::Agent => row.with.push(value),
+                    Attached::Empty => row.empty.push(value),
                 }
             }
             if agent.is_some() {
@@ -364,10 +396,11 @@ impl UntouchedReport {
         let _ = writeln!(
             md,
             "Real tools from the client to replica 0 through the attached interface \
-             (offloads on at both ends), {} segments of {} s per row with no agent and as many \
-             with the release agent at its defaults, alternating; ratio: median with the agent \
-             over median without. Packets the agent's programs pulled over all its segments: \
-             {} egress, {} ingress.\n",
+             (offloads on at both ends), {} segments of {} s per row with no agent, as many \
+             with the release agent at its defaults and as many with empty programs on the same \
+             TC hooks (the floor), interleaved; ratio: median with the agent (or the empty \
+             programs) over median without. Target for TCP: at least 0.99x. Packets the agent's \
+             programs pulled over all its segments: {} egress, {} ingress.\n",
             o.rounds,
             o.segment.as_secs().max(1),
             self.pulled.egress,
@@ -375,7 +408,7 @@ impl UntouchedReport {
         );
         let _ = writeln!(
             md,
-            "| row | unit | no agent (median) | agent (median) | / no agent | segments without | segments with |\n|---|---|---:|---:|---:|---|---|"
+            "| row | unit | no agent (median) | agent (median) | / no agent | empty programs / no agent | segments without | segments with | segments empty |\n|---|---|---:|---:|---:|---:|---|---|---|"
         );
         let fmt = |unit: &str, v: f64| {
             if unit == "Gbit/s" {
@@ -395,13 +428,15 @@ impl UntouchedReport {
             };
             let _ = writeln!(
                 md,
-                "| {} | {unit} | {} | {} | {:.3} | {} | {} |",
+                "| {} | {unit} | {} | {} | {:.3} | {:.3} | {} | {} | {} |",
                 r.measure.label(),
                 fmt(unit, median(r.without.clone())),
                 fmt(unit, median(r.with.clone())),
                 r.ratio(),
+                r.empty_ratio(),
                 list(&r.without),
-                list(&r.with)
+                list(&r.with),
+                list(&r.empty)
             );
         }
         md
@@ -410,7 +445,7 @@ impl UntouchedReport {
     pub fn csv(&self) -> String {
         let mut csv = String::from("id,attached,segment,value,unit\n");
         for r in &self.rows {
-            for (attached, values) in [("no", &r.without), ("yes", &r.with)] {
+            for (attached, values) in [("no", &r.without), ("yes", &r.with), ("empty", &r.empty)] {
                 for (i, v) in values.iter().enumerate() {
                     let _ = writeln!(
                         csv,
