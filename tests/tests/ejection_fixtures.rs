@@ -525,3 +525,49 @@ fn expiries_sent_before_a_later_good_reply_are_no_failures_in_a_row() {
     sel.check_ejection(sys::monotonic_ns());
     assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
 }
+
+/// The agent checks ejection often only while something is in motion
+/// (`Selector::ejection_settled`): not before a first check, settled once
+/// a check finds every member healthy and no failure counted, in motion
+/// from a check that finds one error reply counted (the reply path marks
+/// a member failing by itself, but the run must be followed), through the
+/// ejection and the half-open probe, and settled again once the probe's
+/// good reply restored the member.
+#[test]
+fn ejection_is_settled_only_while_nothing_is_in_motion() {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    settings.ejection.base = Duration::from_millis(1);
+    settings.ejection.max = Duration::from_millis(1);
+    let mut sel = Selector::load(&Settings { ..settings }).expect("load");
+    assert!(!sel.ejection_settled(), "nothing checked yet");
+    sel.check_ejection(sys::monotonic_ns());
+    assert!(sel.ejection_settled(), "healthy, no failure");
+    answer(
+        &mut sel,
+        false,
+        90,
+        0,
+        0,
+        &mc_reply(90, b"SERVER_ERROR x\r\n"),
+    );
+    sel.check_ejection(sys::monotonic_ns());
+    assert!(!sel.ejection_settled(), "one failure counted");
+    fail(&mut sel, 0, 100);
+    assert_eq!(states(&sel)[0], "ejected");
+    assert!(!sel.ejection_settled(), "ejected");
+    std::thread::sleep(Duration::from_millis(2));
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[0], "half_open");
+    assert!(!sel.ejection_settled(), "half-open");
+    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x20)));
+    assert_eq!(verdict, TC_ACT_PIPE, "the probe goes to the primary");
+    let reply = udp(
+        replica(0),
+        (CLIENT, CLIENT_PORT),
+        &mc_reply(0x20, b"END\r\n"),
+    );
+    assert_eq!(run_xdp(&mut sel, &reply).0, XDP_PASS);
+    sel.check_ejection(sys::monotonic_ns());
+    assert_eq!(states(&sel)[0], "healthy");
+    assert!(sel.ejection_settled(), "restored by its probe");
+}

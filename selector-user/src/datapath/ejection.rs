@@ -35,6 +35,8 @@ pub struct Ejection {
     layout: Layout,
     /// Each group's active members, as the last check read them.
     active: Vec<u32>,
+    /// The last check found nothing in motion (`Selector::ejection_settled`).
+    settled: bool,
 }
 
 /// The configured members by group, in group order, and the backends they
@@ -151,6 +153,7 @@ impl Selector {
     fn check_groups(&mut self, layout: &Layout, active: &[u32], now_ns: u64) -> Vec<String> {
         let params = self.settings.ejection.params(self.settings.timeout);
         let mut lines = Vec::new();
+        let mut settled = true;
         for (group, members) in &layout.groups {
             let group = *group;
             let h = self.health.ptr(group as usize);
@@ -198,6 +201,13 @@ impl Selector {
                 || draws.next().unwrap_or(0),
             );
             self.ejection.groups.insert(group, record);
+            // After the step: a member it ejected is in motion.
+            settled &= bits & FAILING_MASK == 0
+                && !record.over_cap
+                && seen[..len].iter().all(|s| s.failures == 0)
+                && record.members[..len]
+                    .iter()
+                    .all(|m| m.state == ejection::State::Healthy);
             let name = |p: usize| {
                 members
                     .iter()
@@ -276,7 +286,19 @@ impl Selector {
                 eject_after_field(params.eject_after) | ejectable,
             );
         }
+        self.ejection.settled = settled;
         lines
+    }
+
+    /// Whether the last check found nothing in motion: every member
+    /// healthy, no failure counted since its last good reply, none marked
+    /// failing, no group over the cap. Then nothing can change until a
+    /// reply or an expiry counts a failure, and the reply path marks a
+    /// member failing (no longer chosen) on its own, so the agent may check
+    /// less often (`agent::run`: an idle agent's wakeups cost the host's
+    /// other traffic).
+    pub fn ejection_settled(&self) -> bool {
+        self.ejection.settled
     }
 
     /// Each backend's ejection state as of `now_ns`, in `backends` order.
