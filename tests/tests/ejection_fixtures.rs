@@ -338,6 +338,16 @@ fn a_half_open_member_gets_one_probe_and_a_good_reply_restores_it() {
     assert_eq!(verdict, TC_ACT_PIPE);
 }
 
+/// Sends read `id` to half-open member 0 (its probe: to the primary, not
+/// moved), answers it with `body` from member 0, then the agent's step.
+fn answer_probe(sel: &mut Selector, id: u16, body: &[u8]) {
+    let (verdict, _) = egress(sel, &request(&mc_get(id)));
+    assert_eq!(verdict, TC_ACT_PIPE, "the probe goes to the primary");
+    let reply = udp(replica(0), (CLIENT, CLIENT_PORT), &mc_reply(id, body));
+    assert_eq!(run_xdp(sel, &reply).0, XDP_PASS);
+    sel.check_ejection(sys::monotonic_ns());
+}
+
 #[test]
 fn a_failed_probe_ejects_again_for_longer() {
     let mut settings = settings_for(Descriptor::memcached(), replica);
@@ -347,15 +357,7 @@ fn a_failed_probe_ejects_again_for_longer() {
     fail(&mut sel, 0, 100);
     std::thread::sleep(Duration::from_millis(2));
     sel.check_ejection(sys::monotonic_ns());
-    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x40)));
-    assert_eq!(verdict, TC_ACT_PIPE, "the probe");
-    let reply = udp(
-        replica(0),
-        (CLIENT, CLIENT_PORT),
-        &mc_reply(0x40, b"SERVER_ERROR x\r\n"),
-    );
-    assert_eq!(run_xdp(&mut sel, &reply).0, XDP_PASS);
-    sel.check_ejection(sys::monotonic_ns());
+    answer_probe(&mut sel, 0x40, b"SERVER_ERROR x\r\n");
     let e = &sel.ejection_states(sys::monotonic_ns())[0];
     assert_eq!((e.ejection_state.as_str(), e.ejections), ("ejected", 2));
 }
@@ -559,15 +561,7 @@ fn ejection_is_settled_only_while_nothing_is_in_motion() {
     sel.check_ejection(sys::monotonic_ns());
     assert_eq!(states(&sel)[0], "half_open");
     assert!(!sel.ejection_settled(), "half-open");
-    let (verdict, _) = egress(&mut sel, &request(&mc_get(0x20)));
-    assert_eq!(verdict, TC_ACT_PIPE, "the probe goes to the primary");
-    let reply = udp(
-        replica(0),
-        (CLIENT, CLIENT_PORT),
-        &mc_reply(0x20, b"END\r\n"),
-    );
-    assert_eq!(run_xdp(&mut sel, &reply).0, XDP_PASS);
-    sel.check_ejection(sys::monotonic_ns());
+    answer_probe(&mut sel, 0x20, b"END\r\n");
     assert_eq!(states(&sel)[0], "healthy");
     assert!(sel.ejection_settled(), "restored by its probe");
 }
