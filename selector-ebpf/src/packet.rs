@@ -345,8 +345,8 @@ fn is_extension_header(next: u8) -> bool {
 
 /// Whether the frame is, from its first bytes alone, an untagged IPv4 or
 /// IPv6 packet of another protocol than UDP (TCP above all), or no IP at
-/// all: what `parse_ip` would pass as `NotIpUdp`, found with one read and
-/// no other state, so that the traffic the selector never touches runs a
+/// all: what `parse_ip` would pass as `NotIpUdp`, found with one bounds
+/// check and no other state, so that the traffic the selector never touches runs a
 /// few instructions of it (each run's code and data lines are cold in a
 /// busy stack). False for anything that needs the parser to tell: a VLAN
 /// tag, IPv6 extension headers, UDP, a header not valid or not directly

@@ -50,7 +50,6 @@ const NEXT_HOP_BACKSTOP: Duration = Duration::from_secs(5);
 /// How often the agent checks that its programs are still attached.
 const ATTACHMENT_CHECK: Duration = Duration::from_secs(1);
 
-/// How often a stopping agent checks whether the redirected reads are done.
 /// How often outlier ejection looks at the failure counts while something
 /// is in motion (a failure counted, a member failing, ejected or
 /// half-open): a replica answering errors is ejected within this of its
@@ -62,6 +61,7 @@ const EJECTION_CHECK: Duration = Duration::from_millis(10);
 /// waits; and every wakeup of an idle agent costs a busy host's other
 /// traffic (100 a second cost TCP bulk about 3% on a 2-CPU VM).
 const EJECTION_IDLE_CHECK: Duration = Duration::from_millis(250);
+/// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
 /// Whether the agent serves one attachment (the process is the agent) or
