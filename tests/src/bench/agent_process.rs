@@ -12,7 +12,9 @@ use std::{
 
 use anyhow::{Context as _, Result, bail, ensure};
 
-use crate::netns::Namespace;
+use selector_user::api::Status;
+
+use crate::{netns::Namespace, topology::CLIENT_IFACE};
 
 /// The release `selector` beside this binary (`cargo xtask bench` builds it).
 pub fn agent_beside(exe: &Path) -> PathBuf {
@@ -68,4 +70,18 @@ pub fn start_agent(ns: &Namespace, agent: &std::path::Path, args: &[String]) -> 
     // the pipe closed, its next line would end the agent.
     thread::spawn(move || lines.for_each(drop));
     Ok(child)
+}
+
+/// `selector status --json` of the agent on the client's interface in `ns`.
+pub fn agent_status(ns: &Namespace, agent: &Path) -> Result<Status> {
+    let out = ns
+        .command(agent.to_str().context("agent path")?)
+        .args(["status", "--iface", CLIENT_IFACE, "--json"])
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "selector status: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).context("selector status --json")
 }

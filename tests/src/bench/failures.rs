@@ -32,7 +32,7 @@ use hdrhistogram::Histogram;
 use selector_user::api::Status;
 
 use super::{
-    agent_process::{AgentChild, check_agent, start_agent},
+    agent_process::{AgentChild, agent_status, check_agent, start_agent},
     client::histogram,
     report::format_us,
     scenario::check_interrupted,
@@ -336,17 +336,7 @@ fn agent_for(
 
 /// `selector status --json` of the agent in `ns`.
 fn agent_counts(ns: &Namespace, agent: &Path) -> Result<AgentCounts> {
-    let out = ns
-        .command(agent.to_str().context("agent path")?)
-        .args(["status", "--iface", CLIENT_IFACE, "--json"])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "selector status: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let status: Status = serde_json::from_slice(&out.stdout).context("selector status --json")?;
-    Ok(AgentCounts::of(&status))
+    Ok(AgentCounts::of(&agent_status(ns, agent)?))
 }
 
 /// The load's report, and the agent's counts (then the agent stopped).

@@ -30,10 +30,10 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail, ensure};
-use selector_user::{api::Status, telemetry::HeadersPulled};
+use selector_user::telemetry::HeadersPulled;
 
 use super::{
-    agent_process::{check_agent, start_agent},
+    agent_process::{agent_status, check_agent, start_agent},
     median,
 };
 use crate::{
@@ -273,12 +273,7 @@ fn wait_listening(ns: &Namespace, port: u16) -> Result<()> {
 
 /// The agent's pull counts now.
 fn pulled(client: &Namespace, agent: &std::path::Path) -> Result<HeadersPulled> {
-    let out = client.exec(
-        agent.to_str().context("agent path")?,
-        &["status", "--iface", CLIENT_IFACE, "--json"],
-    )?;
-    let status: Status = serde_json::from_slice(&out.stdout).context("the agent's status")?;
-    Ok(status.headers_pulled)
+    Ok(agent_status(client, agent)?.headers_pulled)
 }
 
 /// What is attached to the client's interface during a segment.
