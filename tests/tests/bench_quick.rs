@@ -4,7 +4,8 @@
 //! the per-packet cost, the report and the plots are produced, and nothing
 //! is left behind. It asserts that everything appears, never timings.
 //! The rows of traffic the selector does not steer (`--only untouched`)
-//! run on their own, one short segment each.
+//! run on their own, one short segment each, as do the latency rows with
+//! nothing stalling (`--only steady`).
 
 use std::process::{Command, Stdio};
 
@@ -334,5 +335,48 @@ fn quick_resolver_rows_look_up_through_glibc_and_clean_up() {
         })
         .unwrap_or(0);
     assert_eq!(left, 0, "resolv.conf files left in /etc/netns");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// The latency with nothing stalling (`--only steady`) on one short round
+/// with the debug agent: every row of both protocols appears with all its
+/// reads answered (one at a time against real NSD and memcached, nothing
+/// stalling), the agent's rows having counted them (`steady.rs` fails the
+/// run otherwise), and nothing is left behind. No timing is asserted.
+#[test]
+fn quick_steady_rows_answer_every_read_and_clean_up() {
+    use selector_testbed::bench::steady::{Attached, Protocol};
+
+    let (out, mut bench) = bench_with_the_debug_agent("steady");
+    bench.args(["--quick", "--only", "steady"]).args([
+        "--steady-segment",
+        "0.5",
+        "--steady-rounds",
+        "1",
+        "--steady-rate",
+        "400",
+    ]);
+    let pid = run_to_success(bench);
+    let md = std::fs::read_to_string(out.join("steady.md")).expect("steady.md");
+    for protocol in Protocol::ALL {
+        for attached in Attached::ALL {
+            let start = format!("| {} | {} |", protocol.label(), attached.label());
+            let line = md
+                .lines()
+                .find(|l| l.starts_with(&start))
+                .unwrap_or_else(|| panic!("row {start} missing:\n{md}"));
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            // 400 reads/s for 0.5 s, one round.
+            assert_eq!(cells[3], "200", "{line}");
+            assert_eq!(cells[4], "0", "unanswered reads: {line}");
+        }
+    }
+    let csv = std::fs::read_to_string(out.join("steady.csv")).expect("steady.csv");
+    assert_eq!(
+        csv.lines().count(),
+        1 + 8,
+        "a median per row and segment:\n{csv}"
+    );
+    assert_no_namespaces_left(&format!("stdy-{pid}-"));
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -13,7 +13,10 @@
 //! writes failures.md and failures.csv. `--only resolver` (glibc's
 //! getaddrinfo through a resolv.conf of two NSD nameservers, the first
 //! stalling: no agent, the agent's defaults and threshold 1, each with and
-//! without hedges) writes resolver.md.
+//! without hedges) writes resolver.md. `--only steady` (one DNS query or
+//! memcached get at a time against NSD and memcached, nothing stalling: no
+//! agent, observe, threshold 1 and empty programs) writes steady.md and
+//! steady.csv.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -26,6 +29,7 @@ use selector_testbed::bench::{
     packet_cost::CostOptions,
     resolver::ResolverOptions,
     scale::ScaleOptions,
+    steady::{self, SteadyOptions},
     throughput::ThroughputOptions,
     untouched::{Measure, UntouchedOptions},
 };
@@ -101,12 +105,14 @@ struct Args {
     /// `throughput`, `scale`, `resolver` and `failures` (or `failures_dead`,
     /// `failures_broken`, a row's id) select those measurements, `untouched`
     /// the rows of traffic the selector does not steer (or one of them:
-    /// `untouched_tcp_send`, `_tcp_receive`, `_tcp_rr`, `_udp_other`);
+    /// `untouched_tcp_send`, `_tcp_receive`, `_tcp_rr`, `_udp_other`),
+    /// `steady` the latency with nothing stalling (or `steady_dns`,
+    /// `steady_memcached`);
     /// `cost`, which names no row, leaves only the per-packet cost.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Everything, in one run: the failure rows, the resolver rows, closed-loop throughput,
-    /// the untouched traffic and the agent at scale, then every row of the
+    /// the untouched traffic, the latency with nothing stalling and the agent at scale, then every row of the
     /// stall experiment with the per-packet cost (the report's command).
     #[arg(long, conflicts_with = "only")]
     all: bool,
@@ -168,6 +174,15 @@ struct Args {
     /// Failures: seconds of load of each broken-replica row [default: 14, quick: 2].
     #[arg(long)]
     broken_duration: Option<f64>,
+    /// Steady latency: reads per second, one at a time.
+    #[arg(long, default_value_t = 1000)]
+    steady_rate: u32,
+    /// Steady latency: seconds per segment [default: 3, quick: 1].
+    #[arg(long)]
+    steady_segment: Option<f64>,
+    /// Steady latency: segments per row [default: 5, quick: 2].
+    #[arg(long)]
+    steady_rounds: Option<usize>,
     /// Resolver: lookups per second.
     #[arg(long, default_value_t = 300)]
     resolver_rate: u32,
@@ -260,9 +275,16 @@ fn main() -> Result<()> {
     let extra = ["throughput", "scale", "resolver"];
     let mut opts = opts;
     if args.all {
-        opts.only = ["failures", "resolver", "throughput", "untouched", "scale"]
-            .map(String::from)
-            .to_vec();
+        opts.only = [
+            "failures",
+            "resolver",
+            "throughput",
+            "untouched",
+            "steady",
+            "scale",
+        ]
+        .map(String::from)
+        .to_vec();
     }
     let selected = |id: &str| opts.only.iter().any(|o| o == id);
     let agent = match &args.agent {
@@ -366,6 +388,27 @@ fn main() -> Result<()> {
         std::fs::write(out.join("untouched.csv"), u.csv())?;
         println!("{}", u.markdown());
     }
+    let protocols: Vec<steady::Protocol> = steady::Protocol::ALL
+        .into_iter()
+        .filter(|p| p.selected_by(&opts.only))
+        .collect();
+    if !protocols.is_empty() {
+        let s = steady::measure(
+            &SteadyOptions {
+                protocols,
+                rate: args.steady_rate.max(1),
+                segment: Duration::from_secs_f64(
+                    args.steady_segment.unwrap_or(pick(args.quick, 1.0, 3.0)),
+                ),
+                rounds: args.steady_rounds.unwrap_or(pick(args.quick, 2, 5)).max(1),
+                agent: agent.clone(),
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("steady.md"), s.markdown())?;
+        std::fs::write(out.join("steady.csv"), s.csv())?;
+        println!("{}", s.markdown());
+    }
     if selected("scale") {
         let s = bench::scale::measure(
             &ScaleOptions {
@@ -387,7 +430,10 @@ fn main() -> Result<()> {
     // `--all` goes on with every row of the stall experiment.
     let had_only = !opts.only.is_empty() && !args.all;
     opts.only.retain(|o| {
-        !extra.contains(&o.as_str()) && !bench::failures::is_failure_id(o) && !Measure::is_name(o)
+        !extra.contains(&o.as_str())
+            && !bench::failures::is_failure_id(o)
+            && !Measure::is_name(o)
+            && !steady::Protocol::is_name(o)
     });
     if had_only && opts.only.is_empty() {
         println!("written to {}", out.display());
