@@ -2,8 +2,9 @@
 //! the selector when there is nothing to steer around. One read at a time
 //! from the client namespace to replica 0, paced (a read every
 //! `1 / rate`, the next sent only after the last is answered), over a
-//! connected socket as an application would: DNS queries to NSD and
-//! memcached gets to memcached, both real servers, on two replicas that
+//! connected socket as an application would: DNS queries to NSD (ids
+//! scattered, as a resolver's) and memcached gets to memcached (ids in
+//! order, as its clients number them), both real servers, on two replicas that
 //! make up the agent's group. Attached to the client's interface during a
 //! segment: nothing, the release agent in observe mode, the agent with
 //! `--threshold 1` (both otherwise at their shipped defaults), or the
@@ -94,6 +95,16 @@ impl Protocol {
         match self {
             Protocol::Dns => &["--proto", "dns"],
             Protocol::Memcached => &[],
+        }
+    }
+
+    /// The id of the `i`th read: in order for memcached (as its clients
+    /// number requests), scattered for DNS (as resolvers pick ids, RFC
+    /// 5452: an odd multiplier walks every 16-bit id in a jumbled order).
+    fn request_id(self, i: u64, seed: u16) -> u16 {
+        match self {
+            Protocol::Dns => (i as u16).wrapping_mul(40_503).wrapping_add(seed),
+            Protocol::Memcached => i as u16,
         }
     }
 
@@ -235,6 +246,16 @@ pub fn measure(o: &SteadyOptions, command: &str) -> Result<SteadyReport> {
         nsd.wait_ready(&tb.client)?;
         nameservers.push(nsd);
     }
+    // The servers and the reading thread share one CPU (the last): where
+    // the scheduler puts them otherwise changes from segment to segment
+    // (a wakeup across CPUs or none), and with it a segment's median by
+    // more than the 2 us measured.
+    let cpu = serving_cpu();
+    if let Some(cpu) = cpu {
+        for ns in &tb.replica_ns {
+            pin_namespace(ns, cpu)?;
+        }
+    }
     let mut rows: Vec<RowLatency> = o
         .protocols
         .iter()
@@ -256,7 +277,7 @@ pub fn measure(o: &SteadyOptions, command: &str) -> Result<SteadyReport> {
         for &protocol in &o.protocols {
             for attached in order {
                 check_interrupted()?;
-                let seg = segment(&tb, o, protocol, attached)
+                let seg = segment(&tb, o, protocol, attached, cpu)
                     .with_context(|| format!("{}, {}", protocol.label(), attached.label()))?;
                 let p50 = seg.hist.value_at_quantile(0.5);
                 eprintln!(
@@ -302,6 +323,7 @@ fn segment(
     o: &SteadyOptions,
     protocol: Protocol,
     attached: Attached,
+    cpu: Option<usize>,
 ) -> Result<Segment> {
     let group: Vec<String> = (0..tb.replica_ns.len())
         .map(|i| SocketAddrV4::new(replica_addr(i), protocol.port()).to_string())
@@ -326,14 +348,58 @@ fn segment(
     };
     let target = SocketAddr::V4(SocketAddrV4::new(replica_addr(0), protocol.port()));
     let (rate, length) = (o.rate, o.segment);
-    let load = tb
-        .client
-        .run(move || paced_reads(protocol, target, rate, length))??;
+    let load = tb.client.run(move || {
+        if let Some(cpu) = cpu {
+            pin_task(0, cpu)?;
+        }
+        paced_reads(protocol, target, rate, length)
+    })??;
     let redirected = match agent {
         Some(child) => agent_saw(&tb.client, &o.agent, child, &load)?,
         None => 0,
     };
     Ok(Segment { redirected, ..load })
+}
+
+/// The CPU the servers and the reader share: the last, if there are two
+/// or more.
+fn serving_cpu() -> Option<usize> {
+    let cpus = thread::available_parallelism().map_or(1, usize::from);
+    (cpus >= 2).then(|| cpus - 1)
+}
+
+/// Pins task `tid` (0: the calling thread) to `cpu`.
+fn pin_task(tid: i32, cpu: usize) -> Result<()> {
+    // SAFETY: a zeroed cpu_set_t with one bit set, passed with its size.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        ensure!(
+            libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0,
+            "pinning task {tid} to CPU {cpu}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+/// Pins every thread of every process in `ns` to `cpu`.
+fn pin_namespace(ns: &Namespace, cpu: usize) -> Result<()> {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "pids", &ns.name])
+        .output()?;
+    let pids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(String::from)
+        .collect();
+    ensure!(!pids.is_empty(), "no process in {}", ns.name);
+    for pid in pids {
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+            let tid: i32 = task?.file_name().to_string_lossy().parse()?;
+            pin_task(tid, cpu)?;
+        }
+    }
+    Ok(())
 }
 
 /// The agent's status must count every answered read of the segment as a
@@ -372,13 +438,16 @@ fn paced_reads(
     let mut hist = latency_histogram();
     let (mut failed, mut buf) = (0, [0u8; 2048]);
     let start = Instant::now();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos() as u16);
     for i in 0..total {
         if let Some(wait) =
             (start + interval.mul_f64(i as f64)).checked_duration_since(Instant::now())
         {
             thread::sleep(wait);
         }
-        let id = i as u16;
+        let id = protocol.request_id(i, seed);
         let request = protocol.request(id);
         let sent = Instant::now();
         socket.send(&request)?;

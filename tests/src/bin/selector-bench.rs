@@ -177,10 +177,10 @@ struct Args {
     /// Steady latency: reads per second, one at a time.
     #[arg(long, default_value_t = 1000)]
     steady_rate: u32,
-    /// Steady latency: seconds per segment [default: 3, quick: 1].
+    /// Steady latency: seconds per segment [default: 2, quick: 1].
     #[arg(long)]
     steady_segment: Option<f64>,
-    /// Steady latency: segments per row [default: 5, quick: 2].
+    /// Steady latency: segments per row [default: 7, quick: 2].
     #[arg(long)]
     steady_rounds: Option<usize>,
     /// Resolver: lookups per second.
@@ -398,9 +398,9 @@ fn main() -> Result<()> {
                 protocols,
                 rate: args.steady_rate.max(1),
                 segment: Duration::from_secs_f64(
-                    args.steady_segment.unwrap_or(pick(args.quick, 1.0, 3.0)),
+                    args.steady_segment.unwrap_or(pick(args.quick, 1.0, 2.0)),
                 ),
-                rounds: args.steady_rounds.unwrap_or(pick(args.quick, 2, 5)).max(1),
+                rounds: args.steady_rounds.unwrap_or(pick(args.quick, 2, 7)).max(1),
                 agent: agent.clone(),
             },
             &opts.command,
