@@ -172,11 +172,32 @@ pub struct KeyHashes {
     pub client_slot: u32,
 }
 
+/// Request ids per run that shares one page of the table, and the slots
+/// between two ids' homes in a run: 8 ids over 64 slots of 64 bytes (4 KB).
+pub const HOME_RUN: u64 = 8;
+pub const HOME_STRIDE: u64 = 8;
+
+/// A key's home is a hashed place for its socket, its group and the run
+/// of `HOME_RUN` ids its id falls in, plus `HOME_STRIDE` slots per step of
+/// the id in that run. A client numbering its requests in order
+/// (memcached's clients do) so writes 8 requests in a row to one page,
+/// where a hash of the whole id sends each to a random line of a table of
+/// up to 256 MB: a TLB miss per request on top of the cache miss, the most
+/// expensive loads of the request path while the CPU idles between reads.
+/// The stride keeps a run's live keys apart: a socket with many requests
+/// in flight fills every 8th slot of its page, not a stretch of neighbours
+/// that another run's keys would probe past (runs of 8 neighbouring
+/// slots left 4.5% of keys with their window full at a quarter load, runs
+/// of 64 10%: `runs_of_ids_in_flight_leave_windows_free`). Ids that vary
+/// only in their high bits still spread, one run each; random ids (DNS)
+/// spread as before.
 #[inline(always)]
 pub fn key_hashes(key: &InflightKey) -> KeyHashes {
     let c = client_hash(&key.client_addr, key.client_port);
+    let run = key.request_id / HOME_RUN;
     KeyHashes {
-        home: mix(c ^ mix(key.request_id ^ (u64::from(key.group) << 48))),
+        home: mix(c ^ mix(run ^ (u64::from(key.group) << 48)))
+            .wrapping_add(key.request_id % HOME_RUN * HOME_STRIDE),
         client_slot: client_slot_of(c),
     }
 }
@@ -675,6 +696,62 @@ mod tests {
         assert_eq!(probe(6, 0, 7), 6);
         assert_eq!(probe(6, 3, 7), 1);
         assert_eq!(probe(u64::MAX, 1, 1023), 0);
+    }
+
+    #[test]
+    fn a_sockets_ids_in_order_share_a_page() {
+        let mask = (1u32 << 20) - 1;
+        let home = |id| probe(key_hashes(&key(id, 40000)).home, 0, mask);
+        for run in [0u64, 1, 4096 / HOME_RUN] {
+            let first = run * HOME_RUN;
+            for id in first + 1..first + HOME_RUN {
+                assert_eq!(
+                    home(id).wrapping_sub(home(id - 1)) & mask,
+                    HOME_STRIDE as u32,
+                    "id {id}"
+                );
+            }
+            // 64 slots of 64 bytes: one page, or two when the run starts
+            // inside one.
+            let span = u64::from(home(first + HOME_RUN - 1).wrapping_sub(home(first)) & mask);
+            assert!(span < 4096 / 64, "run {run} spans {span} slots");
+        }
+        assert_ne!(
+            home(HOME_RUN).wrapping_sub(home(HOME_RUN - 1)) & mask,
+            HOME_STRIDE as u32,
+            "the next run starts elsewhere"
+        );
+    }
+
+    /// Sockets with many requests in flight at once, each numbering them in
+    /// order, at the table's design load (a quarter full): about as few
+    /// keys find their probe window full as with every key hashed alone
+    /// (runs of 8 neighbouring slots: 4.5%; runs of 64: 10%).
+    #[test]
+    fn runs_of_ids_in_flight_leave_windows_free() {
+        let slots = 1u32 << 16;
+        let mask = slots - 1;
+        let mut taken = std::vec![false; slots as usize];
+        let (sockets, per_socket) = (16u16, u64::from(slots / 4) / 16);
+        let mut full = 0u32;
+        // Interleaved, as sockets send concurrently.
+        for id in 0..per_socket {
+            for s in 0..sockets {
+                let home = key_hashes(&key(id, 40000 + s)).home;
+                match (0..PROBE_WINDOW)
+                    .map(|i| probe(home, i, mask))
+                    .find(|&j| !taken[j as usize])
+                {
+                    Some(j) => taken[j as usize] = true,
+                    None => full += 1,
+                }
+            }
+        }
+        let keys = u32::from(sockets) * per_socket as u32;
+        assert!(
+            full * 1000 < keys,
+            "{full} of {keys} keys found their window full"
+        );
     }
 
     #[test]
