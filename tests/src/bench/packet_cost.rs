@@ -233,7 +233,12 @@ impl Lab {
     /// once more (a retransmit, one run) and then completed by its
     /// response through the ingress program: (egress ns, retransmit ns,
     /// ingress ns).
-    fn requests_and_responses(&mut self, n: u32, served_by: usize) -> Result<(f64, f64, f64)> {
+    fn requests_and_responses(
+        &mut self,
+        n: u32,
+        served_by: usize,
+        ids: fn(u32) -> (u16, u16),
+    ) -> Result<(f64, f64, f64)> {
         let (mut egress, mut again, mut ingress) = (0.0, 0.0, 0.0);
         let want = if served_by == 0 {
             TC_ACT_PIPE
@@ -242,7 +247,7 @@ impl Lab {
         };
         let mut measured = 0u32;
         for i in 0..n {
-            let (port, id) = fresh_request(i);
+            let (port, id) = ids(i);
             let untracked_before = self.untracked()?;
             let (t, verdict) = self.tc(programs::EGRESS, &request(port, id, replica(0)), 1)?;
             if self.untracked()? > untracked_before {
@@ -282,9 +287,17 @@ impl Lab {
     }
 }
 
-/// The request of stateful packet `i`: its own (client port, request id).
+/// The request of stateful packet `i`: its own (client port, request id),
+/// the ids of a port in order, as memcached's clients number requests.
 fn fresh_request(i: u32) -> (u16, u16) {
     (40_000 + (i >> 16) as u16, (i & 0xffff) as u16)
+}
+
+/// The same with the ids of a port scattered, as a resolver picks them (an
+/// odd multiplier walks every 16-bit id in a jumbled order), on other ports
+/// than `fresh_request`'s: no two requests of a row share a key.
+fn scattered_request(i: u32) -> (u16, u16) {
+    (20_000 + (i >> 16) as u16, (i as u16).wrapping_mul(40_503))
 }
 
 fn duration_ns(d: Duration) -> f64 {
@@ -361,17 +374,19 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
     let (empty_tc_1, empty_xdp_1) = (empty_tc_1 / n, empty_xdp_1 / n);
 
     let (before, skipped_before) = (lab.responses()?, lab.skipped);
-    let (tracked, retransmit_1, completed) = lab.requests_and_responses(o.fresh, 0)?;
+    let (tracked, retransmit_1, completed) =
+        lab.requests_and_responses(o.fresh, 0, fresh_request)?;
+    let (tracked_scattered, _, _) = lab.requests_and_responses(o.fresh, 0, scattered_request)?;
     // The primary far over the threshold: every request is redirected.
     lab.add_primary_issued(1_000_000)?;
-    let redirected = lab.requests_and_responses(o.fresh, 1);
+    let redirected = lab.requests_and_responses(o.fresh, 1, fresh_request);
     lab.add_primary_issued(-1_000_000)?;
     let (redirected, _, completed_redirected) = redirected?;
     let answered = lab.responses()? - before;
-    if answered != 2 * u64::from(o.fresh) - (lab.skipped - skipped_before) {
+    if answered != 3 * u64::from(o.fresh) - (lab.skipped - skipped_before) {
         bail!(
             "only {answered} of {} responses completed a request",
-            2 * o.fresh
+            3 * o.fresh
         );
     }
 
@@ -395,6 +410,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
     Ok(Sizes {
         ns: vec![
             tracked,
+            tracked_scattered,
             redirected,
             no_backend,
             no_backend_1,
@@ -407,6 +423,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             reference_reply,
         ],
         empty: vec![
+            empty_tc_1,
             empty_tc_1,
             empty_tc_1,
             empty_tc,
@@ -423,8 +440,9 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
 }
 
 /// (program, case, method, one of the targets), in row order.
-const CASES: [(&str, &str, Method, bool); 11] = [
+const CASES: [(&str, &str, Method, bool); 12] = [
     ("egress (TC)", "tracked request", Method::PerPacket, true),
+    ("egress (TC)", TRACKED_SCATTERED, Method::PerPacket, true),
     ("egress (TC)", "redirected request", Method::PerPacket, true),
     ("egress (TC)", "packet for no backend", Method::Repeat, true),
     (
@@ -472,6 +490,9 @@ const CASES: [(&str, &str, Method, bool); 11] = [
     ),
 ];
 
+/// A tracked request whose client picks its ids out of order (DNS): no
+/// two of a socket's requests in a row share a page of the table.
+const TRACKED_SCATTERED: &str = "tracked request, ids scattered";
 const REFERENCE_TC: &str = "reference (TC)";
 const REFERENCE_XDP: &str = "reference (XDP)";
 const REFERENCE_REQUEST_CASE: &str = "request: one hash insert";
@@ -520,6 +541,11 @@ pub fn reference_ratios(costs: &[CostRow]) -> Vec<ReferenceRatio> {
         ratio(
             "request path (tracked request / reference request)",
             row("egress (TC)", "tracked request"),
+            row(REFERENCE_TC, REFERENCE_REQUEST_CASE),
+        ),
+        ratio(
+            "request path, ids scattered (tracked request / reference request)",
+            row("egress (TC)", TRACKED_SCATTERED),
             row(REFERENCE_TC, REFERENCE_REQUEST_CASE),
         ),
         ratio(
