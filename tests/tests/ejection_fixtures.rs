@@ -13,10 +13,18 @@ use selector_testbed::frames::{
     CLIENT, CLIENT_PORT, DNS_QUERY, TC_ACT_PIPE, TC_ACT_REDIRECT, XDP_PASS, dns_server, egress,
     replica, request, run_tc, run_xdp, set_issued, settings_for, stats, udp, verified_endpoints,
 };
-use selector_user::{Selector, Settings, host::sys};
+use selector_user::{Selector, host::sys};
 
 fn memcached() -> Selector {
     Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load")
+}
+
+/// A memcached selector whose ejections last `base`, doubling up to `max`.
+fn ejecting_for(base: Duration, max: Duration) -> Selector {
+    let mut settings = settings_for(Descriptor::memcached(), replica);
+    settings.ejection.base = base;
+    settings.ejection.max = max;
+    Selector::load(&settings).expect("load")
 }
 
 /// A memcached reply with request id `id` and `body` after the frame header.
@@ -306,10 +314,7 @@ fn the_error_that_completes_a_run_stops_moved_reads_before_the_agents_check() {
 
 #[test]
 fn a_half_open_member_gets_one_probe_and_a_good_reply_restores_it() {
-    let mut settings = settings_for(Descriptor::memcached(), replica);
-    settings.ejection.base = Duration::from_millis(1);
-    settings.ejection.max = Duration::from_millis(1);
-    let mut sel = Selector::load(&Settings { ..settings }).expect("load");
+    let mut sel = ejecting_for(Duration::from_millis(1), Duration::from_millis(1));
     fail(&mut sel, 0, 100);
     assert_eq!(states(&sel)[0], "ejected");
     std::thread::sleep(Duration::from_millis(2));
@@ -350,10 +355,7 @@ fn answer_probe(sel: &mut Selector, id: u16, body: &[u8]) {
 
 #[test]
 fn a_failed_probe_ejects_again_for_longer() {
-    let mut settings = settings_for(Descriptor::memcached(), replica);
-    settings.ejection.base = Duration::from_millis(1);
-    settings.ejection.max = Duration::from_secs(60);
-    let mut sel = Selector::load(&settings).expect("load");
+    let mut sel = ejecting_for(Duration::from_millis(1), Duration::from_secs(60));
     fail(&mut sel, 0, 100);
     std::thread::sleep(Duration::from_millis(2));
     sel.check_ejection(sys::monotonic_ns());
@@ -537,10 +539,7 @@ fn expiries_sent_before_a_later_good_reply_are_no_failures_in_a_row() {
 /// good reply restored the member.
 #[test]
 fn ejection_is_settled_only_while_nothing_is_in_motion() {
-    let mut settings = settings_for(Descriptor::memcached(), replica);
-    settings.ejection.base = Duration::from_millis(1);
-    settings.ejection.max = Duration::from_millis(1);
-    let mut sel = Selector::load(&Settings { ..settings }).expect("load");
+    let mut sel = ejecting_for(Duration::from_millis(1), Duration::from_millis(1));
     assert!(!sel.ejection_settled(), "nothing checked yet");
     sel.check_ejection(sys::monotonic_ns());
     assert!(sel.ejection_settled(), "healthy, no failure");

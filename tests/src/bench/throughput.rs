@@ -179,8 +179,7 @@ impl Attached {
 
     /// Detaches what the row left behind; `load` is the segment's, which
     /// the reference programs' check repeats.
-    fn finish(self, tb: &Testbed, load: &Load) -> Result<()> {
-        let client = &tb.client;
+    fn finish(self, client: &Namespace, load: &Load) -> Result<()> {
         if let Self::Reference(reference) = self {
             return reference.check_and_detach(client, load);
         }
@@ -427,7 +426,7 @@ pub fn measure(o: &ThroughputOptions, command: &str) -> Result<ThroughputReport>
                     keys: o.keys,
                     timeouts,
                 };
-                a.finish(&tb, &load)?;
+                a.finish(&tb.client, &load)?;
             }
         }
     }
