@@ -354,6 +354,13 @@ fn segment(
         }
         paced_reads(protocol, target, rate, length)
     })??;
+    // A median of what little was answered would pass for a latency.
+    ensure!(
+        load.failed * 100 <= load.reads,
+        "{} of {} reads unanswered or answered wrong: nothing is steady here",
+        load.failed,
+        load.reads
+    );
     let redirected = match agent {
         Some(child) => agent_saw(&tb.client, &o.agent, child, &load)?,
         None => 0,
