@@ -233,6 +233,12 @@ pub fn measure(o: &SteadyOptions, command: &str) -> Result<SteadyReport> {
         !o.protocols.is_empty(),
         "no steady-latency protocol selected"
     );
+    ensure!(
+        o.segment.as_secs_f64() * f64::from(o.rate) >= 1.0,
+        "a segment of {:?} at {} reads/s holds no read: raise --steady-segment or --steady-rate",
+        o.segment,
+        o.rate
+    );
     let mut tb = Testbed::new("stdy", 2)?;
     tb.start_memcached()?;
     let endpoints = tb.replica_endpoints();
@@ -368,11 +374,20 @@ fn segment(
     Ok(Segment { redirected, ..load })
 }
 
-/// The CPU the servers and the reader share: the last, if there are two
-/// or more.
+/// The CPU the servers and the reader share: the last this process may
+/// run on, if it may run on two or more.
 fn serving_cpu() -> Option<usize> {
-    let cpus = thread::available_parallelism().map_or(1, usize::from);
-    (cpus >= 2).then(|| cpus - 1)
+    // SAFETY: a zeroed cpu_set_t filled by the kernel, read with its macros.
+    let allowed: Vec<usize> = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return None;
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&cpu| libc::CPU_ISSET(cpu, &set))
+            .collect()
+    };
+    (allowed.len() >= 2).then(|| allowed[allowed.len() - 1])
 }
 
 /// Pins task `tid` (0: the calling thread) to `cpu`.
@@ -457,19 +472,32 @@ fn paced_reads(
         let id = protocol.request_id(i, seed);
         let request = protocol.request(id);
         let sent = Instant::now();
-        socket.send(&request)?;
+        if socket.send(&request).is_err() {
+            // A queued ICMP error (nothing listening): this read fails.
+            failed += 1;
+            continue;
+        }
+        let mut shortened = false;
         let answer = loop {
             match socket.recv(&mut buf) {
-                // A late answer to an earlier read: not this one's.
-                Ok(n) if Protocol::reply_id(&buf[..n]) != Some(id) => {
-                    if sent.elapsed() >= REPLY_TIMEOUT {
-                        break None;
-                    }
+                Ok(n) if Protocol::reply_id(&buf[..n]) == Some(id) => {
+                    break Some((sent.elapsed(), protocol.answered(&buf[..n])));
                 }
-                Ok(n) => break Some((sent.elapsed(), protocol.answered(&buf[..n]))),
+                // A late answer to an earlier read: wait out only what is
+                // left of this one's time.
+                Ok(_) => match REPLY_TIMEOUT.checked_sub(sent.elapsed()) {
+                    Some(left) if !left.is_zero() => {
+                        socket.set_read_timeout(Some(left))?;
+                        shortened = true;
+                    }
+                    _ => break None,
+                },
                 Err(_) => break None,
             }
         };
+        if shortened {
+            socket.set_read_timeout(Some(REPLY_TIMEOUT))?;
+        }
         match answer {
             Some((latency, true)) => {
                 hist.saturating_record(latency.as_nanos() as u64);
