@@ -181,16 +181,7 @@ impl Nsd {
     /// Every process in the replica's namespace: NSD forks a server child
     /// (which answers) and a transfer daemon next to its main process.
     fn pids(&self) -> Vec<i32> {
-        let mut pids: Vec<i32> = std::process::Command::new("ip")
-            .args(["netns", "pids", &self.ns_name])
-            .output()
-            .map(|o| {
-                String::from_utf8_lossy(&o.stdout)
-                    .split_whitespace()
-                    .filter_map(|p| p.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
+        let mut pids = crate::netns::pids_in(&self.ns_name);
         let main = self.child.id() as i32;
         if !pids.contains(&main) {
             pids.push(main);

@@ -168,6 +168,21 @@ impl Namespace {
     }
 }
 
+/// The processes in the namespace named `name` (`ip netns pids`); none if
+/// it cannot be asked.
+pub fn pids_in(name: &str) -> Vec<i32> {
+    Command::new("ip")
+        .args(["netns", "pids", name])
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 impl Drop for Namespace {
     fn drop(&mut self) {
         let _ = Command::new("ip")

@@ -569,13 +569,7 @@ pub(super) struct Stalled {
 
 impl Stalled {
     pub(super) fn of(ns: &Namespace) -> Result<Self> {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "pids", &ns.name])
-            .output()?;
-        let pids: Vec<i32> = String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
-            .filter_map(|p| p.parse().ok())
-            .collect();
+        let pids = crate::netns::pids_in(&ns.name);
         ensure!(!pids.is_empty(), "no process in {}", ns.name);
         Ok(Self { pids })
     }

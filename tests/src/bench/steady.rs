@@ -407,13 +407,7 @@ fn pin_task(tid: i32, cpu: usize) -> Result<()> {
 
 /// Pins every thread of every process in `ns` to `cpu`.
 fn pin_namespace(ns: &Namespace, cpu: usize) -> Result<()> {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "pids", &ns.name])
-        .output()?;
-    let pids: Vec<String> = String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .map(String::from)
-        .collect();
+    let pids = crate::netns::pids_in(&ns.name);
     ensure!(!pids.is_empty(), "no process in {}", ns.name);
     for pid in pids {
         for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
