@@ -72,9 +72,10 @@ fn read_if_holds(index: u32, key: &InflightKey) -> Option<Seen> {
 
 /// Loads the state of the window's first slot, where a new request most
 /// likely goes, and ignores it: the load starts the cache and TLB misses
-/// on that line (a random line of a table of up to 256 MB) while the mark
-/// words are read and the request is admitted, instead of when the slot is
-/// taken.
+/// on that line (for a socket's next id in order, usually the page its
+/// last ids took; for scattered ids, a random line of a table of up to
+/// 256 MB) while the mark words are read and the request is admitted,
+/// instead of when the slot is taken.
 #[inline(always)]
 pub fn touch_home(hash: u64, mask: u32) {
     if let Some(p) = INFLIGHT.get_ptr_mut(probe(hash, 0, mask)) {
