@@ -162,7 +162,7 @@ impl GroupLoad {
     pub fn least(&self, cost: impl Fn(usize) -> u64) -> Option<(usize, u64)> {
         let usable = u64::from(self.usable) & ((1u64 << (self.len % (MAX_GROUP_MEMBERS + 1))) - 1);
         let random_ties = u64::from(self.tie_break == TieBreak::Random);
-        let mut digits = u64::from(self.random);
+        let mut digits = u64::from(self.random) & DIGITS_MASK;
         let mut best = 0u64;
         let mut best_cost = NO_COST;
         let mut ties = 0u64;
@@ -177,10 +177,7 @@ impl GroupLoad {
             ties = select(less, 1, ties + equal);
             // Only a tie consumes a digit (k is then at least 2).
             let k = ties + is_zero(ties);
-            // SAFETY: k is ties, or 1 when ties is 0. Said so the compiler
-            // leaves out a division-by-zero panic the kernel cannot load.
-            unsafe { core::hint::assert_unchecked(k != 0) };
-            let quotient = digits / k;
+            let quotient = divide_digits(digits, k);
             let drawn = is_zero(digits - quotient * k) & equal & random_ties;
             digits = select(equal, quotient, digits);
             let take = less | drawn;
@@ -197,6 +194,34 @@ impl GroupLoad {
 
 /// The cost of a member that cannot be chosen: above every clamped cost.
 const NO_COST: u64 = 1 << 62;
+
+/// The bits of the random number the tie draw reads: 24, enough for the
+/// 8! = 40,320 outcomes of eight tied members, and few enough that
+/// `divide_digits` is a multiply.
+const DIGITS_MASK: u64 = (1 << DIGITS_BITS) - 1;
+const DIGITS_BITS: u32 = 24;
+
+/// `2^(DIGITS_BITS + 3) / k + 1` for k = 1 to 8 (the others unused; a
+/// power of two long, so that a mask bounds the index for the verifier).
+const RECIPROCALS: [u64; 16] = {
+    let mut r = [0; 16];
+    let mut k = 1;
+    while k <= MAX_GROUP_MEMBERS {
+        r[k] = (1 << (DIGITS_BITS + 3)) / k as u64 + 1;
+        k += 1;
+    }
+    r
+};
+
+/// `digits / k` for `digits` below `2^DIGITS_BITS` and `k` from 1 to 8,
+/// exactly, as a multiply and a shift: a 64-bit division on each member
+/// of the policy's pass was a twentieth of a request's time. (The error
+/// of the reciprocal, below 1, times `digits` stays under `2^(DIGITS_BITS
+/// + 3) / 8`, so the product never reaches the next multiple of `k`.)
+#[inline(always)]
+fn divide_digits(digits: u64, k: u64) -> u64 {
+    (digits * RECIPROCALS[k as usize & 15]) >> (DIGITS_BITS + 3)
+}
 
 #[inline(always)]
 pub(crate) fn clamp_cost(c: u64) -> u64 {
@@ -500,6 +525,15 @@ mod tests {
             tie_break: TieBreak::Random,
             random,
             ..l
+        }
+    }
+
+    #[test]
+    fn the_digits_divide_exactly_by_every_tie_count() {
+        for k in 1..=MAX_GROUP_MEMBERS as u64 {
+            for digits in 0..=DIGITS_MASK {
+                assert_eq!(divide_digits(digits, k), digits / k, "{digits} / {k}");
+            }
         }
     }
 
