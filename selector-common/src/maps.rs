@@ -17,6 +17,14 @@ pub const MARK_REDIRECTED: u32 = 0x0100_0000;
 /// are hashed into it; two sockets sharing a slot share its bound.
 pub const CLIENT_SLOTS: u32 = 65_536;
 
+/// Words of the `MEMBER_PORTS` bitmap: one bit per UDP port.
+pub const PORT_WORDS: u32 = 65_536 / 64;
+
+/// Port `port`'s bit in `MEMBER_PORTS`: (word, bit within it).
+pub const fn member_port_bit(port: u16) -> (u32, u64) {
+    ((port / 64) as u32, 1 << (port % 64))
+}
+
 /// Entries of the per-CPU `SCRATCH` map (two words each): one for the
 /// programs' merges of verifier states, two for the reply path's match.
 pub const SCRATCH_ENTRIES: u32 = 3;
@@ -86,14 +94,17 @@ pub mod names {
     pub const SERVICE: &str = "SERVICE";
     pub const HEALTH: &str = "HEALTH";
     pub const SCRATCH: &str = "SCRATCH";
+    /// A bit per UDP port, set for every port a `BACKENDS` entry has.
+    pub const MEMBER_PORTS: &str = "MEMBER_PORTS";
     /// The reply path's working memory (never pinned: nothing in it
     /// outlives a packet).
     pub const REPLY_SCRATCH: &str = "REPLY_SCRATCH";
 
     /// Every map above.
-    pub const ALL: [&str; 18] = [
+    pub const ALL: [&str; 19] = [
         CONFIG,
         BACKENDS,
+        MEMBER_PORTS,
         GROUPS,
         COUNTERS,
         CLIENT_PENDING,
@@ -643,6 +654,20 @@ mod tests {
         }
         let v4: std::net::SocketAddr = "10.0.0.1:11211".parse().unwrap();
         assert_eq!(Endpoint::from(v4), Endpoint::ipv4([10, 0, 0, 1], 11211));
+    }
+
+    #[test]
+    fn every_port_has_its_own_bit() {
+        let mut seen = [0u64; PORT_WORDS as usize];
+        for port in 0..=u16::MAX {
+            let (word, bit) = member_port_bit(port);
+            assert_eq!(bit.count_ones(), 1);
+            assert_eq!(seen[word as usize] & bit, 0, "{port}");
+            seen[word as usize] |= bit;
+        }
+        assert!(seen.iter().all(|&w| w == u64::MAX));
+        assert_eq!(member_port_bit(53), (0, 1 << 53));
+        assert_eq!(member_port_bit(11211), (175, 1 << 11));
     }
 
     #[test]

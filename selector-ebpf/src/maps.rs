@@ -16,11 +16,12 @@ use aya_ebpf::{
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, DEFAULT_INFLIGHT_MAX, Direction, Endpoint, Group,
     GroupCounters, GroupHealth, GroupService, MAX_BACKENDS, MAX_GROUP_MEMBERS, MAX_GROUPS,
-    NextHopMac, PASS_REASONS, PassReason, ReplyScratch, SCRATCH_ENTRIES,
+    NextHopMac, PASS_REASONS, PORT_WORDS, PassReason, ReplyScratch, SCRATCH_ENTRIES,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge::{self, HedgeConfig, HedgeStats},
     inflight::{InflightSlot, mark_words, slots_for},
     latency::LATENCY_BUCKETS,
+    member_port_bit,
     opaque::opaque_usize,
     pass_index, split_backend_id,
 };
@@ -39,6 +40,13 @@ pub static CONFIG: Array<Config> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 /// Backend endpoint -> backend id (`group * 8 + position`).
 #[map]
 pub static BACKENDS: HashMap<Endpoint, u32> = HashMap::with_max_entries(MAX_BACKENDS, 0);
+
+/// A bit per UDP port (`selector_common::member_port_bit`), set by the
+/// agent for every port a `BACKENDS` entry has before the entry is added
+/// (and left set when it goes: a superset). A datagram whose member-side
+/// port has no bit is no member's, known without hashing its endpoint.
+#[map]
+pub static MEMBER_PORTS: Array<u64> = Array::with_max_entries(PORT_WORDS, 0);
 
 #[map]
 pub static GROUPS: Array<Group> = Array::with_max_entries(MAX_GROUPS, 0);
@@ -150,6 +158,13 @@ pub fn backend_target(id: u32) -> Option<Target> {
         addr: e.addr,
         port: e.port,
     })
+}
+
+/// Whether some member may listen on UDP port `port` (`MEMBER_PORTS`).
+#[inline(always)]
+pub fn may_be_member_port(port: u16) -> bool {
+    let (word, bit) = member_port_bit(port);
+    MEMBER_PORTS.get(word).is_none_or(|w| w & bit != 0)
 }
 
 #[inline(always)]

@@ -28,7 +28,7 @@ use selector_common::{
 
 use crate::{
     accounting, inflight,
-    maps::{BACKENDS, count_pass},
+    maps::{BACKENDS, count_pass, may_be_member_port},
     packet::{self, Datagram, Ip, Layout, Packet},
 };
 
@@ -147,9 +147,14 @@ pub fn udp<P: Path>(ctx: &impl Packet, ip: Ip) -> Result<Datagram, ()> {
 }
 
 /// The id `member` is configured under, with its `BACKEND_RETIRING` bit
-/// (`BACKENDS`); not a member, the packet passes.
+/// (`BACKENDS`); not a member, the packet passes. A port no member has
+/// passes before the hash lookup: on a client host most UDP is no
+/// member's (QUIC, other resolvers, media).
 #[inline(always)]
 pub fn member_id<P: Path>(member: Endpoint) -> Result<u32, ()> {
+    if !may_be_member_port(member.port) {
+        return pass::<P, _>(PassReason::NotBackend);
+    }
     match unsafe { BACKENDS.get(member) } {
         Some(id) => Ok(*id),
         None => pass::<P, _>(PassReason::NotBackend),

@@ -101,7 +101,7 @@ fn quick_bench_produces_every_row_and_cleans_up() {
         );
     }
     let costs = read("packet_cost.csv");
-    assert_eq!(costs.lines().count(), 1 + 12, "{costs}");
+    assert_eq!(costs.lines().count(), 1 + 13, "{costs}");
     // The plots need a font, which `cargo xtask setup` installs
     // (fonts-dejavu-core): without one they would go unchecked.
     let fonts = selector_testbed::bench::plots::FONT_FILES;

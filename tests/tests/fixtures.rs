@@ -937,6 +937,42 @@ fn a_stale_heartbeat_applies_no_overload_bound() {
 /// back every retirement for good: the reply path and the sweep cannot
 /// tell which member a slot being written names. Unchanged for a second
 /// and three sweeps, it is freed, and the removed member retires.
+/// A datagram to a port no member has passes before the endpoint lookup
+/// (`MEMBER_PORTS`); a reload that adds a member on a new port sets its
+/// port's bit before the member's `BACKENDS` entry, so its requests are
+/// tracked from then on.
+#[test]
+fn a_member_on_a_new_port_is_tracked_once_a_reload_adds_it() {
+    use std::{net::SocketAddr, time::Instant};
+
+    use selector_user::datapath::regroup::{GroupTable, plan_groups};
+
+    let mut sel = selector();
+    let addr = |(a, p): ([u8; 4], u16)| SocketAddr::from((a, p));
+    let newcomer = ([10, 77, 0, 20], 11_300);
+    let get = udp((CLIENT, CLIENT_PORT), newcomer, GET);
+    let (verdict, out) = egress(&mut sel, &get);
+    assert_eq!((verdict, &out), (TC_ACT_PIPE, &get));
+    assert_eq!(passed(&sel, Direction::Egress, PassReason::NotBackend), 1);
+
+    let table = GroupTable::from_start(&sel.settings.groups, &[None]);
+    let members: Vec<SocketAddr> = (0..3)
+        .map(|i| addr(replica(i)))
+        .chain([addr(newcomer)])
+        .collect();
+    let changes = plan_groups(&table, &[members], &[None], Instant::now()).unwrap();
+    sel.apply_groups(&changes).unwrap();
+    sel.backends = changes.table.backends();
+    let (verdict, out) = egress(&mut sel, &get);
+    assert_eq!((verdict, &out), (TC_ACT_PIPE, &get));
+    assert_eq!(
+        passed(&sel, Direction::Egress, PassReason::NotBackend),
+        1,
+        "the newcomer's request passed as no member's"
+    );
+    assert_eq!(stats(&sel)[3].requests, 1, "tracked as the newcomer's");
+}
+
 #[test]
 fn a_slot_stuck_in_the_hold_state_is_freed_and_retirement_goes_on() {
     use std::{net::SocketAddr, time::Instant};

@@ -28,7 +28,7 @@ use selector_common::{
     CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupHealth, GroupService, MAX_GROUPS,
     Policy,
     inflight::{InflightSlot, mark_words, slots_for},
-    names, programs, split_backend_id,
+    member_port_bit, names, programs, split_backend_id,
 };
 
 use crate::{
@@ -509,11 +509,28 @@ impl Selector {
                 groups.set(index, group, 0)?;
             }
         }
+        self.add_member_ports(backends.iter().map(|b| b.addr.port()))?;
         // The lookup table last: from here on the programs act on backends.
         let mut index: HashMap<_, Endpoint, u32> =
             HashMap::try_from(self.map_mut(names::BACKENDS)?)?;
         for b in &backends {
             index.insert(Endpoint::from(b.addr), b.index, 0)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the `MEMBER_PORTS` bits of `ports`, before a `BACKENDS` entry
+    /// with one of them is added (the programs pass a datagram whose port
+    /// has no bit as no member's). Bits are never cleared: a port of
+    /// members since removed costs its datagrams the endpoint lookup.
+    pub(crate) fn add_member_ports(&mut self, ports: impl IntoIterator<Item = u16>) -> Result<()> {
+        let mut words: Array<_, u64> = Array::try_from(self.map_mut(names::MEMBER_PORTS)?)?;
+        for port in ports {
+            let (word, bit) = member_port_bit(port);
+            let had = words.get(&word, 0)?;
+            if had & bit == 0 {
+                words.set(word, had | bit, 0)?;
+            }
         }
         Ok(())
     }

@@ -31,7 +31,7 @@ use aya::{
 };
 use selector_common::{
     BackendStats, CLIENT_SLOTS, Config, Endpoint, Group, GroupCounters, GroupHealth, GroupService,
-    MAX_BACKENDS, MAX_GROUPS, NextHopMac, PASS_REASONS,
+    MAX_BACKENDS, MAX_GROUPS, NextHopMac, PASS_REASONS, PORT_WORDS,
     fragments::{FRAGMENTS_MAX, FragmentEntry, FragmentKey},
     hedge,
     inflight::{InflightSlot, mark_words, slots_for},
@@ -99,7 +99,7 @@ struct Shape {
 /// sizes are those of the `selector-common` types the kernel object's maps
 /// are declared with (`selector-ebpf/src/maps.rs`); a loaded map missing
 /// here fails the pinned load (see `loader`), so the two stay in step.
-fn shapes(inflight_max: u32) -> [Shape; 20] {
+fn shapes(inflight_max: u32) -> [Shape; 21] {
     let shape = |name, map_type, key_size, value_size, max_entries| Shape {
         name,
         map_type,
@@ -118,6 +118,7 @@ fn shapes(inflight_max: u32) -> [Shape; 20] {
             u32s,
             MAX_BACKENDS,
         ),
+        shape(names::MEMBER_PORTS, MapType::Array, u32s, u64s, PORT_WORDS),
         shape(
             names::GROUPS,
             MapType::Array,

@@ -391,6 +391,13 @@ impl Selector {
                 groups.set(g as u32, entry, 0)?;
             }
         }
+        self.add_member_ports(
+            changes
+                .added
+                .iter()
+                .chain(&changes.restored)
+                .map(|b| b.addr.port()),
+        )?;
         {
             let mut backends: HashMap<_, Endpoint, u32> =
                 HashMap::try_from(self.map_mut(names::BACKENDS)?)?;

@@ -44,6 +44,8 @@ const TC_ACT_REDIRECT: u32 = 7;
 const XDP_PASS: u32 = 2;
 const CLIENT: [u8; 4] = [10, 77, 0, 1];
 const PORT: u16 = 11211;
+/// A port no member listens on.
+const OTHER_PORT: u16 = 4433;
 const GET: &[u8] = b"get key:000001\r\n";
 const VALUE: &[u8] = b"VALUE key:000001 0 8\r\nvaluexyz\r\nEND\r\n";
 
@@ -400,6 +402,11 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             .0;
     }
     let no_backend_1 = no_backend_1 / n;
+    // UDP to a port no member listens on (QUIC, other services): passed
+    // on its port's bit, before the endpoint lookup.
+    let other_port = udp((CLIENT, 50_002), (replica(0), OTHER_PORT), &frame(9, GET));
+    let (other_port, v) = lab.tc(programs::EGRESS, &other_port, r)?;
+    ensure!(v == TC_ACT_PIPE, "other-port verdict {v}");
     // The first run tracks it; the other runs are retransmits.
     let (retransmit, _) = lab.tc(programs::EGRESS, &req, r)?;
     let (_, v) = lab.xdp(programs::INGRESS_XDP, &resp, 1)?;
@@ -414,6 +421,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             redirected,
             no_backend,
             no_backend_1,
+            other_port,
             retransmit,
             retransmit_1,
             completed,
@@ -429,6 +437,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
             empty_tc,
             empty_tc_1,
             empty_tc,
+            empty_tc,
             empty_tc_1,
             empty_xdp_1,
             empty_xdp_1,
@@ -440,7 +449,7 @@ fn measure_batch(lab: &mut Lab, fresh: u32, r: u32) -> Result<Sizes> {
 }
 
 /// (program, case, method, one of the targets), in row order.
-const CASES: [(&str, &str, Method, bool); 12] = [
+const CASES: [(&str, &str, Method, bool); 13] = [
     ("egress (TC)", "tracked request", Method::PerPacket, true),
     ("egress (TC)", TRACKED_SCATTERED, Method::PerPacket, true),
     ("egress (TC)", "redirected request", Method::PerPacket, true),
@@ -449,6 +458,12 @@ const CASES: [(&str, &str, Method, bool); 12] = [
         "egress (TC)",
         "packet for no backend",
         Method::PerPacket,
+        false,
+    ),
+    (
+        "egress (TC)",
+        "datagram to a port no member has",
+        Method::Repeat,
         false,
     ),
     (
