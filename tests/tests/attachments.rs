@@ -196,6 +196,11 @@ fn one_agent_steers_two_pods_with_one_labelled_metrics_endpoint() {
     assert_eq!(scraped.status, 200);
     let primary = a.replica_endpoints()[0];
     for (label, report) in labels.iter().zip([&report_a, &report_b]) {
+        let up = sample(
+            &scraped.body,
+            &format!("selector_attachment_up{{attachment=\"{label}\"}}"),
+        );
+        assert_eq!(up, Some(1.0), "{label}:\n{}", scraped.body);
         let requests = sample(
             &scraped.body,
             &format!(

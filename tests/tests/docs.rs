@@ -381,13 +381,14 @@ fn is_null_at(v: &Value, path: &str) -> bool {
     values.iter().any(|v| v.is_null())
 }
 
-/// The metric families the agent serves for the status example are
+/// The metric families the agent serves for the status example (as an
+/// agent of several attachments, which adds `selector_attachment_up`) are
 /// exactly the rows of docs/reference/metrics.md.
 #[test]
 fn the_metrics_reference_names_every_metric() {
-    use selector_user::agent::metrics::{openmetrics, prometheus_text};
+    use selector_user::agent::metrics::{openmetrics_labelled, prometheus_text};
     let (_, status) = status_example();
-    let text = prometheus_text(&openmetrics(&status));
+    let text = prometheus_text(&openmetrics_labelled(&[("eth0".into(), Some(status))]));
     let code: BTreeSet<String> = text
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))

@@ -167,13 +167,23 @@ impl Sources {
         if let [Source { label: None, .. }] = sources.as_slice() {
             return Ok(render(format, &(sources[0].fetch)().await?));
         }
-        let mut statuses = Vec::with_capacity(sources.len());
-        for source in &sources {
-            let label = source.label.clone().unwrap_or_default();
-            let status = (source.fetch)()
-                .await
-                .with_context(|| format!("attachment {label}"))?;
-            statuses.push((label, status));
+        // Every attachment there will be, in the order given: one not
+        // started yet, or ended (a shutdown ends them one by one), is
+        // down in the exposition and the others are served.
+        let mut statuses = Vec::with_capacity(self.expected.len());
+        for label in self.expected.iter().flatten() {
+            let source = sources.iter().find(|s| s.label.as_ref() == Some(label));
+            let status = match source {
+                Some(source) => match (source.fetch)().await {
+                    Ok(status) => Some(status),
+                    Err(e) => {
+                        log::debug!("metrics: attachment {label}: {e:#}");
+                        None
+                    }
+                },
+                None => None,
+            };
+            statuses.push((label.clone(), status));
         }
         Ok(render_labelled(format, &statuses))
     }
@@ -534,6 +544,40 @@ mod tests {
             request = request.header(ACCEPT, *value);
         }
         request.body(()).unwrap()
+    }
+
+    /// An agent of three attachments, one answering, one ended (its
+    /// status gone), one not started: the scrape serves the one and says
+    /// which are down, instead of failing whole.
+    #[tokio::test]
+    async fn a_scrape_serves_the_attachments_that_answer() {
+        let sources = Sources::of_attachments(vec!["a".into(), "b".into(), "c".into()]);
+        let health = Health::new(Duration::from_millis(250));
+        sources.add(Source::new(
+            Some("b".into()),
+            || async { Err(anyhow::anyhow!("the attachment has ended")) },
+            health.clone(),
+        ));
+        sources.add(Source::new(
+            Some("a".into()),
+            || async { Ok(status()) },
+            health,
+        ));
+        let text = sources.exposition(Format::OpenMetrics).await.unwrap();
+        let up = |label: &str, value: u8| {
+            format!("selector_attachment_up{{attachment=\"{label}\"}} {value}\n")
+        };
+        // In the order the attachments were given.
+        let ups = [up("a", 1), up("b", 0), up("c", 0)].concat();
+        assert!(text.contains(&ups), "{text}");
+        assert!(
+            text.contains("selector_in_flight{attachment=\"a\"} 3\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("selector_in_flight{attachment=\"b\"}"),
+            "{text}"
+        );
     }
 
     #[test]

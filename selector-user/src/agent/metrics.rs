@@ -44,8 +44,9 @@ pub fn render(format: Format, status: &Status) -> String {
 }
 
 /// The exposition of several attachments' statuses in `format`, each
-/// labelled (see [`openmetrics_labelled`]).
-pub fn render_labelled(format: Format, statuses: &[(String, Status)]) -> String {
+/// labelled (see [`openmetrics_labelled`]); `None` for an attachment that
+/// did not answer.
+pub fn render_labelled(format: Format, statuses: &[(String, Option<Status>)]) -> String {
     let openmetrics = openmetrics_labelled(statuses);
     match format {
         Format::OpenMetrics => openmetrics,
@@ -53,14 +54,21 @@ pub fn render_labelled(format: Format, statuses: &[(String, Status)]) -> String 
     }
 }
 
+/// The family saying which attachments of an agent of several answered
+/// the scrape: 1, or 0 for one not started yet or ended (a shutdown ends
+/// them one by one), whose samples are then absent.
+pub const ATTACHMENT_UP: &str = "selector_attachment_up";
+
 /// Several attachments' statuses as one OpenMetrics exposition: each
 /// metric family once (a family may not repeat), with the samples of every
-/// attachment, each carrying the label `attachment` with its name.
-pub fn openmetrics_labelled(statuses: &[(String, Status)]) -> String {
+/// attachment that answered (`Some`), each carrying the label `attachment`
+/// with its name; then [`ATTACHMENT_UP`] for each.
+pub fn openmetrics_labelled(statuses: &[(String, Option<Status>)]) -> String {
     // (family name, its descriptor lines, its samples), in order of first
     // appearance.
     let mut families: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
     for (label, status) in statuses {
+        let Some(status) = status else { continue };
         let text = openmetrics(status);
         let mut current = None;
         for line in text.lines().filter(|line| *line != "# EOF") {
@@ -93,6 +101,15 @@ pub fn openmetrics_labelled(statuses: &[(String, Status)]) -> String {
             out += line;
             out.push('\n');
         }
+    }
+    out += &format!(
+        "# HELP {ATTACHMENT_UP} Whether the attachment answered this scrape.\n\
+         # TYPE {ATTACHMENT_UP} gauge\n"
+    );
+    for (label, status) in statuses {
+        let up = format!("{ATTACHMENT_UP} {}", u8::from(status.is_some()));
+        out += &with_label(&up, "attachment", label);
+        out.push('\n');
     }
     out += "# EOF\n";
     out
@@ -799,8 +816,8 @@ pub(crate) mod tests {
         let mut pod = status();
         pod.backends[0].stats.requests = 7;
         let text = openmetrics_labelled(&[
-            ("eth0".to_string(), status()),
-            ("eth0@/run/netns/pod \"1\"".to_string(), pod),
+            ("eth0".to_string(), Some(status())),
+            ("eth0@/run/netns/pod \"1\"".to_string(), Some(pod)),
         ]);
         let alone = openmetrics(&status());
         // Every family once, in the order a single status has them.
@@ -810,12 +827,13 @@ pub(crate) mod tests {
                 .map(str::to_string)
                 .collect()
         };
-        assert_eq!(types(&text), types(&alone));
+        let up = format!("# TYPE {ATTACHMENT_UP} gauge");
+        assert_eq!(types(&text), [types(&alone), vec![up]].concat());
         assert!(text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1);
         // Every sample twice, once per attachment, labelled first; the
         // label's quotes escaped.
         let samples = |text: &str| text.lines().filter(|l| !l.starts_with('#')).count();
-        assert_eq!(samples(&text), 2 * samples(&alone));
+        assert_eq!(samples(&text), 2 * samples(&alone) + 2);
         assert!(
             text.lines()
                 .filter(|l| !l.starts_with('#'))
@@ -844,12 +862,44 @@ pub(crate) mod tests {
             sample(&text, r#"selector_in_flight{attachment="eth0"}"#),
             3.0
         );
-        let classic = render_labelled(Format::PrometheusText, &[("a".into(), status())]);
+        let classic = render_labelled(Format::PrometheusText, &[("a".into(), Some(status()))]);
         assert!(
             classic.contains("selector_in_flight{attachment=\"a\"} 3\n"),
             "{classic}"
         );
         assert!(!classic.contains("# EOF"), "{classic}");
+    }
+
+    #[test]
+    fn an_attachment_that_did_not_answer_is_down_and_the_others_are_served() {
+        let text =
+            openmetrics_labelled(&[("a".to_string(), Some(status())), ("b".to_string(), None)]);
+        assert_eq!(
+            sample(&text, r#"selector_attachment_up{attachment="a"}"#),
+            1.0
+        );
+        assert_eq!(
+            sample(&text, r#"selector_attachment_up{attachment="b"}"#),
+            0.0
+        );
+        assert_eq!(sample(&text, r#"selector_in_flight{attachment="a"}"#), 3.0);
+        assert!(!text.contains(r#"{attachment="b","#), "{text}");
+        assert!(
+            !text.contains(r#"selector_in_flight{attachment="b"}"#),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+        // None answered (the last one ended): the families of the up
+        // gauge alone.
+        let text = render_labelled(Format::PrometheusText, &[("a".to_string(), None)]);
+        assert_eq!(
+            text,
+            format!(
+                "# HELP {ATTACHMENT_UP} Whether the attachment answered this scrape.\n\
+                 # TYPE {ATTACHMENT_UP} gauge\n\
+                 {ATTACHMENT_UP}{{attachment=\"a\"}} 0\n"
+            )
+        );
     }
 
     #[test]
