@@ -15,7 +15,7 @@ use crate::{
         control_server::{ControlListener, LocalCaller, answer_connection, error},
         endpoint::Sources,
     },
-    api::{AttachmentStatus, Reply, Request, Routed, socket::Endpoint},
+    api::{AttachmentStatus, Reply, Request, Routed, Unavailable, socket::Endpoint},
 };
 
 /// Longest an attachment's loop may take to answer (a client waits 5 s):
@@ -27,7 +27,7 @@ const ANSWER_WAIT: Duration = Duration::from_secs(4);
 pub enum Route {
     /// To the attachment of this label.
     One(String),
-    /// A status of every attachment started.
+    /// A status of every attachment.
     All,
 }
 
@@ -93,34 +93,50 @@ async fn answer(sources: &Sources, routed: Routed) -> Reply {
             None => error(&format!("attachment {label} has not started yet")),
         },
         Ok(Route::All) => {
+            let expected = sources.expected_labels();
             let mut asked = JoinSet::new();
-            for (i, (label, caller)) in callers.into_iter().enumerate() {
+            for (label, caller) in callers {
                 asked.spawn(async move {
                     let reply = within_wait(&label, &caller, Request::Status).await;
-                    (i, label, reply)
+                    (label, reply)
                 });
             }
-            let mut replies: Vec<_> = asked.join_all().await;
-            replies.sort_by_key(|(i, _, _)| *i);
-            let mut attachments = Vec::with_capacity(replies.len());
-            for (_, attachment, reply) in replies {
-                match reply {
-                    Reply::Status(status) => attachments.push(AttachmentStatus {
-                        attachment,
-                        status: *status,
-                    }),
-                    Reply::Error { message } => {
-                        return error(&format!("attachment {attachment}: {message}"));
-                    }
-                    other => {
-                        return error(&format!(
-                            "attachment {attachment}: unexpected reply to status: {other:?}"
-                        ));
-                    }
+            let mut replies: Vec<(String, Option<Reply>)> =
+                expected.into_iter().map(|label| (label, None)).collect();
+            for (label, reply) in asked.join_all().await {
+                if let Some(slot) = replies.iter_mut().find(|(l, _)| *l == label) {
+                    slot.1 = Some(reply);
                 }
             }
-            Reply::Attachments { attachments }
+            every_status(replies)
         }
+    }
+}
+
+/// A bare status's reply from each attachment's own (`None`: not started
+/// yet), in the order given: the statuses there are, and why the others
+/// gave none, so that a missing attachment is said, not left out.
+fn every_status(replies: Vec<(String, Option<Reply>)>) -> Reply {
+    let mut attachments = Vec::with_capacity(replies.len());
+    let mut unavailable = Vec::new();
+    for (attachment, reply) in replies {
+        let reason = match reply {
+            Some(Reply::Status(status)) => {
+                attachments.push(AttachmentStatus {
+                    attachment,
+                    status: *status,
+                });
+                continue;
+            }
+            Some(Reply::Error { message }) => message,
+            Some(other) => format!("unexpected reply to status: {other:?}"),
+            None => "not started yet".to_string(),
+        };
+        unavailable.push(Unavailable { attachment, reason });
+    }
+    Reply::Attachments {
+        attachments,
+        unavailable,
     }
 }
 
@@ -182,6 +198,57 @@ mod tests {
                 &expected[..1]
             ),
             Err("attachment eth0@/run/netns/pod-a has not started yet".into())
+        );
+    }
+
+    #[test]
+    fn a_bare_status_says_which_attachments_gave_none_and_why() {
+        let status = crate::agent::metrics::tests::status();
+        let reply = every_status(vec![
+            ("a".into(), Some(Reply::Status(Box::new(status.clone())))),
+            ("b".into(), None),
+            (
+                "c".into(),
+                Some(error("attachment c did not answer within 4 s")),
+            ),
+        ]);
+        assert_eq!(
+            reply,
+            Reply::Attachments {
+                attachments: vec![AttachmentStatus {
+                    attachment: "a".into(),
+                    status,
+                }],
+                unavailable: vec![
+                    Unavailable {
+                        attachment: "b".into(),
+                        reason: "not started yet".into(),
+                    },
+                    Unavailable {
+                        attachment: "c".into(),
+                        reason: "attachment c did not answer within 4 s".into(),
+                    },
+                ],
+            }
+        );
+    }
+
+    /// Before any attachment has started, a bare status names them all,
+    /// instead of an empty list.
+    #[tokio::test]
+    async fn a_bare_status_before_any_attachment_started_names_them() {
+        let sources = Sources::of_attachments(vec!["a".into(), "b".into()]);
+        let reply = answer(&sources, to(None, Request::Status)).await;
+        let not_started = |label: &str| Unavailable {
+            attachment: label.into(),
+            reason: "not started yet".into(),
+        };
+        assert_eq!(
+            reply,
+            Reply::Attachments {
+                attachments: Vec::new(),
+                unavailable: vec![not_started("a"), not_started("b")],
+            }
         );
     }
 }

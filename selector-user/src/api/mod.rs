@@ -82,9 +82,12 @@ pub struct Routed {
 pub enum Reply {
     Status(Box<Status>),
     /// Each attachment's status, in the order of the agent's
-    /// `--attachment` flags (those started).
+    /// `--attachment` flags, and those that gave none (not started yet,
+    /// stopping, or too slow), each with why.
     Attachments {
         attachments: Vec<AttachmentStatus>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        unavailable: Vec<Unavailable>,
     },
     /// A change was applied; the message says what is in force now.
     Done {
@@ -319,6 +322,13 @@ pub struct AttachmentStatus {
     pub status: Status,
 }
 
+/// An attachment of an agent of several that gave no status, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unavailable {
+    pub attachment: String,
+    pub reason: String,
+}
+
 /// Longest request line the agent reads.
 pub const MAX_REQUEST_BYTES: u64 = 4096;
 
@@ -533,6 +543,10 @@ mod tests {
             attachments: vec![AttachmentStatus {
                 attachment: "eth0@/run/netns/pod-a".into(),
                 status: status.clone(),
+            }],
+            unavailable: vec![Unavailable {
+                attachment: "eth0@/run/netns/pod-b".into(),
+                reason: "not started yet".into(),
             }],
         });
         round_trip(&Reply::Done {

@@ -35,7 +35,7 @@ fn attachments_started() -> Result<Vec<String>> {
         request: Request::Status,
     };
     match crate::api::send(&Endpoint::Attachments, &asked)? {
-        Reply::Attachments { attachments } => {
+        Reply::Attachments { attachments, .. } => {
             Ok(attachments.into_iter().map(|a| a.attachment).collect())
         }
         Reply::Error { message } => bail!("the agent of several attachments: {message}"),

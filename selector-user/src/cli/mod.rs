@@ -194,14 +194,28 @@ pub fn control(command: Command) -> Result<()> {
     match reply {
         Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
         Reply::Status(status) => print!("{}", status.render()),
-        Reply::Attachments { attachments } if json => println!(
-            "{}",
-            serde_json::to_string(&serde_json::json!({ "attachments": attachments }))?
-        ),
-        Reply::Attachments { attachments } => {
+        Reply::Attachments {
+            attachments,
+            unavailable,
+        } if json => {
+            let mut all = serde_json::json!({ "attachments": attachments });
+            if !unavailable.is_empty() {
+                all["unavailable"] = serde_json::to_value(&unavailable)?;
+            }
+            println!("{}", serde_json::to_string(&all)?);
+        }
+        Reply::Attachments {
+            attachments,
+            unavailable,
+        } => {
             let blocks: Vec<String> = attachments
                 .iter()
                 .map(|a| format!("attachment {}:\n{}", a.attachment, a.status.render()))
+                .chain(
+                    unavailable
+                        .iter()
+                        .map(|u| format!("attachment {}: no status: {}\n", u.attachment, u.reason)),
+                )
                 .collect();
             print!("{}", blocks.join("\n"));
         }
