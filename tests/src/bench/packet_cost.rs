@@ -34,7 +34,7 @@ use aya::{
     },
 };
 use etherparse::PacketBuilder;
-use selector_common::{Endpoint, InflightKey, TieBreak, bench, programs};
+use selector_common::{DEFAULT_INFLIGHT_MAX, Endpoint, InflightKey, TieBreak, bench, programs};
 use selector_user::{Selector, Settings, datapath::bench::BenchPrograms, host::sys};
 
 use crate::{memcached::frame, netns::Namespace};
@@ -60,7 +60,9 @@ pub struct CostOptions {
     pub repeat: u32,
     /// Packets (each its own request) of the stateful measurements.
     pub fresh: u32,
-    /// The two in-flight table sizes compared.
+    /// Other requests planted in the two in-flight tables compared: the
+    /// small one is the agent's default size, the large one sized for its
+    /// fill.
     pub inflight_small: u32,
     pub inflight_large: u32,
 }
@@ -579,24 +581,29 @@ fn measure_here(o: &CostOptions) -> Result<Vec<CostRow>> {
     let replicas: Vec<SocketAddrV4> = (0..3)
         .map(|i| SocketAddrV4::new(replica(i).into(), PORT))
         .collect();
-    let settings = Settings {
-        // Sized for the large fill: the measured requests then find a table
-        // about a quarter full, where a probe window is rarely full.
-        inflight_max: o.inflight_large,
-        ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
-    }
-    .tuned(|t| {
-        t.threshold = 1;
-        // The replies are built from the replica `first` picks (and the
-        // costs in docs/bench/ were measured with it).
-        t.tie_break = TieBreak::First;
-    });
-    // Two copies of the programs and maps, one per table size.
+    let settings = |inflight_max| {
+        Settings {
+            inflight_max,
+            ..Settings::new("lo", vec![replicas.iter().map(|&r| r.into()).collect()])
+        }
+        .tuned(|t| {
+            t.threshold = 1;
+            // The replies are built from the replica `first` picks (and the
+            // costs in docs/bench/ were measured with it).
+            t.tie_break = TieBreak::First;
+        })
+    };
+    // Two copies of the programs and maps, one per table: the small one
+    // the agent's default size (what ships), the large one sized for its
+    // fill, which then finds the table about a quarter full, where a probe
+    // window is rarely full.
     let mut labs = Vec::new();
     for fill in [o.inflight_small, o.inflight_large] {
-        // The reference map holds the fill and the measured requests.
-        let reference_entries = o.inflight_large + o.fresh + 16;
-        let sel = Selector::load(&settings).context("loading the programs")?;
+        let inflight_max = fill.max(DEFAULT_INFLIGHT_MAX);
+        // The reference map is sized alike, for the fill and the measured
+        // requests.
+        let reference_entries = inflight_max + o.fresh + 16;
+        let sel = Selector::load(&settings(inflight_max)).context("loading the programs")?;
         let bench = BenchPrograms::load(reference_entries)?;
         let mut lab = Lab {
             sel,

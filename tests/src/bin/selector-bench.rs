@@ -89,7 +89,9 @@ struct Args {
     /// Packets of the stateful per-packet measurements [default: 50000, quick: 5000].
     #[arg(long)]
     packet_fresh: Option<u32>,
-    /// In-flight table sizes compared in the per-packet cost.
+    /// Other requests planted in the per-packet cost's small and large
+    /// in-flight tables: the small one is the agent's default size (larger
+    /// if its fill needs), the large one sized for its fill.
     #[arg(long, default_value_t = 1_000)]
     inflight_small: u32,
     #[arg(long, default_value_t = 1_000_000)]
