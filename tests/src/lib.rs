@@ -10,6 +10,7 @@ pub mod bpffs;
 pub mod dns;
 pub mod faults;
 pub mod frames;
+pub mod loaded;
 pub mod memcached;
 pub mod netns;
 pub mod paged;

@@ -13,18 +13,19 @@ use selector_testbed::frames::{
     CLIENT, CLIENT_PORT, DNS_QUERY, TC_ACT_PIPE, TC_ACT_REDIRECT, XDP_PASS, dns_server, egress,
     replica, request, run_tc, run_xdp, set_issued, settings_for, stats, udp, verified_endpoints,
 };
+use selector_testbed::loaded::{self, Loaded};
 use selector_user::{Selector, host::sys};
 
-fn memcached() -> Selector {
-    Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load")
+fn memcached() -> Loaded {
+    loaded::load(&settings_for(Descriptor::memcached(), replica)).expect("load")
 }
 
 /// A memcached selector whose ejections last `base`, doubling up to `max`.
-fn ejecting_for(base: Duration, max: Duration) -> Selector {
+fn ejecting_for(base: Duration, max: Duration) -> Loaded {
     let mut settings = settings_for(Descriptor::memcached(), replica);
     settings.ejection.base = base;
     settings.ejection.max = max;
-    Selector::load(&settings).expect("load")
+    loaded::load(&settings).expect("load")
 }
 
 /// A memcached reply with request id `id` and `body` after the frame header.
@@ -133,7 +134,7 @@ fn memcached_server_error_is_a_failure_and_a_good_reply_ends_the_run() {
 #[test]
 fn dns_refused_servfail_notimp_formerr_are_failures_and_nxdomain_is_not() {
     for tc in [false, true] {
-        let mut sel = Selector::load(&settings_for(Descriptor::dns(), dns_server)).expect("load");
+        let mut sel = loaded::load(&settings_for(Descriptor::dns(), dns_server)).expect("load");
         let reply = |id: u16, rcode: u8| {
             let mut r = DNS_QUERY.to_vec();
             r[..2].copy_from_slice(&id.to_be_bytes());
@@ -160,7 +161,7 @@ fn a_custom_error_marker_marks_error_replies() {
         .unwrap()
         .with_error_marker(2, b"ERR")
         .unwrap();
-    let mut sel = Selector::load(&settings_for(d, replica)).expect("load");
+    let mut sel = loaded::load(&settings_for(d, replica)).expect("load");
     answer(&mut sel, false, 1, 0, 1, b"\x00\x01ERR: disk gone");
     answer(&mut sel, false, 2, 0, 1, b"\x00\x02OK. all good...");
     let s = stats(&sel);
@@ -192,7 +193,7 @@ fn the_check_reads_each_groups_own_drained_members() {
             .map(|i| std::net::SocketAddr::from(replica(i)))
             .collect(),
     );
-    let mut sel = Selector::load(&settings).expect("load");
+    let mut sel = loaded::load(&settings).expect("load");
     let other = sel
         .backend_index(std::net::SocketAddr::from(replica(4)))
         .unwrap();
@@ -368,7 +369,7 @@ fn a_failed_probe_ejects_again_for_longer() {
 fn with_ejection_off_nothing_is_ejected() {
     let mut settings = settings_for(Descriptor::memcached(), replica);
     settings.ejection.eject_after = 0;
-    let mut sel = Selector::load(&settings).expect("load");
+    let mut sel = loaded::load(&settings).expect("load");
     fail(&mut sel, 1, 100);
     assert_eq!(states(&sel), ["healthy"; 3]);
 }

@@ -18,14 +18,15 @@ use selector_testbed::frames::{
     egress_gso, egress_marked, fits_skb_test_run, passed, replica, request, run_tc, run_xdp,
     set_issued, settings_for, stats, udp, verified_endpoints, verified_ipv4,
 };
+use selector_testbed::loaded::{self, Loaded};
 use selector_user::{Selector, Settings, host::sys};
 
-fn selector() -> Selector {
+fn selector() -> Loaded {
     selector_for(Descriptor::memcached(), replica)
 }
 
-fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Selector {
-    Selector::load(&settings_for(descriptor, member)).expect("load")
+fn selector_for(descriptor: Descriptor, member: fn(usize) -> ([u8; 4], u16)) -> Loaded {
+    loaded::load(&settings_for(descriptor, member)).expect("load")
 }
 
 fn response_from(i: usize) -> Vec<u8> {
@@ -199,7 +200,7 @@ fn full_in_flight_table_passes_requests_untracked_and_untouched() {
         inflight_max: 1,
         ..settings_for(Descriptor::memcached(), replica)
     };
-    let mut sel = Selector::load(&settings).unwrap();
+    let mut sel = loaded::load(&settings).unwrap();
     set_issued(&mut sel, 0, 5);
     // Sized for one request, the table has four slots (headroom for the
     // probe windows): four reads fill it.
@@ -230,7 +231,7 @@ fn full_in_flight_table_passes_requests_untracked_and_untouched() {
 fn custom_descriptor_reads_a_wide_id_and_a_prefix_deep_in_the_payload() {
     // An 8-byte id at offset 100 and reads marked by "RD" at offset 240.
     let descriptor = Descriptor::custom(100, 8, 240, b"RD").unwrap();
-    let mut sel = Selector::load(&settings_for(descriptor, replica)).unwrap();
+    let mut sel = loaded::load(&settings_for(descriptor, replica)).unwrap();
     set_issued(&mut sel, 0, 5);
     let mut payload = vec![b'.'; 300];
     payload[100..108].copy_from_slice(&0x0102_0304_0506_0708u64.to_be_bytes());
@@ -659,7 +660,7 @@ fn a_reused_id_takes_the_slot_of_a_lingering_instance_when_its_window_is_full() 
 /// An observing selector (nothing moves), the request id of `GET`, and
 /// another id whose home slot shares GET's mark word but lies outside its
 /// probe window.
-fn neighbours_in_a_mark_word() -> (Selector, Settings, u64, u64) {
+fn neighbours_in_a_mark_word() -> (Loaded, Settings, u64, u64) {
     let settings = settings_for(Descriptor::memcached(), replica).tuned(|t| {
         t.policy = Policy::Observe;
     });
@@ -672,7 +673,7 @@ fn neighbours_in_a_mark_word() -> (Selector, Settings, u64, u64) {
                 && home(id).abs_diff(home(a)) >= 2 * PROBE_WINDOW
         })
         .expect("a neighbour");
-    let mut sel = Selector::load(&settings).unwrap();
+    let mut sel = loaded::load(&settings).unwrap();
     set_issued(&mut sel, 0, 1);
     // b: a request sent long ago, expired by the next sweep.
     insert_inflight_aged(&mut sel, b, 0, 0, Duration::from_secs(10));
@@ -825,7 +826,7 @@ fn sweep_walks_a_large_table_to_the_end() {
         inflight_max: 8192,
         ..settings_for(Descriptor::memcached(), replica)
     };
-    let mut sel = Selector::load(&settings).unwrap();
+    let mut sel = loaded::load(&settings).unwrap();
     set_issued(&mut sel, 2, 5000);
     for id in 0..5000u64 {
         insert_inflight_aged(&mut sel, id, 2, 2, Duration::from_secs(5));
@@ -843,12 +844,12 @@ fn sweep_walks_a_large_table_to_the_end() {
 
 /// A selector whose programs take the agent for gone once its heartbeat is
 /// older than 1 s.
-fn selector_with_heartbeat() -> Selector {
+fn selector_with_heartbeat() -> Loaded {
     let settings = Settings {
         heartbeat_bound: Duration::from_secs(1),
         ..settings_for(Descriptor::memcached(), replica)
     };
-    Selector::load(&settings).expect("load")
+    loaded::load(&settings).expect("load")
 }
 
 /// A memcached get with request id `id`.
@@ -1012,4 +1013,56 @@ fn a_slot_stuck_in_the_hold_state_is_freed_and_retirement_goes_on() {
     assert_eq!(retire(&mut sel), vec![addr(replica(1))]);
     // Free again: a request may take it.
     assert!(sel.plant_hold(5));
+}
+
+/// The fixture suites reuse loaded programs (`selector_testbed::loaded`):
+/// a recycled selector must hold exactly what a new load holds, whatever
+/// the test before it left in the maps.
+#[test]
+fn a_recycled_selector_holds_what_a_new_load_holds() {
+    use selector_user::datapath::recycle::dump_maps;
+    // Recycled for other members: none of the first ones' may stay.
+    let next = settings_for(Descriptor::dns(), dns_server);
+    let expected = dump_maps(&Selector::load(&next).expect("load")).unwrap();
+    let mut sel = loaded::load(&settings_for(Descriptor::memcached(), replica))
+        .expect("load")
+        .into_inner();
+    let id = |sel: &Selector| {
+        sel.ebpf()
+            .program(programs::EGRESS)
+            .unwrap()
+            .info()
+            .unwrap()
+            .id()
+    };
+    let programs_before = id(&sel);
+    // Everything a test leaves: counts, a moved read and its reply's
+    // latency and stats, a request in flight, a drained member, a pass
+    // reason, a fragment.
+    set_issued(&mut sel, 0, 5);
+    assert_eq!(egress(&mut sel, &request(GET)).0, TC_ACT_REDIRECT);
+    run_xdp(&mut sel, &response_from(1));
+    insert_inflight(&mut sel, 0x4321, 0, 2);
+    sel.set_drained(2, true).unwrap();
+    run_xdp(&mut sel, &udp(replica(2), (CLIENT, CLIENT_PORT), b"junk"));
+    assert_ne!(
+        dump_maps(&sel).unwrap(),
+        expected,
+        "nothing was left to clear"
+    );
+    assert!(sel.recyclable());
+    let again = sel.recycle(&next).expect("recycle");
+    assert_eq!(
+        id(&again),
+        programs_before,
+        "the programs were loaded again"
+    );
+    let left: Vec<String> = dump_maps(&again)
+        .unwrap()
+        .into_iter()
+        .zip(&expected)
+        .filter(|(got, want)| got != *want)
+        .map(|(got, _)| got.0)
+        .collect();
+    assert!(left.is_empty(), "maps not as a new load's: {left:?}");
 }

@@ -15,6 +15,7 @@ use selector_testbed::frames::{
     counters, egress, egress_marked, passed, replica, run_tc, run_xdp, set_issued, settings_for,
     stats, try_run_tc_checksum_complete, udp6,
 };
+use selector_testbed::loaded::{self, Loaded};
 use selector_user::{Selector, Settings, host::sys};
 
 const CLIENT6: [u8; 16] = [0xfd, 0x77, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
@@ -63,8 +64,8 @@ fn settings(
     })
 }
 
-fn selector() -> Selector {
-    Selector::load(&settings(
+fn selector() -> Loaded {
+    loaded::load(&settings(
         Descriptor::memcached(),
         replica6,
         OnOverload::Pass,
@@ -74,9 +75,8 @@ fn selector() -> Selector {
 }
 
 /// A selector whose every member is at the cap of 2, rejecting over it.
-fn rejecting(descriptor: Descriptor, member: fn(usize) -> ([u8; 16], u16)) -> Selector {
-    let mut sel =
-        Selector::load(&settings(descriptor, member, OnOverload::Reject, 2)).expect("load");
+fn rejecting(descriptor: Descriptor, member: fn(usize) -> ([u8; 16], u16)) -> Loaded {
+    let mut sel = loaded::load(&settings(descriptor, member, OnOverload::Reject, 2)).expect("load");
     for pos in 0..3 {
         set_issued(&mut sel, pos, 2);
     }
@@ -386,7 +386,7 @@ fn an_ipv4_mapped_address_over_ipv6_is_no_member_or_client() {
         ],
         ..settings_for(Descriptor::memcached(), replica)
     };
-    let mut sel = Selector::load(&dual_stack).expect("load");
+    let mut sel = loaded::load(&dual_stack).expect("load");
     // The IPv4 primary is loaded: a read to it would be redirected.
     set_issued(&mut sel, 0, 5);
     let mapped = |addr: [u8; 4]| std::net::Ipv4Addr::from(addr).to_ipv6_mapped().octets();

@@ -10,6 +10,7 @@ use selector_testbed::frames::{
     CLIENT, CLIENT_MAC, CLIENT_PORT, GET, PRIMARY_MAC, SET, TC_ACT_PIPE, TC_ACT_SHOT, XDP_PASS,
     egress, replica, request, run_tc, run_xdp, settings_for, stats, verified_endpoints,
 };
+use selector_testbed::loaded::{self, Loaded};
 use selector_user::{Selector, Settings, host::sys};
 
 const XDP_DROP: u32 = 1;
@@ -38,8 +39,8 @@ fn memcached_reply(from: ([u8; 4], u16), body: &[u8]) -> Vec<u8> {
 
 /// A loaded selector with GET in flight to the primary and a hedge to
 /// member 1 claimed.
-fn hedged() -> Selector {
-    let mut sel = Selector::load(&Settings {
+fn hedged() -> Loaded {
+    let mut sel = loaded::load(&Settings {
         ..settings_for(Descriptor::memcached(), replica)
     })
     .expect("load");
@@ -52,8 +53,8 @@ fn hedged() -> Selector {
 
 /// `hedged`, with reads kept at the primary whatever is pending
 /// (threshold 100): a read whose id is reused goes where the first went.
-fn hedged_at_the_primary() -> Selector {
-    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica).tuned(|t| {
+fn hedged_at_the_primary() -> Loaded {
+    let mut sel = loaded::load(&settings_for(Descriptor::memcached(), replica).tuned(|t| {
         t.threshold = 100;
     }))
     .expect("load");
@@ -136,13 +137,13 @@ fn a_hedge_targets_late_reply_is_not_the_answer_of_a_new_read_with_its_id() {
 
 /// A loaded selector whose egress program offers reads for hedging (the
 /// kernel side only: no agent thread takes the offers).
-fn offering() -> Selector {
+fn offering() -> Loaded {
     offering_with(settings_for(Descriptor::memcached(), replica))
 }
 
-fn offering_with(settings: Settings) -> Selector {
+fn offering_with(settings: Settings) -> Loaded {
     use selector_common::hedge::{self, HedgeConfig};
-    let mut sel = Selector::load(&settings).expect("load");
+    let mut sel = loaded::load(&settings).expect("load");
     let mut config: aya::maps::Array<_, HedgeConfig> =
         aya::maps::Array::try_from(sel.ebpf_mut().map_mut(hedge::names::CONFIG).unwrap()).unwrap();
     let on = HedgeConfig {
@@ -254,7 +255,7 @@ fn neither_answers_both_expire_and_the_first_late_reply_passes() {
 
 #[test]
 fn an_unhedged_read_is_answered_as_before() {
-    let mut sel = Selector::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
+    let mut sel = loaded::load(&settings_for(Descriptor::memcached(), replica)).expect("load");
     let (verdict, _) = egress(&mut sel, &request(GET));
     assert_eq!(verdict, TC_ACT_PIPE);
     let (verdict, _) = run_xdp(&mut sel, &reply(replica(0)));

@@ -1,9 +1,13 @@
 //! `cargo xtask test-kernels`: the kernel matrix. Boots Debian's packaged
 //! LTS kernels under QEMU (TCG: this machine's /dev/kvm hangs stock
-//! kernels) with virtme-ng on the host's root filesystem, and runs in each
-//! the verifier cost of every program, the packet-fixture suites and
-//! namespace smoke tests with real memcached replicas. One PASS/FAIL line
-//! per kernel; non-zero exit on any failure.
+//! kernels) with virtme-ng on the host's root filesystem. Every kernel
+//! loads every program (the verifier's verdict and cost) and a canary the
+//! oldest must refuse (proof that a refusal fails the run); the oldest
+//! also runs the packet-fixture suites and the namespace tests with real
+//! memcached replicas, the others a steering smoke test. Sized for the
+//! slowest machine of the project's kind, where emulation runs three to
+//! four times slower than on the fastest. One PASS/FAIL line per kernel
+//! with its steps' times; non-zero exit on any failure.
 //!
 //! Nothing is installed into the host's /boot or /lib/modules: the kernel
 //! packages are downloaded and unpacked under target/kernels.
@@ -26,6 +30,21 @@ struct Kernel {
     package: &'static str,
     prefix: &'static str,
     suffix: &'static str,
+    /// What runs in its guest.
+    plan: Plan,
+    /// Whether its verifier refuses the canary (ISA v4: before Linux 6.6).
+    refuses_canary: bool,
+}
+
+/// How much of the matrix a kernel runs.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Plan {
+    /// The oldest kernel: every fixture suite and namespace test of
+    /// [`STEPS`].
+    Full,
+    /// The others: what differs by kernel (every program loaded, the
+    /// canary, one steering test).
+    Smoke,
 }
 
 /// A kernel package as unpacked under target/kernels.
@@ -52,39 +71,138 @@ const KERNELS: &[Kernel] = &[
         package: "linux-image-6.1.0-57-amd64",
         prefix: "linux-image-6.1.0-",
         suffix: "-amd64",
+        plan: Plan::Full,
+        refuses_canary: true,
     },
     Kernel {
         package: "linux-image-6.12.117+deb12-amd64",
         prefix: "linux-image-6.12.",
         suffix: "+deb12-amd64",
+        plan: Plan::Smoke,
+        refuses_canary: false,
     },
 ];
 
 /// Tested with this release; pinned so a new one cannot change the boot.
 const VIRTME_NG: &str = "virtme-ng==1.42";
 const VM_PACKAGES: &[&str] = &["qemu-system-x86", "busybox-static", "kmod"];
-/// A guest that has not finished by then has hung.
-const GUEST_TIMEOUT: Duration = Duration::from_secs(25 * 60);
+/// A guest that has not begun its first step by then did not boot.
+const BOOT_LIMIT: Duration = Duration::from_secs(300);
 
-/// Test binaries run in each guest, with the tests of each to run (empty:
-/// all). The namespace tests are the smoke test: a stalled primary's reads
-/// moved and every reply rewritten back, nothing lost, through TC and XDP
-/// ingress, and the agent on legacy tc filters.
-const SUITES: &[(&str, &[&str])] = &[
-    ("fixtures", &[]),
-    ("fixtures_ipv6", &[]),
-    ("hedging_fixtures", &[]),
-    ("ejection_fixtures", &[]),
-    (
-        "steering",
-        &[
+/// A step of a guest: a test binary of `selector-tests` with the tests of
+/// it to run (empty: all), or the verifier cost example.
+struct Step {
+    name: &'static str,
+    /// The test binary (`tests/NAME.rs`), or `None`: the verifier example.
+    suite: Option<&'static str>,
+    tests: &'static [&'static str],
+    /// The kernels that run it.
+    plans: &'static [Plan],
+    /// Tests run at once: 2 for the packet fixtures, CPU-bound in the
+    /// guest's two emulated CPUs; 1 for the namespace tests, whose loads
+    /// and stalls are timed.
+    threads: u32,
+    /// Over this, the guest has hung in this step: about four times the
+    /// step's time on the slowest machine of this kind measured so far.
+    limit: Duration,
+}
+
+const BOTH: &[Plan] = &[Plan::Full, Plan::Smoke];
+const FULL: &[Plan] = &[Plan::Full];
+
+const fn minutes(m: u64) -> Duration {
+    Duration::from_secs(m * 60)
+}
+
+/// The guests' steps, in order. The namespace tests are the smoke tests: a
+/// stalled primary's reads moved and every reply rewritten back, nothing
+/// lost, through TC and XDP ingress, and the agent on legacy tc filters
+/// beside another component's filter.
+const STEPS: &[Step] = &[
+    Step {
+        name: "verifier",
+        suite: None,
+        tests: &[],
+        plans: BOTH,
+        threads: 1,
+        limit: minutes(5),
+    },
+    Step {
+        name: "canary",
+        suite: None,
+        tests: &[],
+        plans: BOTH,
+        threads: 1,
+        limit: minutes(2),
+    },
+    Step {
+        name: "fixtures",
+        suite: Some("fixtures"),
+        tests: &[],
+        plans: FULL,
+        threads: 2,
+        limit: minutes(10),
+    },
+    Step {
+        name: "fixtures_ipv6",
+        suite: Some("fixtures_ipv6"),
+        tests: &[],
+        plans: FULL,
+        threads: 2,
+        limit: minutes(10),
+    },
+    Step {
+        name: "hedging_fixtures",
+        suite: Some("hedging_fixtures"),
+        tests: &[],
+        plans: FULL,
+        threads: 2,
+        limit: minutes(10),
+    },
+    Step {
+        name: "ejection_fixtures",
+        suite: Some("ejection_fixtures"),
+        tests: &[],
+        plans: FULL,
+        threads: 2,
+        limit: minutes(10),
+    },
+    Step {
+        name: "steering",
+        suite: Some("steering"),
+        tests: &[
             "stall_redirects_reads_and_replies_come_from_the_primary_tc_ingress",
             "stall_redirects_reads_and_replies_come_from_the_primary_xdp",
         ],
-    ),
-    ("legacy_tc", &[]),
+        plans: FULL,
+        threads: 1,
+        limit: minutes(10),
+    },
+    Step {
+        name: "steering_smoke",
+        suite: Some("steering"),
+        tests: &["stall_redirects_reads_and_replies_come_from_the_primary_tc_ingress"],
+        plans: &[Plan::Smoke],
+        threads: 1,
+        limit: minutes(8),
+    },
+    Step {
+        name: "legacy_tc",
+        suite: Some("legacy_tc"),
+        tests: &[],
+        plans: FULL,
+        threads: 1,
+        limit: minutes(8),
+    },
     // Ignored on the host, whose kernel has no 802.1Q.
-    ("vlan", &[]),
+    Step {
+        name: "vlan",
+        suite: Some("vlan"),
+        tests: &[],
+        plans: FULL,
+        threads: 1,
+        limit: minutes(10),
+    },
 ];
 
 /// Modules the suites need that Debian builds as modules (loaded by hand:
@@ -110,34 +228,35 @@ pub fn test_kernels(only: &[String]) -> Result<()> {
     }
     let kernels = wanted
         .into_iter()
-        .map(|k| unpack(&dir, k))
-        .collect::<Result<Vec<Image>>>()?;
+        .map(|k| Ok((k, unpack(&dir, k)?)))
+        .collect::<Result<Vec<(&Kernel, Image)>>>()?;
     let built = build(&root)?;
     let mut failed = 0;
-    for k in &kernels {
+    for (k, image) in &kernels {
         let began = Instant::now();
-        let outcome = run_guest(&dir, k, &built);
+        let outcome = run_guest(&dir, k, image, &built);
         let took = began.elapsed().as_secs();
         match outcome {
             Ok(report) if report.failures.is_empty() => {
                 println!(
-                    "test-kernels: PASS {} ({} s): {}; {}",
-                    k.release, took, report.counts, report.passed
+                    "test-kernels: PASS {} ({} s; {}): {}; {}",
+                    image.release, took, report.times, report.counts, report.passed
                 );
             }
             Ok(report) => {
                 failed += 1;
                 println!(
-                    "test-kernels: FAIL {} ({} s): {}; failed: {}",
-                    k.release,
+                    "test-kernels: FAIL {} ({} s; {}): {}; failed: {}",
+                    image.release,
                     took,
+                    report.times,
                     report.counts,
                     report.failures.join("; ")
                 );
             }
             Err(e) => {
                 failed += 1;
-                println!("test-kernels: FAIL {} ({took} s): {e:#}", k.release);
+                println!("test-kernels: FAIL {} ({took} s): {e:#}", image.release);
             }
         }
     }
@@ -243,11 +362,21 @@ fn vmlinuz(dir: &Path, k: &Image) -> PathBuf {
 }
 
 /// What the guests run, built on the host: the agent, the verifier cost
-/// example and the test binaries.
+/// example and the test binaries by suite name.
 struct Built {
     selector: PathBuf,
     verifier_cost: PathBuf,
-    suites: Vec<(PathBuf, &'static [&'static str])>,
+    suites: Vec<(&'static str, PathBuf)>,
+}
+
+impl Built {
+    fn suite(&self, name: &str) -> &Path {
+        self.suites
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, p)| p.as_path())
+            .expect("every step's suite is built")
+    }
 }
 
 fn build(root: &Path) -> Result<Built> {
@@ -260,9 +389,11 @@ fn build(root: &Path) -> Result<Built> {
         "--example",
         "verifier_cost",
     ]))?;
+    let mut names: Vec<&'static str> = STEPS.iter().filter_map(|s| s.suite).collect();
+    names.dedup();
     let mut c = cargo();
     c.args(["test", "--no-run", "--package", "selector-tests"]);
-    for (name, _) in SUITES {
+    for name in &names {
         c.args(["--test", name]);
     }
     eprintln!("+ cargo test --no-run (the suites of the matrix)");
@@ -272,14 +403,14 @@ fn build(root: &Path) -> Result<Built> {
         bail!("building the test binaries failed:\n{text}");
     }
     let mut suites = Vec::new();
-    for (name, tests) in SUITES {
+    for name in names {
         // "Executable tests/NAME.rs (target/debug/deps/NAME-HASH)"
         let path = text
             .lines()
             .find(|l| l.contains(&format!("tests/{name}.rs (")))
             .and_then(|l| l.rsplit_once('(')?.1.strip_suffix(')'))
             .with_context(|| format!("no executable for {name} in cargo's output"))?;
-        suites.push((root.join(path), *tests));
+        suites.push((name, root.join(path)));
     }
     let debug = root.join("target/debug");
     Ok(Built {
@@ -289,28 +420,38 @@ fn build(root: &Path) -> Result<Built> {
     })
 }
 
+/// The steps kernel `k` runs, in order.
+fn steps_of(k: &Kernel) -> impl Iterator<Item = &'static Step> {
+    STEPS.iter().filter(move |s| s.plans.contains(&k.plan))
+}
+
 /// A guest's outcome.
 struct Report {
     /// Verified instructions per program.
     counts: String,
     passed: String,
     failures: Vec<String>,
+    /// Each step's wall time.
+    times: String,
 }
 
-/// Boots kernel `k` and runs everything; the outcome read from the files
-/// the guest wrote.
-fn run_guest(dir: &Path, k: &Image, built: &Built) -> Result<Report> {
-    let out = dir.join(format!("out-{}", k.release));
+/// Boots kernel `k` and runs its steps, watching that each begins and ends
+/// in its time; the outcome read from the files the guest wrote.
+fn run_guest(dir: &Path, k: &Kernel, image: &Image, built: &Built) -> Result<Report> {
+    let out = dir.join(format!("out-{}", image.release));
     if out.exists() {
         fs::remove_dir_all(&out)?;
     }
     fs::create_dir_all(&out)?;
     let script = out.join("guest.sh");
-    fs::write(&script, guest_script(dir, k, built, &out))?;
+    let steps: Vec<&Step> = steps_of(k).collect();
+    fs::write(&script, guest_script(dir, image, &steps, built, &out))?;
     let log = fs::File::create(out.join("console.log"))?;
     eprintln!(
-        "test-kernels: booting {} under QEMU (TCG); output in {}",
-        k.release,
+        "test-kernels: booting {} under QEMU (TCG) for {} steps ({:?} plan); output in {}",
+        image.release,
+        steps.len(),
+        k.plan,
         out.display()
     );
     let venv_bin = dir.join("venv/bin");
@@ -324,7 +465,7 @@ fn run_guest(dir: &Path, k: &Image, built: &Built) -> Result<Report> {
         .args(["--disable-kvm", "--cpus", "2", "--memory", "2G", "--rwdir"])
         .arg(&out)
         .arg("-r")
-        .arg(vmlinuz(dir, k))
+        .arg(vmlinuz(dir, image))
         .arg("-e")
         .arg(format!("sh {}", script.display()))
         .stdin(Stdio::null())
@@ -332,24 +473,108 @@ fn run_guest(dir: &Path, k: &Image, built: &Built) -> Result<Report> {
         .stderr(log)
         .spawn()
         .context("starting vng")?;
-    let began = Instant::now();
-    loop {
+    let mut progress = Progress::new(Instant::now());
+    let verdict = loop {
         if child.try_wait()?.is_some() {
-            break;
+            progress.observe(&out, &steps, Instant::now());
+            break Ok(());
         }
-        if began.elapsed() > GUEST_TIMEOUT {
+        let now = Instant::now();
+        progress.observe(&out, &steps, now);
+        if let Some(late) = progress.overdue(&steps, now) {
             let _ = child.kill();
             let _ = child.wait();
-            bail!("the guest did not finish in {} s", GUEST_TIMEOUT.as_secs());
+            break Err(late);
         }
         std::thread::sleep(Duration::from_secs(1));
+    };
+    let times = progress.times(&steps);
+    eprintln!("test-kernels: {} steps: {times}", image.release);
+    if let Err(late) = verdict {
+        bail!("{late} (steps: {times}; see {})", out.display());
     }
-    read_report(&out)
+    let mut report = read_report(&out, k, &steps)?;
+    report.times = times;
+    Ok(report)
+}
+
+/// What the host has seen of a guest's steps: when each began and ended,
+/// by the host's clock (the guest writes `NAME.began` and `NAME.rc`).
+struct Progress {
+    booted: Instant,
+    began: Vec<Option<Instant>>,
+    ended: Vec<Option<Instant>>,
+}
+
+impl Progress {
+    fn new(booted: Instant) -> Self {
+        Self {
+            booted,
+            began: vec![None; STEPS.len()],
+            ended: vec![None; STEPS.len()],
+        }
+    }
+
+    fn observe(&mut self, out: &Path, steps: &[&Step], now: Instant) {
+        for (i, step) in steps.iter().enumerate() {
+            if self.began[i].is_none() && out.join(format!("{}.began", step.name)).exists() {
+                self.began[i] = Some(now);
+            }
+            if self.ended[i].is_none() && out.join(format!("{}.rc", step.name)).exists() {
+                self.ended[i] = Some(now);
+                self.began[i].get_or_insert(now);
+            }
+        }
+    }
+
+    /// Why the guest counts as hung at `now`, if it does: no step begun
+    /// within the boot limit, or a step running past its own limit.
+    fn overdue(&self, steps: &[&Step], now: Instant) -> Option<String> {
+        if self.began.iter().all(Option::is_none) {
+            return (now - self.booted > BOOT_LIMIT).then(|| {
+                format!(
+                    "the guest did not begin its first step within {} s of starting",
+                    BOOT_LIMIT.as_secs()
+                )
+            });
+        }
+        steps.iter().enumerate().find_map(|(i, step)| {
+            let began = self.began[i]?;
+            (self.ended[i].is_none() && now - began > step.limit).then(|| {
+                format!(
+                    "step {} did not finish within its limit of {} s",
+                    step.name,
+                    step.limit.as_secs()
+                )
+            })
+        })
+    }
+
+    /// "verifier 12 s, canary 1 s, fixtures 80 s, ..." (a step begun and
+    /// not ended: "running N s"; not begun: left out).
+    fn times(&self, steps: &[&Step]) -> String {
+        let boot = self
+            .began
+            .iter()
+            .flatten()
+            .min()
+            .map(|first| format!("boot {} s", (*first - self.booted).as_secs()));
+        boot.into_iter()
+            .chain(steps.iter().enumerate().filter_map(|(i, step)| {
+                let began = self.began[i]?;
+                Some(match self.ended[i] {
+                    Some(ended) => format!("{} {} s", step.name, (ended - began).as_secs()),
+                    None => format!("{} running {} s", step.name, began.elapsed().as_secs()),
+                })
+            }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
 }
 
 /// The guest's script: modules, bpffs, then each step's output and exit
-/// code to files in the shared directory.
-fn guest_script(dir: &Path, k: &Image, built: &Built, out: &Path) -> String {
+/// code to files in the shared directory, its start marked by a file.
+fn guest_script(dir: &Path, k: &Image, steps: &[&Step], built: &Built, out: &Path) -> String {
     let mut s = String::from("#!/bin/sh\n");
     s += &format!("cd {}\n", setup::workspace_root().display());
     s += &format!(
@@ -360,36 +585,48 @@ fn guest_script(dir: &Path, k: &Image, built: &Built, out: &Path) -> String {
     );
     s += "mount -t bpf bpf /sys/fs/bpf 2>/dev/null\nip link set lo up\n";
     s += &format!("export SELECTOR_BINARY={}\n", built.selector.display());
-    s += &format!(
-        "{} > {o}/cost.txt 2>&1; echo $? > {o}/cost.rc\n",
-        built.verifier_cost.display(),
-        o = out.display()
-    );
-    for (binary, tests) in &built.suites {
-        let name = suite_name(binary);
-        let filter = if tests.is_empty() {
-            String::new()
-        } else {
-            format!("{} --exact", tests.join(" "))
+    for step in steps {
+        let command = match (step.suite, step.name) {
+            (None, "canary") => format!("{} --canary", built.verifier_cost.display()),
+            (None, _) => built.verifier_cost.display().to_string(),
+            (Some(suite), _) => {
+                let filter = if step.tests.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {} --exact", step.tests.join(" "))
+                };
+                format!(
+                    "{} --test-threads={} --include-ignored{filter}",
+                    built.suite(suite).display(),
+                    step.threads
+                )
+            }
         };
         s += &format!(
-            "{} --test-threads=1 --include-ignored {filter} > {o}/{name}.txt 2>&1; echo $? > {o}/{name}.rc\n",
-            binary.display(),
-            o = out.display()
+            "touch {o}/{n}.began; {command} > {o}/{n}.txt 2>&1; echo $? > {o}/{n}.rc\n",
+            o = out.display(),
+            n = step.name
         );
     }
     s += &format!("echo done > {}/done\n", out.display());
     s
 }
 
-/// `fixtures` of `target/debug/deps/fixtures-0123abcd`.
-fn suite_name(binary: &Path) -> String {
-    let file = binary.file_name().unwrap_or_default().to_string_lossy();
-    file.rsplit_once('-')
-        .map_or(file.to_string(), |(n, _)| n.to_string())
+/// The verifier's refusal in a verifier step's output and exit code, if
+/// it refused anything: the line that says what.
+fn refusal(output: &str, rc: &str) -> Option<String> {
+    (rc.trim() != "0").then(|| {
+        output
+            .lines()
+            .find(|l| l.starts_with("Error"))
+            .unwrap_or("no output")
+            .chars()
+            .take(300)
+            .collect()
+    })
 }
 
-fn read_report(out: &Path) -> Result<Report> {
+fn read_report(out: &Path, k: &Kernel, steps: &[&Step]) -> Result<Report> {
     if !out.join("done").exists() {
         bail!(
             "the guest stopped before the end (see {})",
@@ -398,49 +635,59 @@ fn read_report(out: &Path) -> Result<Report> {
     }
     let read = |name: &str| fs::read_to_string(out.join(name)).unwrap_or_default();
     let mut failures = Vec::new();
-    let cost = read("cost.txt");
-    let counts: Vec<String> = cost
-        .lines()
-        .filter_map(|l| {
-            let (program, rest) = l.split_once(": ")?;
-            let (n, _) = rest.split_once(" verified instructions")?;
-            program
-                .starts_with("selector_")
-                .then(|| format!("{program} {n}"))
-        })
-        .collect();
-    if read("cost.rc").trim() != "0" {
-        failures.push(format!(
-            "verifier: {}",
-            cost.lines()
-                .find(|l| l.starts_with("Error"))
-                .unwrap_or("no output")
-                .chars()
-                .take(300)
-                .collect::<String>()
-        ));
-    }
     let mut passed = Vec::new();
-    for (name, _) in SUITES {
-        let text = read(&format!("{name}.txt"));
-        let result = text
-            .lines()
-            .rev()
-            .find(|l| l.starts_with("test result:"))
-            .unwrap_or("no result")
-            .to_string();
-        if read(&format!("{name}.rc")).trim() == "0" {
-            passed.push(format!("{name}: {}", summary(&result)));
-        } else {
-            let failed: Vec<&str> = text
-                .lines()
-                .filter_map(|l| l.strip_prefix("test ")?.strip_suffix(" ... FAILED"))
-                .collect();
-            failures.push(format!(
-                "{name}: {} [{}]",
-                summary(&result),
-                failed.join(", ")
-            ));
+    let mut counts = Vec::new();
+    for step in steps {
+        let text = read(&format!("{}.txt", step.name));
+        let rc = read(&format!("{}.rc", step.name));
+        match (step.suite, step.name) {
+            (None, "canary") => {
+                // The same judgement as the programs': a kernel that must
+                // refuse it and is not seen refusing means the matrix
+                // cannot see refusals.
+                match (refusal(&text, &rc), k.refuses_canary) {
+                    (Some(_), true) => passed.push("canary: refused, as it must be".into()),
+                    (None, false) => passed.push("canary: accepted".into()),
+                    (None, true) => failures.push(
+                        "canary: a program this kernel must refuse was not reported refused (the matrix would miss a verifier refusal)".into(),
+                    ),
+                    (Some(why), false) => failures.push(format!("canary: refused: {why}")),
+                }
+            }
+            (None, _) => {
+                counts.extend(text.lines().filter_map(|l| {
+                    let (program, rest) = l.split_once(": ")?;
+                    let (n, _) = rest.split_once(" verified instructions")?;
+                    program
+                        .starts_with("selector_")
+                        .then(|| format!("{program} {n}"))
+                }));
+                if let Some(why) = refusal(&text, &rc) {
+                    failures.push(format!("verifier: {why}"));
+                }
+            }
+            (Some(_), _) => {
+                let result = text
+                    .lines()
+                    .rev()
+                    .find(|l| l.starts_with("test result:"))
+                    .unwrap_or("no result")
+                    .to_string();
+                if rc.trim() == "0" {
+                    passed.push(format!("{}: {}", step.name, summary(&result)));
+                } else {
+                    let failed: Vec<&str> = text
+                        .lines()
+                        .filter_map(|l| l.strip_prefix("test ")?.strip_suffix(" ... FAILED"))
+                        .collect();
+                    failures.push(format!(
+                        "{}: {} [{}]",
+                        step.name,
+                        summary(&result),
+                        failed.join(", ")
+                    ));
+                }
+            }
         }
     }
     Ok(Report {
@@ -451,6 +698,7 @@ fn read_report(out: &Path) -> Result<Report> {
         },
         passed: passed.join(", "),
         failures,
+        times: String::new(),
     })
 }
 
@@ -494,6 +742,148 @@ mod tests {
         assert_eq!(
             Image::of("linux-image-6.1.0-57-amd64").release,
             "6.1.0-57-amd64"
+        );
+    }
+
+    /// A guest's output directory with every step of `k` written: passed,
+    /// but for `(step, output, rc)` given.
+    fn guest_output(k: &Kernel, overrides: &[(&str, &str, &str)]) -> tempdir::Dir {
+        let dir = tempdir::Dir::new();
+        for step in steps_of(k) {
+            let (text, rc) = match (step.suite, step.name) {
+                (None, "canary") if k.refuses_canary => {
+                    ("Error: loading selector_canary: Invalid argument", "1")
+                }
+                (None, "canary") => ("selector_canary: accepted (3 instructions)", "0"),
+                (None, _) => ("selector_egress: 117315 verified instructions, ...", "0"),
+                (Some(_), _) => ("test result: ok. 2 passed; 0 failed; 0 ignored", "0"),
+            };
+            let (text, rc) = overrides
+                .iter()
+                .find(|(n, _, _)| *n == step.name)
+                .map_or((text, rc), |(_, t, r)| (*t, *r));
+            fs::write(dir.0.join(format!("{}.txt", step.name)), text).unwrap();
+            fs::write(dir.0.join(format!("{}.rc", step.name)), format!("{rc}\n")).unwrap();
+        }
+        fs::write(dir.0.join("done"), "done").unwrap();
+        dir
+    }
+
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Self {
+                use std::sync::atomic::{AtomicU32, Ordering};
+                static N: AtomicU32 = AtomicU32::new(0);
+                let p = std::env::temp_dir().join(format!(
+                    "xtask-kernels-{}-{}",
+                    std::process::id(),
+                    N.fetch_add(1, Ordering::SeqCst)
+                ));
+                std::fs::create_dir_all(&p).unwrap();
+                Self(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    fn report(k: &Kernel, overrides: &[(&str, &str, &str)]) -> Report {
+        let dir = guest_output(k, overrides);
+        let steps: Vec<&Step> = steps_of(k).collect();
+        read_report(&dir.0, k, &steps).unwrap()
+    }
+
+    #[test]
+    fn a_refused_program_or_a_canary_not_refused_fails_the_kernel() {
+        let (oldest, newer) = (&KERNELS[0], &KERNELS[1]);
+        assert!(oldest.refuses_canary && !newer.refuses_canary);
+        for k in [oldest, newer] {
+            let ok = report(k, &[]);
+            assert!(ok.failures.is_empty(), "{:?}", ok.failures);
+            assert!(ok.counts.contains("selector_egress 117315"));
+            let refused = report(
+                k,
+                &[(
+                    "verifier",
+                    "selector_egress: 117315 verified instructions\nError: loading selector_ingress_tc on Linux 6.1: BPF_PROG_LOAD ... Permission denied",
+                    "1",
+                )],
+            );
+            assert_eq!(refused.failures.len(), 1);
+            assert!(
+                refused.failures[0].starts_with("verifier: Error: loading selector_ingress_tc")
+            );
+        }
+        // The oldest kernel accepting the canary: refusals would go unseen.
+        let blind = report(oldest, &[("canary", "selector_canary: accepted", "0")]);
+        assert!(blind.failures[0].contains("was not reported refused"));
+        let refused = report(
+            newer,
+            &[("canary", "Error: loading selector_canary: EINVAL", "1")],
+        );
+        assert!(refused.failures[0].starts_with("canary: refused"));
+        let failed = report(
+            oldest,
+            &[(
+                "fixtures",
+                "test a ... ok\ntest b ... FAILED\ntest result: FAILED. 1 passed; 1 failed;",
+                "101",
+            )],
+        );
+        assert_eq!(failed.failures, ["fixtures: 1 passed 1 failed [b]"]);
+    }
+
+    #[test]
+    fn the_oldest_kernel_runs_every_suite_and_the_others_only_what_differs_by_kernel() {
+        let full: Vec<&str> = steps_of(&KERNELS[0]).map(|s| s.name).collect();
+        let smoke: Vec<&str> = steps_of(&KERNELS[1]).map(|s| s.name).collect();
+        for suite in [
+            "fixtures",
+            "fixtures_ipv6",
+            "hedging_fixtures",
+            "ejection_fixtures",
+        ] {
+            assert!(full.contains(&suite) && !smoke.contains(&suite));
+        }
+        for step in ["verifier", "canary"] {
+            assert!(full.contains(&step) && smoke.contains(&step));
+        }
+        assert!(smoke.contains(&"steering_smoke"));
+    }
+
+    #[test]
+    fn a_step_past_its_limit_is_named_and_a_guest_that_never_begins_is_caught() {
+        let steps: Vec<&Step> = steps_of(&KERNELS[0]).collect();
+        let t0 = Instant::now();
+        let mut p = Progress::new(t0);
+        assert_eq!(p.overdue(&steps, t0 + BOOT_LIMIT / 2), None);
+        assert!(
+            p.overdue(&steps, t0 + BOOT_LIMIT + Duration::from_secs(1))
+                .unwrap()
+                .contains("did not begin its first step")
+        );
+        let dir = tempdir::Dir::new();
+        fs::write(dir.0.join("verifier.began"), "").unwrap();
+        p.observe(&dir.0, &steps, t0 + Duration::from_secs(20));
+        fs::write(dir.0.join("verifier.rc"), "0").unwrap();
+        fs::write(dir.0.join("canary.began"), "").unwrap();
+        p.observe(&dir.0, &steps, t0 + Duration::from_secs(30));
+        fs::write(dir.0.join("canary.rc"), "0").unwrap();
+        fs::write(dir.0.join("fixtures.began"), "").unwrap();
+        p.observe(&dir.0, &steps, t0 + Duration::from_secs(31));
+        let fixtures = steps.iter().find(|s| s.name == "fixtures").unwrap();
+        let late = t0 + Duration::from_secs(32) + fixtures.limit;
+        assert_eq!(
+            p.overdue(&steps, late).as_deref(),
+            Some("step fixtures did not finish within its limit of 600 s")
+        );
+        assert!(
+            p.times(&steps)
+                .starts_with("boot 20 s, verifier 10 s, canary 1 s, fixtures running")
         );
     }
 }

@@ -141,20 +141,22 @@ fn main() -> Result<()> {
             no_lint,
             no_kernels,
         } => {
-            setup::setup()?;
+            let mut times = Times::default();
+            times.part("setup", setup::setup)?;
             require_root("the integration tests")?;
             if !no_lint {
-                lint()?;
+                times.part("fmt and clippy", lint)?;
             }
-            let suite = run_tests();
+            let suite = times.part("host tests", run_tests);
             let matrix = if no_kernels {
                 Ok(())
             } else {
-                kernels::test_kernels(&[])
+                times.part("kernel matrix", || kernels::test_kernels(&[]))
             };
-            // The totals line closes the output, whatever failed.
+            // The totals and times lines close the output, whatever failed.
             let totals = suite?;
             println!("{totals}");
+            println!("{times}");
             totals.check()?;
             matrix
         }
@@ -189,6 +191,31 @@ fn main() -> Result<()> {
                 &args,
             ))
         }
+    }
+}
+
+/// Wall time per part of `cargo xtask test`, printed at its end.
+#[derive(Default)]
+struct Times(Vec<(&'static str, std::time::Duration)>);
+
+impl Times {
+    fn part<T>(&mut self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        let began = std::time::Instant::now();
+        let out = f();
+        self.0.push((name, began.elapsed()));
+        out
+    }
+}
+
+impl std::fmt::Display for Times {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self
+            .0
+            .iter()
+            .map(|(name, took)| format!("{name} {} s", took.as_secs()))
+            .collect();
+        let total: u64 = self.0.iter().map(|(_, t)| t.as_secs()).sum();
+        write!(f, "times: {} (total {total} s)", parts.join(", "))
     }
 }
 

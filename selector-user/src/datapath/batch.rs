@@ -17,7 +17,7 @@ const CHUNK: u32 = 4096;
 
 /// The kernel's possible CPUs (per-CPU values come for each), read once:
 /// the file behind it was read on every call, 512 times per snapshot.
-fn possible_cpus() -> Result<usize> {
+pub(crate) fn possible_cpus() -> Result<usize> {
     static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     if let Some(&n) = CPUS.get() {
         return Ok(n);
@@ -91,6 +91,39 @@ pub fn for_each<T: Copy + Default>(
     }
     if seen < len {
         bail!("BPF_MAP_LOOKUP_BATCH returned {seen} of {len} elements");
+    }
+    Ok(())
+}
+
+/// Tests only (`crate::datapath::recycle`): writes zeros over every element of an array or per-CPU array, in a few
+/// system calls (BPF_MAP_UPDATE_BATCH), whatever its value type.
+#[cfg(feature = "testing")]
+pub fn zero(map: &Map) -> Result<()> {
+    use crate::host::sys::update_batch;
+    let (data, per_cpu) = match map {
+        Map::PerCpuArray(data) => (data, true),
+        Map::Array(data) => (data, false),
+        _ => bail!("not an array"),
+    };
+    let info = data.info()?;
+    // Per-CPU values are laid out at 8-byte strides, one per CPU.
+    let value = if per_cpu {
+        (info.value_size() as usize).next_multiple_of(8) * possible_cpus()?
+    } else {
+        info.value_size() as usize
+    };
+    let fd = data.fd().as_fd().as_raw_fd();
+    let entries = info.max_entries();
+    let chunk = CHUNK.min(entries.max(1));
+    let zeros = vec![0u8; chunk as usize * value];
+    let mut first = 0;
+    while first < entries {
+        let count = chunk.min(entries - first);
+        let keys: Vec<u32> = (first..first + count).collect();
+        // SAFETY: `count` keys, and `count` zeroed values of the map's size.
+        unsafe { update_batch(fd, keys.as_ptr().cast(), zeros.as_ptr(), count) }
+            .context("BPF_MAP_UPDATE_BATCH")?;
+        first += count;
     }
     Ok(())
 }

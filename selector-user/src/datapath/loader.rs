@@ -42,9 +42,9 @@ use crate::{
 
 /// A loaded, configured and attached selector. Dropping it detaches.
 pub struct Selector {
-    ebpf: Ebpf,
+    pub(crate) ebpf: Ebpf,
     // Must outlive the programs: dropping it closes the log map.
-    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+    pub(crate) logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
     pub settings: Settings,
     pub backends: Vec<BackendPlan>,
     /// The in-flight slots, shared with the kernel.
@@ -71,7 +71,7 @@ pub struct Selector {
     /// When each mark word next needs the sweep (`crate::datapath::sweep`).
     pub(crate) sweep_schedule: crate::datapath::sweep::SweepSchedule,
     /// Where maps and links are pinned (`--pin`); `None`: private to this agent.
-    pins: Option<PinDir>,
+    pub(crate) pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
     adopted: bool,
     /// The latency histograms last read, by backend id (`Self::latency`).
@@ -184,7 +184,7 @@ fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<String>)> {
 
 /// The reply path of a selector loaded but not attached (fixtures run
 /// both programs): the one asked for, TC for `auto`.
-fn unattached_reply_path(settings: &Settings) -> ReplyPath {
+pub(crate) fn unattached_reply_path(settings: &Settings) -> ReplyPath {
     settings.ingress.fixed().unwrap_or(ReplyPath::Tc)
 }
 
@@ -375,13 +375,6 @@ impl Selector {
                 bail!("map {name} is not in the pinned list (pinning::shapes)");
             }
         }
-        let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
-        let marks = share(&ebpf, names::INFLIGHT_MARKS, mark_words(slot_count))?;
-        let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
-        let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
-        let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
-        let health = share(&ebpf, names::HEALTH, MAX_GROUPS)?;
-        let config = share(&ebpf, names::CONFIG, 1)?;
         let logger = match aya_log::EbpfLogger::init_with_logger(&mut ebpf, log::logger()) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -389,7 +382,40 @@ impl Selector {
                 None
             }
         };
-        let mut selector = Self {
+        let mut selector = Self::assemble(ebpf, logger, settings, backends, reply_path, pins)?;
+        selector.fill()?;
+        let release = crate::host::preflight::kernel_release();
+        for name in [programs::EGRESS, programs::INGRESS_TC] {
+            let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
+            p.load()
+                .with_context(|| format!("loading {name} on Linux {release}"))?;
+        }
+        let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
+        p.load()
+            .with_context(|| format!("loading {} on Linux {release}", programs::INGRESS_XDP))?;
+        Ok(selector)
+    }
+
+    /// The handle over a loaded object (its programs loaded or not): the
+    /// shared maps mapped, the agent's own state fresh.
+    pub(crate) fn assemble(
+        ebpf: Ebpf,
+        logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+        settings: &Settings,
+        backends: Vec<BackendPlan>,
+        reply_path: ReplyPath,
+        pins: Option<PinDir>,
+    ) -> Result<Self> {
+        let slot_count = slots_for(settings.inflight_max);
+        let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
+        let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
+        let marks = share(&ebpf, names::INFLIGHT_MARKS, mark_words(slot_count))?;
+        let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;
+        let clients = share(&ebpf, names::CLIENT_PENDING, CLIENT_SLOTS)?;
+        let service = share(&ebpf, names::SERVICE, MAX_GROUPS)?;
+        let health = share(&ebpf, names::HEALTH, MAX_GROUPS)?;
+        let config = share(&ebpf, names::CONFIG, 1)?;
+        Ok(Self {
             ebpf,
             logger,
             settings: settings.clone(),
@@ -415,25 +441,19 @@ impl Selector {
             hedging: Default::default(),
             netns: None,
             routed_elsewhere: Vec::new(),
-        };
-        // Adopted maps keep the tables an earlier agent wrote (see
-        // `attach_pinned`).
-        if adopted {
-            selector.write_config()?;
+        })
+    }
+
+    /// Fills the maps for the settings (adopted maps keep the tables an
+    /// earlier agent wrote: see `attach_pinned`) and starts ejection afresh.
+    pub(crate) fn fill(&mut self) -> Result<()> {
+        if self.adopted {
+            self.write_config()?;
         } else {
-            selector.write_tables()?;
+            self.write_tables()?;
         }
-        selector.reset_ejection();
-        let release = crate::host::preflight::kernel_release();
-        for name in [programs::EGRESS, programs::INGRESS_TC] {
-            let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
-            p.load()
-                .with_context(|| format!("loading {name} on Linux {release}"))?;
-        }
-        let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
-        p.load()
-            .with_context(|| format!("loading {} on Linux {release}", programs::INGRESS_XDP))?;
-        Ok(selector)
+        self.reset_ejection();
+        Ok(())
     }
 
     /// Attaches the program of `slot` with a new link; with pins, pins it.

@@ -14,6 +14,8 @@ pub mod next_hops;
 pub mod pinning;
 #[cfg(feature = "testing")]
 pub mod plant;
+#[cfg(feature = "testing")]
+pub mod recycle;
 pub mod regroup;
 pub mod snapshot;
 pub mod sweep;

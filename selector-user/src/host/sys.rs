@@ -82,6 +82,22 @@ struct BatchAttr {
     flags: u64,
 }
 
+impl BatchAttr {
+    /// A batch over `count` elements of the map, no cursors.
+    fn over(map_fd: RawFd, keys: u64, values: u64, count: u32) -> Self {
+        Self {
+            in_batch: 0,
+            out_batch: 0,
+            keys,
+            values,
+            count,
+            map_fd: map_fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        }
+    }
+}
+
 /// One BPF_MAP_LOOKUP_BATCH call: up to `count` keys and values from
 /// `cursor` (`None`: from the start) into the buffers. Returns how many it
 /// filled, the cursor to go on from, and whether the map's end was reached
@@ -106,12 +122,7 @@ pub(crate) unsafe fn lookup_batch(
             0
         },
         out_batch: &mut next as *mut u32 as u64,
-        keys: keys as u64,
-        values: values as u64,
-        count,
-        map_fd: map_fd as u32,
-        elem_flags: 0,
-        flags: 0,
+        ..BatchAttr::over(map_fd, keys as u64, values as u64, count)
     };
     // SAFETY: per the caller, and the attribute outlives the call.
     let rc = unsafe {
@@ -129,5 +140,63 @@ pub(crate) unsafe fn lookup_batch(
         None => Ok((filled, next, false)),
         Some(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok((filled, next, true)),
         Some(e) => Err(e),
+    }
+}
+
+#[cfg(feature = "testing")]
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+#[cfg(feature = "testing")]
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+#[cfg(feature = "testing")]
+const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+
+#[cfg(feature = "testing")]
+/// One BPF_MAP_UPDATE_BATCH call: `count` keys and values from the buffers.
+///
+/// # Safety
+/// `keys` and `values` must hold `count` of the map's keys and values (for
+/// a per-CPU map, a value is 8-byte-rounded times the CPUs).
+pub(crate) unsafe fn update_batch(
+    map_fd: RawFd,
+    keys: *const u8,
+    values: *const u8,
+    count: u32,
+) -> io::Result<()> {
+    let mut attr = BatchAttr::over(map_fd, keys as u64, values as u64, count);
+    // SAFETY: per the caller, and the attribute outlives the call.
+    unsafe { bpf(BPF_MAP_UPDATE_BATCH, &mut attr) }.map(drop)
+}
+
+#[cfg(feature = "testing")]
+/// Deletes every key of a hash map whose keys are `key_size` bytes; how
+/// many it deleted.
+pub(crate) fn delete_all(map_fd: RawFd, key_size: usize) -> io::Result<usize> {
+    let mut key = vec![0u8; key_size];
+    let mut deleted = 0;
+    loop {
+        // No previous key: the map's first key, whichever remains.
+        let mut attr = MapElemAttr {
+            map_fd: map_fd as u32,
+            _pad: 0,
+            key: 0,
+            value: key.as_mut_ptr() as u64,
+            flags: 0,
+        };
+        // SAFETY: `value` is the next key's buffer, of the map's key size.
+        match unsafe { bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) } {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(deleted),
+            Err(e) => return Err(e),
+        }
+        let mut attr = MapElemAttr {
+            map_fd: map_fd as u32,
+            _pad: 0,
+            key: key.as_ptr() as u64,
+            value: 0,
+            flags: 0,
+        };
+        // SAFETY: `key` is a key of the map's size.
+        unsafe { bpf(BPF_MAP_DELETE_ELEM, &mut attr) }?;
+        deleted += 1;
     }
 }
