@@ -25,9 +25,12 @@ pub struct Loaded(Option<Selector>);
 
 /// A selector for `settings`, loaded (not attached) as `Selector::load`
 /// would, its programs reused from an earlier test's when one is pooled.
+fn fresh_loads() -> bool {
+    std::env::var_os("SELECTOR_FRESH_LOADS").is_some_and(|v| v == "1")
+}
+
 pub fn load(settings: &Settings) -> anyhow::Result<Loaded> {
-    let fresh = std::env::var_os("SELECTOR_FRESH_LOADS").is_some_and(|v| v == "1");
-    let pooled = if fresh {
+    let pooled = if fresh_loads() {
         None
     } else {
         let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -68,7 +71,7 @@ impl Drop for Loaded {
         let Some(selector) = self.0.take() else {
             return;
         };
-        if !std::thread::panicking() && selector.recyclable() {
+        if !std::thread::panicking() && !fresh_loads() && selector.recyclable() {
             POOL.lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .push(selector);

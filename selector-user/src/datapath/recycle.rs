@@ -42,8 +42,15 @@ impl Selector {
         let backends = settings.plan()?;
         let reply_path = unattached_reply_path(settings);
         let Self {
-            mut ebpf, logger, ..
+            mut ebpf,
+            mut logger,
+            ..
         } = self;
+        // The kernel's log ring is the logger's, not the object's: its
+        // records go out under the test that made them.
+        if let Some(l) = logger.as_mut() {
+            l.flush();
+        }
         for (name, map) in ebpf.maps_mut() {
             clear(name, map)?;
         }
