@@ -382,7 +382,8 @@ impl Selector {
                 None
             }
         };
-        let mut selector = Self::assemble(ebpf, logger, settings, backends, reply_path, pins)?;
+        let mut selector =
+            Self::assemble(ebpf, logger, settings, backends, reply_path, pins, adopted)?;
         selector.fill()?;
         let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
@@ -397,7 +398,8 @@ impl Selector {
     }
 
     /// The handle over a loaded object (its programs loaded or not): the
-    /// shared maps mapped, the agent's own state fresh.
+    /// shared maps mapped, the agent's own state fresh. `adopted`: the maps
+    /// were an earlier agent's (known before the load, which pins new ones).
     pub(crate) fn assemble(
         ebpf: Ebpf,
         logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
@@ -405,9 +407,9 @@ impl Selector {
         backends: Vec<BackendPlan>,
         reply_path: ReplyPath,
         pins: Option<PinDir>,
+        adopted: bool,
     ) -> Result<Self> {
         let slot_count = slots_for(settings.inflight_max);
-        let adopted = pins.as_ref().is_some_and(PinDir::has_maps);
         let slots = share(&ebpf, names::INFLIGHT, slot_count)?;
         let marks = share(&ebpf, names::INFLIGHT_MARKS, mark_words(slot_count))?;
         let counters = share(&ebpf, names::COUNTERS, MAX_GROUPS)?;

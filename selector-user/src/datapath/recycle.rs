@@ -54,7 +54,7 @@ impl Selector {
         for (name, map) in ebpf.maps_mut() {
             clear(name, map)?;
         }
-        let mut fresh = Self::assemble(ebpf, logger, settings, backends, reply_path, None)?;
+        let mut fresh = Self::assemble(ebpf, logger, settings, backends, reply_path, None, false)?;
         fresh.fill()?;
         Ok(fresh)
     }
