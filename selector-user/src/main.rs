@@ -33,6 +33,10 @@ fn main() {
         other => selector_user::cli::control(other),
     };
     if let Err(e) = result {
+        // Its reader gone (`selector man | head`): nothing to say, to no one.
+        if selector_user::host::stdout::is_broken_pipe(&e) {
+            std::process::exit(0);
+        }
         // One line: the error and its causes.
         eprintln!("error: {e:#}");
         std::process::exit(1);

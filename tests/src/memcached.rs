@@ -304,6 +304,22 @@ impl LoadReport {
     pub fn lost(&self) -> u64 {
         self.sent.saturating_sub(self.received)
     }
+
+    /// One line of what the client saw: replies, wrong values, latency
+    /// percentiles (from the intended send time).
+    pub fn describe(&self) -> String {
+        let h = &self.latency_us;
+        format!(
+            "{} of {} replies (wrong values: {}); latency p50 {} us, p99 {} us, p99.9 {} us, max {} us",
+            self.received,
+            self.sent,
+            self.wrong_values,
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max()
+        )
+    }
 }
 
 /// How the load client's socket takes replies.

@@ -443,7 +443,7 @@ fn set_changes_show_in_the_json_status() {
         (code, out.trim()),
         (
             0,
-            "policy threshold threshold 4 max-pending 5 max-pending-client 0 on-overload drop budget 1 ms tie-break random"
+            "policy threshold, threshold 4, max-pending 5, max-pending-client 0, on-overload drop, budget 1 ms, tie-break random"
         )
     );
     let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
@@ -702,6 +702,226 @@ fn a_failed_hedge_thread_stops_the_agent_with_an_error() {
     assert!(!neighbours.contains("managed"), "{neighbours}");
 }
 
+/// `selector run | head -3`: the reader gone, the agent stops printing
+/// and steers on; SIGTERM then stops it as usual (exit 0, detached), with
+/// no panic. And `selector man | head -1` exits quietly.
+#[test]
+fn a_closed_stdout_ends_the_printing_never_the_agent() {
+    let tb = Testbed::new("selpp", 3).unwrap();
+    let (mut child, mut lines) = spawn_agent(&tb, &["--interval", "100"]);
+    for _ in 0..3 {
+        lines.next().unwrap().unwrap();
+    }
+    drop(lines); // as `head -3` exits
+    // Several table intervals later it still runs and answers.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "the agent ended");
+    let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(tcx_programs(&tb, TcAttachType::Egress), 1);
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(status.success(), "a graceful stop exits 0: {status}");
+    assert_nothing_attached(&tb, CLIENT_IFACE);
+
+    let mut man = std::process::Command::new(selector_binary())
+        .args(["man", "run"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(man.stdout.take()); // a reader that read nothing and left
+    let out = man.wait_with_output().unwrap();
+    assert_eq!(
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).as_ref()
+        ),
+        (Some(0), "")
+    );
+}
+
+/// SIGHUPs while the programs load (the verifier's EAGAIN) are no start
+/// failure: the agent attaches, then applies the reload they asked for.
+#[test]
+fn a_sighup_while_the_programs_load_reloads_once_attached() {
+    let tb = Testbed::new("selhu", 3).unwrap();
+    let dir = std::env::temp_dir().join(format!("selector-hup-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("selector.toml");
+    let members: Vec<String> = GROUP.split(',').map(|m| format!("\"{m}\"")).collect();
+    std::fs::write(
+        &file,
+        format!(
+            "iface = \"{CLIENT_IFACE}\"\nquiet = true\n[[group]]\nmembers = [{}]\n",
+            members.join(", ")
+        ),
+    )
+    .unwrap();
+    let mut child = agent::AgentProcess(
+        tb.client
+            .command(selector_binary().to_str().unwrap())
+            .args(["run", "--config", file.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = child.id() as i32;
+    // SIGHUP ends a process that has no handler yet: wait for the agent's.
+    let catches_hangup = || {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .ok()
+            .and_then(|s| {
+                let mask = s
+                    .lines()
+                    .find_map(|l| l.strip_prefix("SigCgt:"))?
+                    .trim()
+                    .to_string();
+                u64::from_str_radix(&mask, 16).ok()
+            })
+            .is_some_and(|mask| mask & (1 << (libc::SIGHUP - 1)) != 0)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), catches_hangup),
+        "no SIGHUP handler"
+    );
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(child.0.stdout.take().unwrap()));
+    let hangups = std::thread::spawn(move || {
+        // Through the load (a few hundred ms here, seconds under emulation).
+        for _ in 0..60 {
+            if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    let first = lines.next().map(Result::unwrap).unwrap_or_default();
+    hangups.join().unwrap();
+    if !first.starts_with("selector: attached to") {
+        let _ = child.0.wait();
+        let mut err = String::new();
+        let _ = std::io::Read::read_to_string(&mut child.0.stderr.take().unwrap(), &mut err);
+        panic!("the start failed: {first} {err}");
+    }
+    let reloaded = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("selector: reload"));
+    assert!(reloaded.is_some(), "no reload after attaching");
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The shipped load generator of getting-started's "by hand" path: keys
+/// stored on every replica, gets to the primary, every reply counted.
+#[test]
+fn the_load_generator_reads_from_real_replicas_and_says_what_it_saw() {
+    let mut tb = Testbed::new("selld", 3).unwrap();
+    tb.start_memcached().unwrap();
+    let r = tb.replica_endpoints();
+    let run = |args: &[&str]| {
+        let out = tb
+            .client
+            .command(env!("CARGO_BIN_EXE_selector-load"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let all = format!("{},{},{}", r[0], r[1], r[2]);
+    let (code, out, err) = run(&[
+        "--target",
+        &r[0].to_string(),
+        "--store-on",
+        &all,
+        "--rate",
+        "400",
+        "--seconds",
+        "1",
+    ]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let last = out.lines().last().unwrap();
+    let (received, rest) = last
+        .strip_prefix("selector-load: ")
+        .and_then(|l| l.split_once(" of "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let sent = rest.split_whitespace().next().unwrap();
+    assert_eq!(received, sent, "{out}");
+    assert!(sent.parse::<u64>().unwrap() >= 350, "{out}");
+    assert!(last.contains("(wrong values: 0); latency p50 "), "{out}");
+    // Every replica has the keys: a read moved to another finds its value.
+    use selector_testbed::memcached::{key_for, parse_get_response, value_for};
+    for &replica in &r[1..] {
+        let found = tb
+            .client
+            .spawn(move || {
+                let client = selector_testbed::MemcachedClient::connect(replica).unwrap();
+                let reply = client.request(
+                    format!("get {}\r\n", key_for(499)).as_bytes(),
+                    Duration::from_secs(1),
+                );
+                reply.is_ok_and(|body| parse_get_response(&body) == Some(value_for(499).as_bytes()))
+            })
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(found, "{replica} has the keys");
+    }
+    let (code, _, err) = run(&["--target", &r[0].to_string(), "--rate", "0"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--rate must be at least 1"), "{err}");
+}
+
+/// The demo ends with what the client saw with the agent and, in the same
+/// run, without it.
+#[test]
+fn the_demo_ends_with_the_same_load_with_and_without_the_selector() {
+    // The demo runs the agent binary beside itself.
+    let agent = selector_binary();
+    let demo = std::path::Path::new(env!("CARGO_BIN_EXE_selector-demo"));
+    assert_eq!(agent.parent(), demo.parent(), "built side by side");
+    let out = std::process::Command::new(demo)
+        .args(["--seconds", "1", "--rate", "300"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    let saw = lines
+        .iter()
+        .position(|l| *l == "demo: the client saw")
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        lines[saw + 1].starts_with("  with the selector:    "),
+        "{text}"
+    );
+    assert!(
+        lines[saw + 2].starts_with("  without the selector: "),
+        "{text}"
+    );
+    for line in &lines[saw + 1..=saw + 2] {
+        assert!(
+            line.contains(" replies (wrong values: 0); latency p50 "),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        lines.last(),
+        Some(&"demo: removed every namespace and process it created")
+    );
+}
+
 /// Starts `selector run` with the standard group and `extra` flags, and
 /// waits for its "attached" line.
 fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {
@@ -776,7 +996,7 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
 
     let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE]);
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("policy observe threshold 2"), "{out}");
+    assert!(out.contains("policy observe, threshold 2,"), "{out}");
 
     let (primary, first, second) = ("10.77.0.10:11211", "10.77.0.11:11211", "10.77.0.12:11211");
     stalled_load(&tb);
@@ -790,7 +1010,7 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         (code, out.trim()),
         (
             0,
-            "policy threshold threshold 2 max-pending 0 max-pending-client 0 on-overload pass budget 1 ms tie-break first"
+            "policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break first"
         )
     );
     stalled_load(&tb);
@@ -994,11 +1214,13 @@ fn the_control_socket_is_private_and_an_impostor_is_not_trusted() {
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     assert!(agent.wait().unwrap().success());
     assert!(!socket.exists(), "the socket goes with the agent");
+    assert!(!dir.exists(), "and the directory with the last agent in it");
 
     // An impostor: the directory made another user's, and a socket there
     // that user listens on (bound by root, who may pass through
     // /run/selector, then listened on as uid 65534: SO_PEERCRED reports
     // who called listen).
+    std::fs::create_dir_all(&dir).unwrap();
     std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
     let mut impostor = tb
         .client
@@ -1037,6 +1259,7 @@ fn the_control_socket_is_private_and_an_impostor_is_not_trusted() {
     );
     impostor.kill().unwrap();
     impostor.wait().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Without `--iface`, the control commands talk to the only agent in the

@@ -219,7 +219,7 @@ fn config_file_reload_and_removal_with_requests_in_flight() {
     ));
     let (code, msg) = reload(&tb);
     assert_eq!(code, 0, "{msg}");
-    assert!(msg.contains("policy absolute threshold 2"), "{msg}");
+    assert!(msg.contains("policy absolute, threshold 2,"), "{msg}");
     assert!(msg.contains("groups unchanged"), "{msg}");
     let s = status(&tb);
     assert_eq!(s["settings"]["policy"], "absolute", "{s}");
@@ -325,7 +325,7 @@ fn config_file_reload_and_removal_with_requests_in_flight() {
     ));
     unsafe { libc::kill(child.id() as i32, libc::SIGHUP) };
     let line = out.expect("selector: reload");
-    assert!(line.contains("policy threshold threshold 6"), "{line}");
+    assert!(line.contains("policy threshold, threshold 6,"), "{line}");
     assert_eq!(status(&tb)["settings"]["threshold"], 6);
 
     // Bad files are refused, by `reload` and by SIGHUP, with the line and
@@ -633,9 +633,28 @@ fn check_validates_a_file_as_run_does_unprivileged_and_attaches_nothing() {
     assert_eq!(
         out,
         format!(
-            "{}: valid: iface {CLIENT_IFACE}, 1 groups, 2 backends, policy threshold threshold 2 max-pending 0 max-pending-client 0 on-overload pass budget 1 ms tie-break random, proto memcached, timeout 1000 ms, auto ingress\n",
+            "{}: valid: iface {CLIENT_IFACE}, 1 group, 2 backends, policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break random, proto memcached, timeout 1000 ms, auto ingress (tc here; auto: a veth device, no native XDP worth its cost), not pinned (the programs go with the agent)\n",
             file.arg()
         )
+    );
+    assert_eq!(
+        err,
+        "not checked: the kernel version and the capabilities (--host checks them); the routes to the members and their next hops (run resolves them)\n"
+    );
+    // A group of one member is valid, and warned of.
+    file.write(&config("", &members[..1]));
+    let (code, _, err) = run(true, &["check", "--config", file.arg()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.starts_with("warning: group 1 has one member (10.77.0.10:11211): its reads are counted but can never be moved\n"),
+        "{err}"
+    );
+    // An interface that is not there is refused, as run refuses it.
+    file.write(&config("", &members));
+    let (code, _, err) = run(true, &["check", "--config", file.arg(), "--iface", "eth9"]);
+    assert_eq!(
+        (code, err.as_str()),
+        (1, "error: interface 'eth9' not found\n")
     );
 
     // `config` puts the lines given on line 4.

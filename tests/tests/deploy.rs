@@ -365,7 +365,7 @@ fn the_agent_speaks_the_units_notify_protocol() {
     assert!(first.starts_with("selector: attached to"), "{first}");
     assert!(
         ready.starts_with(&format!(
-            "READY=1\nSTATUS=steering {CLIENT_IFACE}: 3 backends in 1 groups, policy threshold"
+            "READY=1\nSTATUS=steering {CLIENT_IFACE}: 3 backends in 1 group, policy threshold"
         )),
         "{ready:?}"
     );

@@ -524,3 +524,36 @@ fn the_readme_is_at_most_250_lines() {
     let lines = read("README.md").lines().count();
     assert!(lines <= 250, "README.md has {lines} lines");
 }
+
+/// deploy/selector.toml sets every key at its default but the three a
+/// service wants, each marked in the file as not the default (README says
+/// so): parsed, it is the defaults' config with the same interface and
+/// groups, but for those three.
+#[test]
+fn the_sample_config_is_at_its_defaults_but_for_the_keys_it_marks() {
+    use selector_user::config::file::{ConfigFile, Options, RunConfig};
+    let sample = read("deploy/selector.toml");
+    let parse = |text: String| -> RunConfig {
+        ConfigFile::parse(Path::new("selector.toml"), text)
+            .and_then(|f| f.resolve_with(&Options::default()))
+            .expect("valid")
+    };
+    let groups = &sample[sample.find("[[group]]").expect("groups")..];
+    let defaults = parse(format!("iface = \"eth0\"\n{groups}"));
+    let mut config = parse(sample.clone());
+    let marked = ["quiet", "pin", "metrics-addr"];
+    for key in marked {
+        let at = sample
+            .find(&format!("\n{key} = "))
+            .unwrap_or_else(|| panic!("{key} is set"));
+        let before: Vec<&str> = sample[..at].lines().rev().take(3).collect();
+        assert!(
+            before.iter().any(|l| l.starts_with("# Not the default")),
+            "{key} is not marked as not the default"
+        );
+    }
+    assert!(config.quiet && config.pin.is_some() && config.metrics_addr.is_some());
+    (config.quiet, config.pin, config.metrics_addr) =
+        (defaults.quiet, defaults.pin.clone(), defaults.metrics_addr);
+    assert_eq!(format!("{config:?}"), format!("{defaults:?}"));
+}

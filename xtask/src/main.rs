@@ -26,7 +26,8 @@ struct Cli {
 enum Task {
     /// Install what is missing: nightly rust-src, bpf-linker (LLVM 22), Debian packages.
     Setup,
-    /// Build the agent (and the kernel programs it embeds).
+    /// Build the agent (and the kernel programs it embeds), and
+    /// `selector-load`, the load generator of docs/getting-started.md.
     Build {
         #[arg(long)]
         release: bool,
@@ -120,7 +121,14 @@ fn main() -> Result<()> {
         Task::Build { release } => {
             setup::setup()?;
             let mut c = cargo();
-            c.args(["build", "--package", "selector-user"]);
+            c.args(["build", "--package", "selector-user", "--package"]);
+            c.args([
+                "selector-tests",
+                "--bin",
+                "selector",
+                "--bin",
+                "selector-load",
+            ]);
             if release {
                 c.arg("--release");
             }

@@ -182,7 +182,8 @@ pub fn render_summary(totals: &[BackendTotals]) -> String {
 }
 
 /// The counters that belong to no single row: entries in flight, requests
-/// passed without tracking, and packets passed untouched by reason.
+/// passed without tracking, and packets passed untouched by reason (those
+/// with a count only: `status --json` has every one).
 pub fn render_footer(in_flight: usize, totals: &[BackendTotals], passed: &[PassedCount]) -> String {
     let mut all = BackendStats::default();
     for t in totals {
@@ -202,6 +203,7 @@ pub fn render_footer(in_flight: usize, totals: &[BackendTotals], passed: &[Passe
         all.overload_rejected,
     );
     out += "passed untouched:";
+    let passed: Vec<&PassedCount> = passed.iter().filter(|p| p.count != 0).collect();
     if passed.is_empty() {
         out += " none";
     }
@@ -220,9 +222,12 @@ pub fn render_hedging(settings: &HedgeSettings, counts: &[(SocketAddr, HedgeCoun
         all.add(c);
     }
     let mut out = format!(
-        "hedging: after {} ms, budget {}%: sent {}  won {}  lost {}  replies dropped {}  errors held {}\n\
+        "hedging: after {}, budget {}%: sent {}  won {}  lost {}  replies dropped {}  errors held {}\n\
          not hedged: over budget {}  no target {}  queue full {}  ring full {}  too large {}  send failed {}\n",
-        settings.after,
+        match settings.after {
+            crate::config::hedge::HedgeAfter::Fixed(_) => format!("{} ms", settings.after),
+            _ => settings.after.to_string(),
+        },
         settings.budget_percent,
         all.hedges_sent,
         all.hedges_won,
@@ -299,6 +304,27 @@ mod tests {
 
     use super::*;
     use crate::telemetry::{BackendTail, IntervalTail, LatencyBucket, tests::snap};
+
+    #[test]
+    fn the_hedge_delay_reads_as_a_delay_or_as_auto() {
+        use crate::config::hedge::HedgeAfter;
+        let line = |after| {
+            let settings = HedgeSettings {
+                after,
+                budget_percent: 5,
+            };
+            render_hedging(&settings, &[])
+                .lines()
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            line(HedgeAfter::Fixed(Duration::from_millis(2)))
+                .starts_with("hedging: after 2 ms, budget 5%:")
+        );
+        assert!(line(HedgeAfter::Auto).starts_with("hedging: after auto, budget 5%:"));
+    }
 
     #[test]
     fn table_shows_interval_rates_and_quantiles() {
@@ -391,6 +417,28 @@ mod tests {
             ]
         );
         let footer = render_footer(0, &totals, &[]);
+        assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
+        // Only the reasons that counted a packet.
+        let passed = |direction: &str, reason: &str, count| PassedCount {
+            direction: direction.into(),
+            reason: reason.into(),
+            count,
+        };
+        let footer = render_footer(
+            0,
+            &totals,
+            &[
+                passed("egress", "not_a_backend", 0),
+                passed("egress", "fragment", 2),
+                passed("ingress", "not_a_backend", 0),
+                passed("ingress", "truncated", 1),
+            ],
+        );
+        assert!(
+            footer.ends_with("passed untouched: egress fragment 2, ingress truncated 1\n"),
+            "{footer}"
+        );
+        let footer = render_footer(0, &totals, &[passed("egress", "fragment", 0)]);
         assert!(footer.ends_with("passed untouched: none\n"), "{footer}");
     }
 

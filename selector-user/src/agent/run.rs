@@ -396,16 +396,20 @@ impl Agent {
             format!(" in netns {} ({})", n.path, n.id)
         });
         log::info!(
-            "attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {} groups, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
+            "attached to {}{netns} ({} ingress, tc by {tc}{why}), {} backends in {}, {}, timeout {} ms, grace {} ms, mark {:#010x}{pinned}",
             settings.iface,
             selector.reply_path.name(),
             addrs.len(),
-            settings.groups.len(),
+            settings.groups_phrase(),
             settings.tunables.describe(),
             settings.timeout.as_millis(),
             settings.grace.as_millis(),
             settings.mark,
         );
+        // After the start line, which scripts wait for.
+        for warning in settings.warnings() {
+            log::warn!("{warning}");
+        }
         if !unresolved.is_empty() {
             log::info!(
                 "next hop not resolved yet for {unresolved:?} (the first redirect to them waits for resolution)"
@@ -440,10 +444,10 @@ impl Agent {
     fn summary(&self) -> String {
         let settings = &self.selector.settings;
         format!(
-            "steering {}: {} backends in {} groups, {}",
+            "steering {}: {} backends in {}, {}",
             settings.iface,
             self.selector.backends.len(),
-            settings.groups.len(),
+            settings.groups_phrase(),
             settings.tunables.describe()
         )
     }
@@ -673,22 +677,17 @@ impl Agent {
             }
             return Ok(());
         }
-        print!("{}", render::render_summary(&totals));
-        print!(
-            "{}",
-            render::render_footer(
-                end.inflight,
-                &totals,
-                &telemetry::passed_counts(&end.passed)
-            )
+        let mut summary = render::render_summary(&totals);
+        summary += &render::render_footer(
+            end.inflight,
+            &totals,
+            &telemetry::passed_counts(&end.passed),
         );
         if selector.settings.tunables.hedging.enabled() {
             let counts: Vec<_> = totals.iter().map(|t| (t.backend, t.hedges)).collect();
-            print!(
-                "{}",
-                render::render_hedging(&selector.settings.tunables.hedging, &counts)
-            );
+            summary += &render::render_hedging(&selector.settings.tunables.hedging, &counts);
         }
+        crate::host::stdout::print_table(&summary);
         drop(selector);
         if release_neighbours {
             neighbours.release();
@@ -885,7 +884,8 @@ impl Agent {
                 table +=
                     &render::render_hedging_interval(&self.selector.backends, &self.last, &now);
             }
-            println!("{table}");
+            table.push('\n');
+            crate::host::stdout::print_table(&table);
         }
         self.last = now;
     }

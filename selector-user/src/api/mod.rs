@@ -19,7 +19,7 @@
 //! {"request":"reload"}
 //!
 //! {"reply":"status", ...Status...}
-//! {"reply":"done","message":"policy threshold threshold 2 ..."}
+//! {"reply":"done","message":"policy threshold, threshold 2, ..."}
 //! {"reply":"error","message":"threshold must be at least 1"}
 //! ```
 //!
@@ -577,7 +577,7 @@ mod tests {
         let text = status.render();
         assert!(
             text.contains(
-                "policy threshold threshold 4 max-pending 0 max-pending-client 0 on-overload pass"
+                "policy threshold, threshold 4, max-pending 0, max-pending-client 0, on-overload pass"
             ),
             "{text}"
         );

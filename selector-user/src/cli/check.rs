@@ -18,7 +18,8 @@ pub struct CheckArgs {
     pub host: bool,
 }
 
-/// Checks, and prints one line saying what `run` would run with.
+/// Checks, and prints one line saying what `run` would run with; warnings
+/// and what was not checked go to stderr.
 pub fn check(args: &CheckArgs) -> Result<()> {
     let config = args.run.run_config()?;
     // The namespace file is checked as `run` checks it; with --host the
@@ -32,30 +33,86 @@ pub fn check(args: &CheckArgs) -> Result<()> {
         if let Some(ns) = &netns {
             ns.enter()?;
         }
-        crate::host::interface::check(&config.settings)?;
     }
+    // Looking at the interface needs no privilege, entering another
+    // namespace does.
+    let ingress = if netns.is_none() || args.host {
+        crate::host::interface::check(&config.settings)?;
+        Some(ingress_here(&config)?)
+    } else {
+        None
+    };
     let what = match &args.run.config {
         Some(path) => path.display().to_string(),
         None => "the flags".into(),
     };
     let host = if args.host { " (and this host)" } else { "" };
-    println!("{what}: valid{host}: {}", summary(&config));
+    crate::host::stdout::write(&format!(
+        "{what}: valid{host}: {}{}, {}\n",
+        summary(&config),
+        ingress.map_or(String::new(), |i| format!(" ({i})")),
+        pinning(&config)
+    ))?;
+    for warning in config.settings.warnings() {
+        eprintln!("warning: {warning}");
+    }
+    let unchecked = unchecked(args.host, netns.is_some());
+    if !unchecked.is_empty() {
+        eprintln!("not checked: {}", unchecked.join("; "));
+    }
     Ok(())
 }
 
-/// `iface eth0, 2 groups, 5 backends, policy threshold threshold 4 ...`.
+/// What `--ingress` comes to on this interface: as given, or what `auto`
+/// picks for its kind of device.
+fn ingress_here(config: &RunConfig) -> Result<String> {
+    let s = &config.settings;
+    if let Some(fixed) = s.ingress.fixed() {
+        return Ok(format!("{} here", fixed.name()));
+    }
+    let ifindex = crate::host::interface::index(&s.iface)?;
+    let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
+    let (path, why) = crate::host::interface::auto_ingress(kind.as_deref());
+    Ok(format!("{} here; {why}", path.name()))
+}
+
+/// Whether the programs stay after the agent exits.
+fn pinning(config: &RunConfig) -> String {
+    match &config.pin {
+        Some(dir) => format!(
+            "pinned under {} (the programs keep steering after the agent exits)",
+            dir.display()
+        ),
+        None => "not pinned (the programs go with the agent)".into(),
+    }
+}
+
+/// What `check` did not look at, given `--host` and `--netns`.
+fn unchecked(host: bool, netns: bool) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if !host {
+        out.push("the kernel version and the capabilities (--host checks them)");
+        if netns {
+            out.push("the interface in the namespace (--host enters it)");
+        }
+    }
+    out.push("the routes to the members and their next hops (run resolves them)");
+    out
+}
+
+/// `iface eth0, 2 groups, 5 backends, policy threshold, threshold 4, ...`.
 fn summary(config: &RunConfig) -> String {
     let s = &config.settings;
     let backends: usize = s.groups.iter().map(Vec::len).sum();
     let in_force = SettingsInForce::from(s);
     format!(
-        "iface {}{}, {} groups, {backends} backends, {}, proto {}, timeout {} ms, {} ingress",
+        "iface {}{}, {}, {backends} backends, {}, proto {}, timeout {} ms, {} ingress",
         s.iface,
         config
             .netns
             .as_ref()
             .map_or(String::new(), |p| format!(" in netns {}", p.display())),
-        s.groups.len(),
+        s.groups_phrase(),
         in_force.tunables.describe(),
         in_force.proto,
         in_force.timeout_ms,
@@ -111,19 +168,38 @@ mod tests {
         let config = args.run.run_config().unwrap();
         let line = summary(&config);
         assert!(
-            line.starts_with("iface eth9, 2 groups, 5 backends, policy absolute threshold 3 "),
+            line.starts_with("iface eth9, 2 groups, 5 backends, policy absolute, threshold 3, "),
             "{line}"
         );
         assert!(
             line.ends_with(", proto memcached, timeout 1000 ms, auto ingress"),
             "{line}"
         );
-        // The interface need not exist here: only --host looks at the host.
-        check(&args).unwrap();
-        // --netns is checked to be a network namespace, and summed up.
+        // The interface is looked for, as run looks for it.
+        assert_eq!(
+            check(&args).unwrap_err().to_string(),
+            "interface 'eth9' not found"
+        );
         let file = good.0.to_str().unwrap();
+        check(&check_args(&["--config", file, "--iface", "lo"])).unwrap();
+        assert_eq!(
+            ingress_here(
+                &check_args(&["--config", file, "--iface", "lo"])
+                    .run
+                    .run_config()
+                    .unwrap()
+            )
+            .unwrap(),
+            "xdp here; auto: a driver's device, native XDP"
+        );
+        // --netns is checked to be a network namespace, and summed up; the
+        // interface in it is looked for only with --host, which enters it.
         let args = check_args(&["--config", file, "--netns", "/proc/self/ns/net"]);
         check(&args).unwrap();
+        assert_eq!(
+            unchecked(false, true)[1],
+            "the interface in the namespace (--host enters it)"
+        );
         assert!(
             summary(&args.run.run_config().unwrap())
                 .starts_with("iface eth9 in netns /proc/self/ns/net, 2 groups"),
@@ -138,7 +214,14 @@ mod tests {
         .to_string();
         assert!(err.starts_with("--netns /proc/self/ns/uts: "), "{err}");
         // A flag over the file, as with run.
-        let args = check_args(&["--config", good.0.to_str().unwrap(), "--threshold", "0"]);
+        let args = check_args(&[
+            "--config",
+            good.0.to_str().unwrap(),
+            "--iface",
+            "lo",
+            "--threshold",
+            "0",
+        ]);
         assert!(
             check(&args)
                 .unwrap_err()

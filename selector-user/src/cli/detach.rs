@@ -56,26 +56,26 @@ pub fn detach(args: DetachArgs) -> Result<()> {
             let removed =
                 crate::datapath::detach::detach_pinned(pins, Duration::from_millis(args.wait))?;
             if removed.waited_out > 0 {
-                println!(
-                    "selector: {} redirected reads were still unanswered after {} ms",
+                say(&format!(
+                    "selector: {} redirected reads were still unanswered after {} ms\n",
                     removed.waited_out, args.wait
-                );
+                ));
             }
-            println!(
-                "selector: detached from {iface}: unpinned links [{}], {} maps, {} programs; removed {}",
+            say(&format!(
+                "selector: detached from {iface}: unpinned links [{}], {} maps, {} programs; removed {}\n",
                 removed.links.join(", "),
                 removed.maps,
                 removed.programs,
                 pins.root().display()
-            );
+            ));
         }
         None => {
             let detached = crate::datapath::detach::detach_attached(iface)?;
             if !detached.is_empty() {
-                println!(
-                    "selector: detached from {iface}: {} (pins, if any, remain until removed)",
+                say(&format!(
+                    "selector: detached from {iface}: {} (pins, if any, remain until removed)\n",
                     detached.join(", ")
-                );
+                ));
             }
             // An unpinned agent killed outright leaves only its entries.
             if release_neighbours(iface, &members).is_empty() && detached.is_empty() {
@@ -99,9 +99,9 @@ fn release_neighbours(iface: &str, members: &[IpAddr]) -> Vec<IpAddr> {
     match neighbours::release_managed(ifindex, members) {
         Ok(released) => {
             if !released.is_empty() {
-                println!(
-                    "selector: deleted the managed neighbour entries of {released:?} on {iface}"
-                );
+                say(&format!(
+                    "selector: deleted the managed neighbour entries of {released:?} on {iface}\n"
+                ));
             }
             released
         }
@@ -110,4 +110,10 @@ fn release_neighbours(iface: &str, members: &[IpAddr]) -> Vec<IpAddr> {
             Vec::new()
         }
     }
+}
+
+/// Prints a line of what was done: the work is done whatever becomes of the
+/// words (a reader gone only loses them).
+fn say(text: &str) {
+    let _ = crate::host::stdout::write(text);
 }

@@ -71,17 +71,17 @@ pub enum Command {
     Detach(DetachArgs),
     /// Make the running agent re-read its --config file and apply it.
     Reload(ReloadArgs),
-    /// Check a config file and flags exactly as `run` would (syntax, keys,
-    /// values, groups, host names), print one line saying what it would run
-    /// with, and exit; nothing is loaded or attached, and no privileges are
-    /// needed. An error names the file, the line and the key.
+    /// Check a config file and flags as `run` would (syntax, keys, values,
+    /// groups, host names, the interface and its addresses), print one line
+    /// saying what it would run with (the reply path here, whether it pins)
+    /// and, on stderr, warnings and what was not checked; nothing is loaded
+    /// or attached, and no privileges are needed. An error names the file,
+    /// the line and the key.
     Check(Box<CheckArgs>),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
-    #[command(hide = true)]
     Completions(CompletionsArgs),
     /// Print the man page of selector, or of a subcommand, in roff
     /// (`selector man | man -l -`).
-    #[command(hide = true)]
     Man(ManArgs),
 }
 
@@ -191,9 +191,9 @@ pub fn control(command: Command) -> Result<()> {
             request,
         },
     )?;
-    match reply {
-        Reply::Status(status) if json => println!("{}", serde_json::to_string(&status)?),
-        Reply::Status(status) => print!("{}", status.render()),
+    let out = match reply {
+        Reply::Status(status) if json => format!("{}\n", serde_json::to_string(&status)?),
+        Reply::Status(status) => status.render(),
         Reply::Attachments {
             attachments,
             unavailable,
@@ -202,7 +202,7 @@ pub fn control(command: Command) -> Result<()> {
             if !unavailable.is_empty() {
                 all["unavailable"] = serde_json::to_value(&unavailable)?;
             }
-            println!("{}", serde_json::to_string(&all)?);
+            format!("{}\n", serde_json::to_string(&all)?)
         }
         Reply::Attachments {
             attachments,
@@ -217,10 +217,11 @@ pub fn control(command: Command) -> Result<()> {
                         .map(|u| format!("attachment {}: no status: {}\n", u.attachment, u.reason)),
                 )
                 .collect();
-            print!("{}", blocks.join("\n"));
+            blocks.join("\n")
         }
-        Reply::Done { message } => println!("{message}"),
+        Reply::Done { message } => format!("{message}\n"),
         Reply::Error { message } => bail!("{message}"),
-    }
+    };
+    crate::host::stdout::write(&out)?;
     Ok(())
 }

@@ -68,7 +68,10 @@ pub struct RunArgs {
     pub groups: Vec<GroupArg>,
     #[command(flatten)]
     pub tunables: TunablesPatch,
-    /// [default: memcached]
+    /// The protocol the groups speak: where a request's id is and which
+    /// requests are reads (memcached: `get`/`gets` over UDP with its frame
+    /// header; dns: every query; custom: the --req-id-* and --read-prefix*
+    /// flags below) [default: memcached]
     #[arg(long, value_enum)]
     pub proto: Option<Protocol>,
     /// Custom protocol: byte offset of the request id in the UDP payload.

@@ -276,6 +276,32 @@ impl Settings {
         }
     }
 
+    /// What is valid but likely a mistake, one sentence each (`run` logs
+    /// them, `check` prints them): a group of one member has nowhere to
+    /// move a read.
+    pub fn warnings(&self) -> Vec<String> {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter(|(_, members)| members.len() == 1)
+            .map(|(g, members)| {
+                format!(
+                    "group {} has one member ({}): its reads are counted but can never be moved",
+                    g + 1,
+                    members[0]
+                )
+            })
+            .collect()
+    }
+
+    /// "1 group", "3 groups": how many, for the summary lines.
+    pub fn groups_phrase(&self) -> String {
+        match self.groups.len() {
+            1 => "1 group".into(),
+            n => format!("{n} groups"),
+        }
+    }
+
     /// Checks everything and numbers the backends (group order, member order).
     pub fn plan(&self) -> Result<Vec<BackendPlan>> {
         if self.iface.is_empty() {
@@ -490,6 +516,28 @@ pub fn parse_u32(s: &str) -> Result<u32, String> {
 mod tests {
     use super::*;
     use selector_common::{Policy, TieBreak};
+
+    #[test]
+    fn a_group_of_one_member_is_warned_of_and_groups_are_counted_in_words() {
+        let addr = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        let one = Settings::new("eth0", vec![vec![addr("10.0.0.1:53")]]);
+        assert_eq!(
+            one.warnings(),
+            ["group 1 has one member (10.0.0.1:53): its reads are counted but can never be moved"]
+        );
+        assert_eq!(one.groups_phrase(), "1 group");
+        let two = Settings::new(
+            "eth0",
+            vec![
+                vec![addr("10.0.0.1:53"), addr("10.0.0.2:53")],
+                vec![addr("10.0.1.1:53")],
+            ],
+        );
+        assert_eq!(two.warnings().len(), 1);
+        assert!(two.warnings()[0].starts_with("group 2 has one member"));
+        assert_eq!(two.groups_phrase(), "2 groups");
+        assert!(two.plan().is_ok(), "valid, only warned of");
+    }
 
     /// Each enum's one name: on the wire, in the config file, as a flag
     /// value and in `name()` (what status and the kernel's logs print).

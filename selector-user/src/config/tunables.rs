@@ -137,7 +137,7 @@ impl Tunables {
     /// the status print).
     pub fn describe(&self) -> String {
         format!(
-            "policy {} threshold {} max-pending {} max-pending-client {} on-overload {} budget {} ms tie-break {}",
+            "policy {}, threshold {}, max-pending {}, max-pending-client {}, on-overload {}, budget {} ms, tie-break {}",
             self.policy.name(),
             self.threshold,
             self.max_pending,

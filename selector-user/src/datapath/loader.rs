@@ -21,7 +21,7 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader, VerifierLogLevel,
     maps::{Array, HashMap},
-    programs::{SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink},
+    programs::{ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode, links::FdLink},
 };
 use log::debug;
 use selector_common::{
@@ -133,6 +133,28 @@ fn verifier_log_level() -> VerifierLogLevel {
         VerifierLogLevel::VERBOSE | VerifierLogLevel::STATS
     } else {
         VerifierLogLevel::STATS
+    }
+}
+
+/// Runs a program load again when a signal interrupted the verifier (its
+/// EAGAIN: a SIGHUP or SIGTERM while the agent starts, which the agent
+/// handles once attached), never reporting that as the verifier's verdict.
+fn unless_interrupted(
+    mut load: impl FnMut() -> Result<(), ProgramError>,
+) -> Result<(), ProgramError> {
+    // Bounded: a storm of signals must not hold a start forever.
+    const ATTEMPTS: u32 = 100;
+    let mut attempt = 1;
+    loop {
+        match load() {
+            Err(ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < ATTEMPTS =>
+            {
+                debug!("a signal interrupted the verifier; loading again");
+                attempt += 1;
+            }
+            other => return other,
+        }
     }
 }
 
@@ -388,11 +410,11 @@ impl Selector {
         let release = crate::host::preflight::kernel_release();
         for name in [programs::EGRESS, programs::INGRESS_TC] {
             let p: &mut SchedClassifier = selector.program_mut(name)?.try_into()?;
-            p.load()
+            unless_interrupted(|| p.load())
                 .with_context(|| format!("loading {name} on Linux {release}"))?;
         }
         let p: &mut Xdp = selector.program_mut(programs::INGRESS_XDP)?.try_into()?;
-        p.load()
+        unless_interrupted(|| p.load())
             .with_context(|| format!("loading {} on Linux {release}", programs::INGRESS_XDP))?;
         Ok(selector)
     }
@@ -565,7 +587,11 @@ impl Selector {
                 return Err(e);
             }
             self.reply_path = ReplyPath::Tc;
-            self.ingress_choice = Some(format!("auto: no native XDP ({e:#})"));
+            self.ingress_choice = Some(format!(
+                "auto: {} has no native XDP ({})",
+                self.settings.iface,
+                e.root_cause()
+            ));
             self.attach_one(LinkSlot::IngressTc)?;
         }
         self.attach_one(LinkSlot::Egress)

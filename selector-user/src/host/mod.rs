@@ -8,5 +8,6 @@ pub mod netns;
 pub mod preflight;
 pub mod route_events;
 pub mod shared;
+pub mod stdout;
 pub mod sys;
 pub mod tc_attach;

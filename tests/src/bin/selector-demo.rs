@@ -3,8 +3,9 @@
 //! Three memcached UDP replicas and a client in network namespaces; a load
 //! client sends gets to the primary; the primary stalls (SIGSTOP) for 25 ms
 //! every 500 ms; the real `selector` agent prints its live table, where reads
-//! leave the primary during each stall and return after it. Everything it
-//! creates is removed at the end, also on Ctrl-C.
+//! leave the primary during each stall and return after it. Then the same
+//! load and stalls without the agent, and what the client saw each time.
+//! Everything it creates is removed at the end, also on Ctrl-C.
 
 use std::{
     path::PathBuf,
@@ -16,7 +17,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 use clap::Parser;
-use selector_testbed::{LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
+use selector_testbed::{LoadReport, LoadSpec, Testbed, preload, run_load, topology::CLIENT_IFACE};
 
 #[derive(Parser)]
 #[command(about = "Demo: the selector steering reads around a stalling memcached replica")]
@@ -52,6 +53,41 @@ fn selector_binary() -> Result<PathBuf> {
         );
     }
     Ok(bin)
+}
+
+/// The client's gets to `target` for `args.seconds`, the primary stopped
+/// `stall_ms` every `stall_every_ms`; `None` when interrupted.
+fn stalled_load(
+    tb: &Testbed,
+    args: &Args,
+    target: std::net::SocketAddr,
+) -> Result<Option<LoadReport>> {
+    let spec = LoadSpec {
+        target,
+        rate: args.rate,
+        duration: Duration::from_secs_f64(args.seconds),
+        keys: 500,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb.client.spawn(move || run_load(&spec))?;
+    let start = Instant::now();
+    let mut next_stall = start + Duration::from_millis(args.stall_every_ms);
+    while start.elapsed().as_secs_f64() < args.seconds && !INTERRUPTED.load(Ordering::Relaxed) {
+        if Instant::now() >= next_stall {
+            tb.replicas[0].stop();
+            thread::sleep(Duration::from_millis(args.stall_ms));
+            tb.replicas[0].resume();
+            next_stall += Duration::from_millis(args.stall_every_ms);
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    let report = load
+        .join()
+        .map_err(|_| anyhow::anyhow!("load panicked"))??;
+    Ok(Some(report))
 }
 
 fn main() -> Result<()> {
@@ -113,43 +149,21 @@ fn main() -> Result<()> {
         }
     });
 
-    let spec = LoadSpec {
-        target: replicas[0].into(),
-        rate: args.rate,
-        duration: Duration::from_secs_f64(args.seconds),
-        keys: 500,
-        drain: Duration::from_millis(500),
-    };
-    let load = tb.client.spawn(move || run_load(&spec))?;
-    let start = Instant::now();
-    let mut next_stall = start + Duration::from_millis(args.stall_every_ms);
-    while start.elapsed().as_secs_f64() < args.seconds && !INTERRUPTED.load(Ordering::Relaxed) {
-        if Instant::now() >= next_stall {
-            tb.replicas[0].stop();
-            thread::sleep(Duration::from_millis(args.stall_ms));
-            tb.replicas[0].resume();
-            next_stall += Duration::from_millis(args.stall_every_ms);
-        }
-        thread::sleep(Duration::from_millis(1));
-    }
-    if !INTERRUPTED.load(Ordering::Relaxed) {
-        let report = load
-            .join()
-            .map_err(|_| anyhow::anyhow!("load panicked"))??;
-        let h = &report.latency_us;
-        println!(
-            "\ndemo: client saw {} of {} replies (wrong values: {}); latency p50 {} us, p99 {} us, p99.9 {} us, max {} us",
-            report.received,
-            report.sent,
-            report.wrong_values,
-            h.value_at_quantile(0.5),
-            h.value_at_quantile(0.99),
-            h.value_at_quantile(0.999),
-            h.max()
-        );
-    }
+    let with = stalled_load(&tb, &args, replicas[0].into())?;
     unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
     agent.wait()?;
+    if let Some(with) = with {
+        // The same load and stalls without the agent: what it changed.
+        println!("\ndemo: the same load and stalls again, without the selector");
+        if let Some(without) = stalled_load(&tb, &args, replicas[0].into())? {
+            println!("\ndemo: the client saw");
+            println!("  with the selector:    {}", with.describe());
+            println!("  without the selector: {}", without.describe());
+            println!(
+                "demo: a read sent just as a stall begins still waits it out (the p99.9); `--hedge-after auto` covers those"
+            );
+        }
+    }
     drop(tb);
     println!("demo: removed every namespace and process it created");
     Ok(())
