@@ -34,7 +34,7 @@ fn main() {
     };
     if let Err(e) = result {
         // Its reader gone (`selector man | head`): nothing to say, to no one.
-        if selector_user::host::stdout::is_broken_pipe(&e) {
+        if selector_user::host::stdout::is_stdout_closed(&e) {
             std::process::exit(0);
         }
         // One line: the error and its causes.

@@ -428,7 +428,9 @@ fn build(root: &Path) -> Result<Built> {
             .with_context(|| format!("no executable for {name} in cargo's output"))?;
         suites.push((name, root.join(path)));
     }
-    let debug = root.join("target/debug");
+    // Where cargo put them: CARGO_TARGET_DIR when set, as for the suites.
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or(root.join("target"), |d| root.join(d));
+    let debug = target.join("debug");
     Ok(Built {
         selector: debug.join("selector"),
         verifier_cost: debug.join("examples/verifier_cost"),

@@ -47,7 +47,7 @@ pub fn check(args: &CheckArgs) -> Result<()> {
         None => "the flags".into(),
     };
     let host = if args.host { " (and this host)" } else { "" };
-    crate::host::stdout::write(&format!(
+    crate::host::stdout::write(format!(
         "{what}: valid{host}: {}{}, {}\n",
         summary(&config),
         ingress.map_or(String::new(), |i| format!(" ({i})")),

@@ -149,8 +149,17 @@ pub fn control(command: Command) -> Result<()> {
     let (agent, request, json) = match command {
         Command::Run(_) => bail!("not a control command"),
         Command::Check(a) => return check::check(&a),
-        Command::Completions(a) => return generate::completions(&a, &mut std::io::stdout()),
-        Command::Man(a) => return generate::man(&a, &mut std::io::stdout()),
+        // Written whole, then to stdout: a reader gone is told apart.
+        Command::Completions(a) => {
+            let mut text = Vec::new();
+            generate::completions(&a, &mut text)?;
+            return Ok(crate::host::stdout::write(text)?);
+        }
+        Command::Man(a) => {
+            let mut text = Vec::new();
+            generate::man(&a, &mut text)?;
+            return Ok(crate::host::stdout::write(text)?);
+        }
         Command::Detach(a) => return detach::detach(a),
         Command::Status(a) => (a.agent, Request::Status, a.json),
         Command::Reload(a) => (a.agent, Request::Reload, false),
@@ -222,6 +231,6 @@ pub fn control(command: Command) -> Result<()> {
         Reply::Done { message } => format!("{message}\n"),
         Reply::Error { message } => bail!("{message}"),
     };
-    crate::host::stdout::write(&out)?;
+    crate::host::stdout::write(out)?;
     Ok(())
 }

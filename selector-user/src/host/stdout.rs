@@ -7,11 +7,25 @@ use std::{
     sync::atomic::{AtomicBool, Ordering},
 };
 
+/// A write to stdout failed: its error, told apart from any other I/O
+/// error (a control socket's broken pipe is not the reader of stdout gone).
+#[derive(Debug)]
+pub struct StdoutFailed(pub io::Error);
+
+impl std::fmt::Display for StdoutFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "writing to stdout: {}", self.0)
+    }
+}
+
+impl std::error::Error for StdoutFailed {}
+
 /// Writes `text` to stdout and flushes it.
-pub fn write(text: &str) -> io::Result<()> {
+pub fn write(text: impl AsRef<[u8]>) -> Result<(), StdoutFailed> {
     let mut out = io::stdout().lock();
-    out.write_all(text.as_bytes())?;
-    out.flush()
+    out.write_all(text.as_ref())
+        .and_then(|()| out.flush())
+        .map_err(StdoutFailed)
 }
 
 /// Set once a table could not be written: none is tried again.
@@ -34,12 +48,13 @@ pub fn print_table(text: &str) {
     }
 }
 
-/// Whether `e` is, or was caused by, a write to a pipe nobody reads.
-pub fn is_broken_pipe(e: &anyhow::Error) -> bool {
+/// Whether `e` is, or was caused by, a write to stdout when nobody reads
+/// it any more.
+pub fn is_stdout_closed(e: &anyhow::Error) -> bool {
     e.chain().any(|cause| {
         cause
-            .downcast_ref::<io::Error>()
-            .is_some_and(|io| io.kind() == io::ErrorKind::BrokenPipe)
+            .downcast_ref::<StdoutFailed>()
+            .is_some_and(|f| f.0.kind() == io::ErrorKind::BrokenPipe)
     })
 }
 
@@ -48,11 +63,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_broken_pipe_is_known_through_its_context() {
-        let e = anyhow::Error::new(io::Error::from(io::ErrorKind::BrokenPipe))
-            .context("writing the man page");
-        assert!(is_broken_pipe(&e));
-        let other = anyhow::Error::new(io::Error::from(io::ErrorKind::PermissionDenied));
-        assert!(!is_broken_pipe(&other.context("x")));
+    fn only_stdouts_broken_pipe_counts_as_its_reader_gone() {
+        let closed = |kind| anyhow::Error::new(StdoutFailed(io::Error::from(kind)));
+        assert!(is_stdout_closed(
+            &closed(io::ErrorKind::BrokenPipe).context("writing the man page")
+        ));
+        assert!(!is_stdout_closed(&closed(io::ErrorKind::PermissionDenied)));
+        // The agent's socket closed under a request: an error to report.
+        let socket = anyhow::Error::new(io::Error::from(io::ErrorKind::BrokenPipe));
+        assert!(!is_stdout_closed(&socket.context("sending the request")));
     }
 }
