@@ -169,6 +169,11 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     // instructions. The event goes out before the slot is live, and the
     // agent acts on it only after the hedge delay.
     let hedge = if is_read && config.agent_alive(sent_ns) {
+        // A half-open member is usable until one read goes to it: this
+        // one, a tracked new read, if its compare-and-swap takes the probe
+        // (which ejects the member again until the agent sees the result).
+        // A write, junk or a retransmit never takes it.
+        crate::health::take_probe(group, chosen_pos);
         hedge::offer(ctx, &dgram, &slot, primary, chosen, sent_ns)
     } else {
         0
@@ -271,11 +276,6 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
     } else {
         primary_pos
     };
-    // A half-open member is usable until one read goes to it: this one, if
-    // its compare-and-swap takes the probe (which ejects the member again
-    // until the agent sees the result). Rarely a request that is no read
-    // takes it: the agent offers the probe again when no result comes.
-    crate::health::take_probe(group, chosen);
     Some(Proposal {
         chosen,
         best: best.map(|(pos, _)| pos),

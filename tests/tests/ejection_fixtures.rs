@@ -565,3 +565,102 @@ fn ejection_is_settled_only_while_nothing_is_in_motion() {
     assert_eq!(states(&sel)[0], "healthy");
     assert!(sel.ejection_settled(), "restored by its probe");
 }
+
+/// A member a reload puts at the position of one that retired while
+/// ejected starts healthy: it inherits none of the other's failures in a
+/// row, good replies, last completion or ejection record.
+#[test]
+fn a_member_added_where_an_ejected_one_retired_starts_healthy() {
+    use std::{net::SocketAddr, time::Instant};
+
+    use selector_common::split_backend_id;
+    use selector_user::datapath::regroup::{GroupTable, plan_groups};
+
+    let addr = |(a, p): ([u8; 4], u16)| SocketAddr::from((a, p));
+    let mut sel = memcached();
+    fail(&mut sel, 1, 100);
+    assert_eq!(states(&sel), ["healthy", "ejected", "healthy"]);
+    // Reloaded away, then retired once nothing names it.
+    let table = GroupTable::from_start(&sel.settings.groups, &[None]);
+    let without = vec![addr(replica(0)), addr(replica(2))];
+    let changes = plan_groups(&table, &[without.clone()], &[None], Instant::now()).unwrap();
+    sel.apply_groups(&changes).unwrap();
+    sel.backends = changes.table.backends();
+    let mut table = changes.table;
+    let retired = sel
+        .retire_finished(&mut table, Duration::ZERO, Instant::now())
+        .unwrap();
+    assert_eq!(retired, [addr(replica(1))]);
+    sel.check_ejection(sys::monotonic_ns());
+    // A newcomer takes its position.
+    let with = vec![without[0], without[1], addr(replica(3))];
+    let changes = plan_groups(&table, &[with], &[None], Instant::now()).unwrap();
+    sel.apply_groups(&changes).unwrap();
+    sel.backends = changes.table.backends();
+    let newcomer = sel.backend_index(addr(replica(3))).unwrap();
+    assert_eq!(
+        split_backend_id(newcomer).1,
+        1,
+        "the retired one's position"
+    );
+    for _ in 0..3 {
+        sel.check_ejection(sys::monotonic_ns());
+    }
+    let states = sel.ejection_states(sys::monotonic_ns());
+    let position = sel
+        .backends
+        .iter()
+        .position(|b| b.addr == addr(replica(3)))
+        .unwrap();
+    let newcomer_state = &states[position];
+    assert_eq!(
+        (
+            newcomer_state.ejection_state.as_str(),
+            newcomer_state.failures_in_a_row,
+            newcomer_state.ejections
+        ),
+        ("healthy", 0, 0),
+        "{states:?}"
+    );
+    // It is chosen: the primary over the threshold moves a read to it.
+    set_issued(&mut sel, 0, 5);
+    set_issued(&mut sel, 2, 3);
+    let (verdict, out) = egress(&mut sel, &request(&mc_get(0x20)));
+    assert_eq!(verdict, TC_ACT_REDIRECT);
+    assert_eq!(verified_endpoints(&out).1, replica(3));
+}
+
+/// A half-open member's one probe is taken by a tracked new read only: a
+/// write, junk to its port and a retransmit of a read already in flight
+/// leave it for the next read.
+#[test]
+fn only_a_new_read_takes_a_half_open_members_probe() {
+    let set = mc_reply(0x51, b"set foo 0 0 1\r\nx\r\n");
+    let noreply = mc_reply(0x52, b"set foo 0 0 1 noreply\r\nx\r\n");
+    for (what, payload) in [
+        ("a write", &set[..]),
+        ("a write that expects no reply", &noreply[..]),
+        ("junk", &b"\x00\x01"[..]),
+        ("a retransmit", &mc_get(0x50)[..]),
+    ] {
+        let mut sel = ejecting_for(Duration::from_millis(1), Duration::from_millis(1));
+        // A read in flight to the primary from before it failed.
+        let (verdict, _) = egress(&mut sel, &request(&mc_get(0x50)));
+        assert_eq!(verdict, TC_ACT_PIPE);
+        fail(&mut sel, 0, 100);
+        std::thread::sleep(Duration::from_millis(2));
+        sel.check_ejection(sys::monotonic_ns());
+        assert_eq!(states(&sel)[0], "half_open");
+        let (verdict, _) = egress(&mut sel, &request(payload));
+        assert_eq!(verdict, TC_ACT_PIPE, "{what} goes where it was sent");
+        // The next new read is the probe, to the primary.
+        let (verdict, _) = egress(&mut sel, &request(&mc_get(0x60)));
+        assert_eq!(
+            verdict, TC_ACT_PIPE,
+            "after {what}, the probe was still there"
+        );
+        // And only it.
+        let (verdict, _) = egress(&mut sel, &request(&mc_get(0x61)));
+        assert_eq!(verdict, TC_ACT_REDIRECT, "one probe, after {what}");
+    }
+}

@@ -340,6 +340,30 @@ impl Selector {
         over
     }
 
+    /// Forgets what was known of the member at `position` of `group`, for a
+    /// newcomer a reload puts there: the kernel's failures in a row, good
+    /// replies and its bits (ejected, probe, failing, ejectable), and the
+    /// agent's record (state, backoff, ejections). Nothing else writes them:
+    /// no slot and no `BACKENDS` entry names the position.
+    pub(crate) fn forget_member(&mut self, group: u32, position: usize) {
+        let p = position % MAX_GROUP_MEMBERS;
+        let h = self.health.ptr(group as usize);
+        let bits = ejected_bit(p)
+            | probe_bit(p)
+            | selector_common::ejection::failing_bit(p)
+            | (1 << (selector_common::ejection::EJECTABLE_SHIFT + p as u32));
+        // SAFETY: fields of a live shared element, 8-byte aligned.
+        unsafe {
+            atomic(&raw mut (*h).failures[p]).store(0, Ordering::SeqCst);
+            atomic(&raw mut (*h).good[p]).store(0, Ordering::SeqCst);
+            atomic(&raw mut (*h).bits).fetch_and(!bits, Ordering::SeqCst);
+        }
+        if let Some(record) = self.ejection.groups.get_mut(&group) {
+            record.members[p] = Member::default();
+            record.good[p] = GoodWatch::default();
+        }
+    }
+
     /// Forgets every ejection and clears the kernel's bits (a fresh agent,
     /// also on adopted pins: its records start healthy), leaving only the
     /// `eject_after` the reply path compares runs with.

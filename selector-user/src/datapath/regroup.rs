@@ -414,10 +414,11 @@ impl Selector {
         Ok(())
     }
 
-    /// Zeroes the counters, statistics, latency, service time and hedge
-    /// counts of a backend id about to be given to a new member (a retired
-    /// member may have left them: its service time would steer the latency
-    /// policy, its hedges would read as the new member's).
+    /// Zeroes the counters, statistics, latency, service time, last
+    /// completion, hedge counts and ejection state of a backend id about to
+    /// be given to a new member (a retired member may have left them: its
+    /// service time would steer the latency policy, its hedges would read
+    /// as the new member's, its failures in a row would eject it unheard).
     fn zero_backend(&mut self, id: u32) -> Result<()> {
         let (group, position) = selector_common::split_backend_id(id);
         let c = self.counters.ptr(group as usize);
@@ -430,10 +431,12 @@ impl Selector {
                 &raw mut (*c).completed[position],
                 &raw mut (*c).expired[position],
                 &raw mut (*s).service_ns[position],
+                &raw mut (*s).last_completion_ns[position],
             ] {
                 atomic(field).store(0, Ordering::SeqCst);
             }
         }
+        self.forget_member(group, position);
         self.zero_hedge_counts(id)?;
         let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
         let mut stats: PerCpuArray<_, BackendStats> =
