@@ -615,6 +615,15 @@ fn completions_and_man_pages_come_from_the_binary() {
     let (code, _, err) = selector_output(&["man", "nosuch"]);
     assert_eq!(code, 1);
     assert!(err.starts_with("error: no subcommand 'nosuch'"), "{err}");
+
+    // Both are listed where a newcomer looks, and --proto says what it is.
+    let (code, help, _) = selector_output(&["--help"]);
+    assert_eq!(code, 0);
+    for listed in ["  completions  ", "  man  "] {
+        assert!(help.contains(listed), "{listed:?} not in {help}");
+    }
+    let (_, help, _) = selector_output(&["run", "--help"]);
+    assert!(help.contains("The protocol the groups speak"), "{help}");
 }
 
 /// A hedge thread that dies (a panic, planted here) must not leave the

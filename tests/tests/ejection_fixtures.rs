@@ -583,7 +583,13 @@ fn a_member_added_where_an_ejected_one_retired_starts_healthy() {
     // Reloaded away, then retired once nothing names it.
     let table = GroupTable::from_start(&sel.settings.groups, &[None]);
     let without = vec![addr(replica(0)), addr(replica(2))];
-    let changes = plan_groups(&table, &[without.clone()], &[None], Instant::now()).unwrap();
+    let changes = plan_groups(
+        &table,
+        std::slice::from_ref(&without),
+        &[None],
+        Instant::now(),
+    )
+    .unwrap();
     sel.apply_groups(&changes).unwrap();
     sel.backends = changes.table.backends();
     let mut table = changes.table;
