@@ -39,9 +39,8 @@ const AFTER_ADOPTION: Duration = Duration::from_millis(1500);
 const STALL: Duration = Duration::from_millis(40);
 const STALL_EVERY: Duration = Duration::from_millis(250);
 
-/// A running agent and its output (kept open: an agent whose stdout is
-/// closed fails when it prints its totals). Killed if a test fails
-/// half-way.
+/// A running agent and its output (kept open for its totals). Killed if a
+/// test fails half-way.
 struct Running(Option<Child>, Option<BufReader<ChildStdout>>);
 
 impl Running {
@@ -682,4 +681,95 @@ fn a_killed_agents_programs_stop_moving_reads_after_the_heartbeat_bound() {
         assert_eq!(b.pending, 0, "{}", b.backend);
     }
     assert_eq!(tb.udp_checksum_errors().unwrap(), 0);
+}
+
+/// The pinned maps' heartbeat and group 0's ejection bits (no agent needed).
+fn pinned_heartbeat_and_bits(bpffs: &Bpffs) -> (u64, u64) {
+    use selector_common::{Config, GroupHealth};
+    let maps = bpffs.dir().join(CLIENT_IFACE).join("maps");
+    let config = MapData::from_pin(maps.join(names::CONFIG)).unwrap();
+    let config: Array<_, Config> = Array::try_from(Map::Array(config)).unwrap();
+    let health = MapData::from_pin(maps.join(names::HEALTH)).unwrap();
+    let health: Array<_, GroupHealth> = Array::try_from(Map::Array(health)).unwrap();
+    (
+        config.get(&0, 0).unwrap().heartbeat_ns,
+        health.get(&0, 0).unwrap().bits,
+    )
+}
+
+/// Issue 38, item 4: an agent restarted on the pins keeps the ejections it
+/// finds (a dead member is never eligible again, not even until its first
+/// check), and a start that adopts the pins and then fails leaves the
+/// heartbeat and the ejections as they were: the programs fail open at the
+/// dead agent's bound instead of steering on counts nothing expires.
+#[test]
+fn adoption_keeps_the_ejections_and_a_failed_one_touches_no_heartbeat() {
+    use selector_common::ejection::ejected_bit;
+    let tb = testbed("pe");
+    let bpffs = Bpffs::mount();
+    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    let (mut first, _) = spawn(&tb, &args);
+    // Replica 1 dead: reads addressed to it, one at a time (a read sent
+    // while another is pending there would be moved), expire until it is
+    // out.
+    lose_requests(&tb, 1, true);
+    let dead = tb.replica_endpoints()[1];
+    let ejected = |tb: &Testbed| status(tb).backends[1].ejection.ejection_state == "ejected";
+    let reads = tb
+        .client
+        .spawn(move || {
+            let c = MemcachedClient::connect(dead).unwrap();
+            for i in 0..7 {
+                let _ = c.request(
+                    format!("get key{i}\r\n").as_bytes(),
+                    TIMEOUT + Duration::from_millis(150),
+                );
+            }
+        })
+        .unwrap();
+    reads.join().unwrap();
+    assert!(
+        wait_for(TIMEOUT * 4 + Duration::from_secs(1), || ejected(&tb)),
+        "the dead member was never ejected: {:?}",
+        status(&tb).backends[1].ejection
+    );
+    assert!(first.signal(libc::SIGTERM).success());
+
+    // Restarted on the pins: still out, from its first status on.
+    let (mut second, line) = spawn(&tb, &args);
+    assert!(line.contains("adopted the pins"), "{line}");
+    let adopted = status(&tb).backends[1].ejection.clone();
+    assert_eq!(adopted.ejection_state, "ejected", "{adopted:?}");
+    let (_, bits) = pinned_heartbeat_and_bits(&bpffs);
+    assert_ne!(bits & ejected_bit(1), 0, "the kernel's bit stays set");
+    second.signal(libc::SIGKILL);
+
+    // A start that adopts and then fails (its groups split a running
+    // one): nothing it wrote says an agent is here.
+    let (beat, bits) = pinned_heartbeat_and_bits(&bpffs);
+    let r = tb.replica_endpoints();
+    let moving = run_args(
+        &format!("{},{}", r[0], r[1]),
+        &bpffs.arg(),
+        &["--group", &r[2].to_string()],
+    );
+    let out = tb
+        .client
+        .command(agent::selector_binary().to_str().unwrap())
+        .arg("run")
+        .args(&moving)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("applying the groups over the pinned ones"),
+        "{err}"
+    );
+    assert_eq!(
+        pinned_heartbeat_and_bits(&bpffs),
+        (beat, bits),
+        "the failed start changed the heartbeat or the ejections"
+    );
+    lose_requests(&tb, 1, false);
 }

@@ -11,7 +11,7 @@ use selector_common::{
     Group, MAX_GROUP_MEMBERS,
     ejection::{
         self, EJECT_AFTER_MASK, EJECTABLE_MASK, Event, FAILING_MASK, GoodWatch, Member, Seen,
-        eject_after_field, ejected_bit, probe_bit,
+        State, eject_after_field, ejected_bit, probe_bit,
     },
     names, split_backend_id,
 };
@@ -364,9 +364,58 @@ impl Selector {
         }
     }
 
-    /// Forgets every ejection and clears the kernel's bits (a fresh agent,
-    /// also on adopted pins: its records start healthy), leaving only the
-    /// `eject_after` the reply path compares runs with.
+    /// Takes the ejections that adopted pins hold as this agent's own (an
+    /// agent restarted on its predecessor's maps): a member ejected stays
+    /// out for one base backoff from `now_ns`, then is probed as usual; a
+    /// half-open one keeps its probe. Only `eject_after` is rewritten, to
+    /// this agent's. A member out of the choice is never made eligible by
+    /// a restart, not even until the first check.
+    pub(crate) fn adopt_ejection(&mut self, now_ns: u64) {
+        self.ejection.groups.clear();
+        let base = self.settings.ejection.base.as_nanos() as u64;
+        let word = eject_after_field(self.settings.ejection.eject_after.into());
+        for g in 0..self.health.len() {
+            let h = self.health.ptr(g);
+            // SAFETY: a field of a live shared element.
+            let bits = unsafe { atomic(&raw mut (*h).bits) };
+            let _ = bits.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| {
+                Some((b & !EJECT_AFTER_MASK) | word)
+            });
+            let found = bits.load(Ordering::SeqCst);
+            let mut record = GroupRecord::default();
+            let mut out = false;
+            for p in 0..MAX_GROUP_MEMBERS {
+                let state = if found & probe_bit(p) != 0 {
+                    // SAFETY: as above.
+                    let good_at = unsafe { load(&raw mut (*h).good[p]) };
+                    State::HalfOpen {
+                        good_at,
+                        taken_ns: 0,
+                    }
+                } else if found & ejected_bit(p) != 0 {
+                    State::Ejected {
+                        until_ns: now_ns + base,
+                    }
+                } else {
+                    continue;
+                };
+                record.members[p] = Member {
+                    state,
+                    in_a_row: 1,
+                    since_ns: now_ns,
+                    ..Member::default()
+                };
+                out = true;
+            }
+            if out {
+                self.ejection.groups.insert(g as u32, record);
+            }
+        }
+    }
+
+    /// Forgets every ejection and clears the kernel's bits (a fresh agent
+    /// on maps of its own), leaving only the `eject_after` the reply path
+    /// compares runs with.
     pub(crate) fn reset_ejection(&mut self) {
         self.ejection.groups.clear();
         let word = eject_after_field(self.settings.ejection.eject_after.into());

@@ -74,6 +74,10 @@ pub struct Selector {
     pub(crate) pins: Option<PinDir>,
     /// The maps were an earlier agent's, adopted from `pins`.
     adopted: bool,
+    /// Adopting: the config keeps the earlier agent's heartbeat until the
+    /// start has succeeded, so a start that fails half-way leaves the
+    /// programs failing open at that heartbeat's bound, as they would have.
+    heartbeat_held: bool,
     /// The latency histograms last read, by backend id (`Self::latency`).
     pub(crate) latency_cache: std::sync::Mutex<
         std::collections::HashMap<u32, crate::datapath::snapshot::CachedHistogram>,
@@ -258,6 +262,9 @@ impl Selector {
             // Hedge targets for the groups as they are now.
             selector.write_config()?;
             selector.adopt_links()?;
+            // Started: from here on the heartbeat is this agent's.
+            selector.heartbeat_held = false;
+            selector.heartbeat();
             return Ok((selector, changes));
         }
         let (reply_path, choice) = resolve_ingress(settings)?;
@@ -458,6 +465,7 @@ impl Selector {
             sweep_schedule: Default::default(),
             pins,
             adopted,
+            heartbeat_held: adopted,
             ingress_choice: None,
             reply_path,
             tc_attach: None,
@@ -468,15 +476,17 @@ impl Selector {
         })
     }
 
-    /// Fills the maps for the settings (adopted maps keep the tables an
-    /// earlier agent wrote: see `attach_pinned`) and starts ejection afresh.
+    /// Fills the maps for the settings and starts ejection afresh; adopted
+    /// maps keep the tables (see `attach_pinned`) and the ejections an
+    /// earlier agent wrote.
     pub(crate) fn fill(&mut self) -> Result<()> {
         if self.adopted {
             self.write_config()?;
+            self.adopt_ejection(crate::host::sys::monotonic_ns());
         } else {
             self.write_tables()?;
+            self.reset_ejection();
         }
-        self.reset_ejection();
         Ok(())
     }
 
@@ -633,7 +643,12 @@ impl Selector {
             tie_break: t.tie_break as u32,
             budget_us: t.budget_us(),
             descriptor: s.descriptor,
-            heartbeat_ns: crate::host::sys::monotonic_ns(),
+            heartbeat_ns: if self.heartbeat_held {
+                // SAFETY: a field of the live mapped element, 8-byte aligned.
+                unsafe { load(&raw mut (*self.config.ptr(0)).heartbeat_ns) }
+            } else {
+                crate::host::sys::monotonic_ns()
+            },
             heartbeat_bound_ns: s.heartbeat_bound.as_nanos().min(u128::from(u64::MAX)) as u64,
         };
         let mut config: Array<_, Config> = Array::try_from(self.map_mut(names::CONFIG)?)?;
