@@ -66,14 +66,11 @@ pub fn check(args: &CheckArgs) -> Result<()> {
 /// What `--ingress` comes to on this interface: as given, or what `auto`
 /// picks for its kind of device.
 fn ingress_here(config: &RunConfig) -> Result<String> {
-    let s = &config.settings;
-    if let Some(fixed) = s.ingress.fixed() {
-        return Ok(format!("{} here", fixed.name()));
-    }
-    let ifindex = crate::host::interface::index(&s.iface)?;
-    let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
-    let (path, why) = crate::host::interface::auto_ingress(kind.as_deref());
-    Ok(format!("{} here; {why}", path.name()))
+    let (path, why) = crate::datapath::loader::resolve_ingress(&config.settings)?;
+    Ok(match why {
+        Some(why) => format!("{} here; {why}", path.name()),
+        None => format!("{} here", path.name()),
+    })
 }
 
 /// Whether the programs stay after the agent exits.

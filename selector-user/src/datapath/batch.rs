@@ -17,7 +17,7 @@ const CHUNK: u32 = 4096;
 
 /// The kernel's possible CPUs (per-CPU values come for each), read once:
 /// the file behind it was read on every call, 512 times per snapshot.
-pub(crate) fn possible_cpus() -> Result<usize> {
+fn possible_cpus() -> Result<usize> {
     static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     if let Some(&n) = CPUS.get() {
         return Ok(n);
@@ -95,6 +95,18 @@ pub fn for_each<T: Copy + Default>(
     Ok(())
 }
 
+/// Bytes of one element's value as the batch calls lay it out: the value
+/// (an array), or one 8-byte-rounded value per possible CPU (a per-CPU
+/// array).
+#[cfg(feature = "testing")]
+pub(crate) fn element_bytes(value_size: u32, per_cpu: bool) -> Result<usize> {
+    Ok(if per_cpu {
+        (value_size as usize).next_multiple_of(8) * possible_cpus()?
+    } else {
+        value_size as usize
+    })
+}
+
 /// Tests only (`crate::datapath::recycle`): writes zeros over every element of an array or per-CPU array, in a few
 /// system calls (BPF_MAP_UPDATE_BATCH), whatever its value type.
 #[cfg(feature = "testing")]
@@ -106,12 +118,7 @@ pub fn zero(map: &Map) -> Result<()> {
         _ => bail!("not an array"),
     };
     let info = data.info()?;
-    // Per-CPU values are laid out at 8-byte strides, one per CPU.
-    let value = if per_cpu {
-        (info.value_size() as usize).next_multiple_of(8) * possible_cpus()?
-    } else {
-        info.value_size() as usize
-    };
+    let value = element_bytes(info.value_size(), per_cpu)?;
     let fd = data.fd().as_fd().as_raw_fd();
     let entries = info.max_entries();
     let chunk = CHUNK.min(entries.max(1));

@@ -198,7 +198,7 @@ fn share<T>(ebpf: &Ebpf, name: &str, len: u32) -> Result<SharedArray<T>> {
 
 /// The reply path `settings` ask for, `--ingress auto` resolved for the
 /// interface (and why).
-fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<String>)> {
+pub(crate) fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<String>)> {
     if let Some(fixed) = settings.ingress.fixed() {
         return Ok((fixed, None));
     }

@@ -99,11 +99,7 @@ pub fn dump_maps(selector: &Selector) -> Result<Vec<(String, Vec<u8>)>> {
         };
         let info = data.info()?;
         let key = info.key_size() as usize;
-        let value = if per_cpu {
-            (info.value_size() as usize).next_multiple_of(8) * batch::possible_cpus()?
-        } else {
-            info.value_size() as usize
-        };
+        let value = batch::element_bytes(info.value_size(), per_cpu)?;
         let fd = data.fd().as_fd().as_raw_fd();
         let mut entries = Vec::new();
         let mut cursor = None;
