@@ -931,6 +931,41 @@ fn the_demo_ends_with_the_same_load_with_and_without_the_selector() {
     );
 }
 
+/// `--ingress auto` on a device without native XDP says once what it chose
+/// and why, in the start line, not as an error.
+#[test]
+fn auto_ingress_without_native_xdp_says_what_it_chose() {
+    // Loopback: no kind, so `auto` tries native XDP, which it lacks. The
+    // members are routed by it.
+    let ns = selector_testbed::Namespace::create(&format!(
+        "selax-{}",
+        selector_testbed::netns::unique_tag()
+    ))
+    .unwrap();
+    ns.ip(&["addr", "add", "10.77.0.1/24", "dev", "lo"])
+        .unwrap();
+    let mut child = agent::AgentProcess(
+        ns.command(selector_binary().to_str().unwrap())
+            .args(["run", "--iface", "lo", "--group", GROUP, "--quiet"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(child.0.stdout.take().unwrap()));
+    let first = lines.next().unwrap().unwrap();
+    assert!(
+        first.starts_with(
+            "selector: attached to lo (tc ingress, tc by tcx; auto: lo has no native XDP ("
+        ),
+        "{first}"
+    );
+    assert!(!first.contains("try --ingress"), "{first}");
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+}
+
 /// Starts `selector run` with the standard group and `extra` flags, and
 /// waits for its "attached" line.
 fn spawn_agent(tb: &Testbed, extra: &[&str]) -> Agent {

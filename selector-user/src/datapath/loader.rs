@@ -140,26 +140,25 @@ fn verifier_log_level() -> VerifierLogLevel {
     }
 }
 
+/// Loads one program at most this many times while signals interrupt it.
+const LOAD_ATTEMPTS: u32 = 100;
+
 /// Runs a program load again when a signal interrupted the verifier (its
 /// EAGAIN: a SIGHUP or SIGTERM while the agent starts, which the agent
 /// handles once attached), never reporting that as the verifier's verdict.
-fn unless_interrupted(
-    mut load: impl FnMut() -> Result<(), ProgramError>,
-) -> Result<(), ProgramError> {
-    // Bounded: a storm of signals must not hold a start forever.
-    const ATTEMPTS: u32 = 100;
-    let mut attempt = 1;
-    loop {
+fn unless_interrupted(mut load: impl FnMut() -> Result<(), ProgramError>) -> Result<()> {
+    for _ in 0..LOAD_ATTEMPTS {
         match load() {
             Err(ProgramError::LoadError { io_error, .. })
-                if io_error.raw_os_error() == Some(libc::EAGAIN) && attempt < ATTEMPTS =>
+                if io_error.raw_os_error() == Some(libc::EAGAIN) =>
             {
                 debug!("a signal interrupted the verifier; loading again");
-                attempt += 1;
             }
-            other => return other,
+            other => return Ok(other?),
         }
     }
+    // Bounded: a storm of signals must not hold a start forever.
+    bail!("signals interrupted the verifier {LOAD_ATTEMPTS} times in a row; the load was given up")
 }
 
 /// Refuses to attach next to selector programs already on `iface` (left
@@ -763,5 +762,56 @@ impl Selector {
         self.accounting()
             .map(|a| a.into_iter().map(|(_, _, e)| e).collect())
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use aya::programs::ProgramError;
+
+    use super::{LOAD_ATTEMPTS, unless_interrupted};
+
+    fn refused(errno: i32) -> ProgramError {
+        ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(errno),
+            verifier_log: aya_obj::VerifierLog::new("processed 4347 insns".into()),
+        }
+    }
+
+    #[test]
+    fn an_interrupted_load_runs_again_and_is_never_reported_as_the_verifiers() {
+        let mut calls = 0;
+        unless_interrupted(|| {
+            calls += 1;
+            if calls < 3 {
+                Err(refused(libc::EAGAIN))
+            } else {
+                Ok(())
+            }
+        })
+        .unwrap();
+        assert_eq!(calls, 3);
+        let mut calls = 0;
+        let err = unless_interrupted(|| {
+            calls += 1;
+            Err(refused(libc::EAGAIN))
+        })
+        .unwrap_err()
+        .to_string();
+        assert_eq!(calls, LOAD_ATTEMPTS);
+        assert!(err.starts_with("signals interrupted the verifier"), "{err}");
+        assert!(!err.contains("Verifier output"), "{err}");
+        // A real refusal is the verifier's, at once.
+        let mut calls = 0;
+        let err = unless_interrupted(|| {
+            calls += 1;
+            Err(refused(libc::EACCES))
+        })
+        .unwrap_err();
+        assert_eq!(calls, 1);
+        assert!(
+            format!("{err:#}").contains("processed 4347 insns"),
+            "{err:#}"
+        );
     }
 }
