@@ -69,6 +69,18 @@ pub const FAILING_MASK: u64 = 0xff << FAILING_SHIFT;
 pub const EJECTABLE_SHIFT: u32 = 24;
 /// Every member's ejectable bit.
 pub const EJECTABLE_MASK: u64 = 0xff << EJECTABLE_SHIFT;
+/// In [`crate::GroupHealth::bits`]: bit `SLOW_SHIFT + p` set by the agent
+/// while member `p` is slow ([`crate::slowness`]): not chosen while an
+/// eligible member is not.
+pub const SLOW_SHIFT: u32 = 32;
+/// Every member's slow bit.
+pub const SLOW_MASK: u64 = 0xff << SLOW_SHIFT;
+/// In [`crate::GroupHealth::bits`]: bit `SLOW_PROBE_SHIFT + p` set by the
+/// agent to let one read probe slow member `p`: it is chosen as if not
+/// slow until egress takes the probe (clearing this bit).
+pub const SLOW_PROBE_SHIFT: u32 = 40;
+/// Every member's slow-probe bit.
+pub const SLOW_PROBE_MASK: u64 = 0xff << SLOW_PROBE_SHIFT;
 /// In [`crate::GroupHealth::bits`]: the agent's `eject_after` from bit
 /// `EJECT_AFTER_SHIFT` up (0: ejection off, or a run too long for the
 /// field, which the reply path then leaves to the agent).
@@ -86,6 +98,27 @@ pub const fn failing_bit(position: usize) -> u64 {
 #[inline(always)]
 pub const fn ejected_mask(bits: u64) -> u32 {
     ((bits | bits >> FAILING_SHIFT) & 0xff) as u32
+}
+
+pub const fn slow_bit(position: usize) -> u64 {
+    1 << (SLOW_SHIFT as usize + position % MAX_GROUP_MEMBERS)
+}
+
+pub const fn slow_probe_bit(position: usize) -> u64 {
+    1 << (SLOW_PROBE_SHIFT as usize + position % MAX_GROUP_MEMBERS)
+}
+
+/// The members of `usable` the policy may choose, given the health word:
+/// none ejected or failing, and of those the ones not slow (or slow with
+/// a probe offered), unless every one of them is slow: then all of them
+/// (slowness only ranks; it never leaves a group with nothing to choose).
+/// Without a branch, for the kernel verifier (see `policy::is_less`).
+#[inline(always)]
+pub fn eligible(usable: u8, bits: u64) -> u8 {
+    let healthy = u64::from(usable) & !u64::from(ejected_mask(bits));
+    let slow = (bits >> SLOW_SHIFT) & !(bits >> SLOW_PROBE_SHIFT) & 0xff;
+    let fine = healthy & !slow;
+    crate::policy::select(crate::policy::is_zero(fine), healthy, fine) as u8
 }
 
 /// The `eject_after` field for the health word: `eject_after` if it fits,
@@ -138,14 +171,21 @@ pub fn ejectable(members: &[Member], seen: &[Seen], over_cap: bool, p: &Params) 
         .fold(0, |mask, i| mask | 1 << (EJECTABLE_SHIFT as usize + i))
 }
 
-/// The health word once `position`'s probe is taken: ejected again until
-/// the agent sees the result. `None` if there is no probe to take.
+/// The health word once `position`'s probe is taken: a half-open member
+/// ejected again, a slow one slow again, until the agent sees the result.
+/// `None` if there is no probe to take.
 #[inline(always)]
 pub const fn take_probe(bits: u64, position: usize) -> Option<u64> {
-    if bits & probe_bit(position) == 0 {
+    let offered = bits & (probe_bit(position) | slow_probe_bit(position));
+    if offered == 0 {
         return None;
     }
-    Some((bits & !probe_bit(position)) | ejected_bit(position))
+    let ejected = if bits & probe_bit(position) != 0 {
+        ejected_bit(position)
+    } else {
+        0
+    };
+    Some((bits & !offered) | ejected)
 }
 
 /// The agent's settings.

@@ -233,15 +233,17 @@ pub const fn settling_word(word: u64) -> Option<u64> {
 }
 
 /// The members a hedge may go to, given the group's health word
-/// ([`crate::GroupHealth::bits`]): not an ejected one, and not a half-open
-/// one whose probe is still offered. Its one probe is a read egress sends
-/// (egress takes the probe bit); a hedge copy bypasses egress, so it would
-/// be a second read to a member that may still be down.
+/// ([`crate::GroupHealth::bits`]): not an ejected one, not a half-open
+/// one whose probe is still offered, and not a slow one. Its one probe is
+/// a read egress sends (egress takes the probe bit); a hedge copy bypasses
+/// egress, so it would be a second read to a member that may still be
+/// down. A copy to a slow member would only wait as the read does.
 #[inline(always)]
 pub const fn hedge_usable(usable: u8, health_bits: u64) -> u8 {
     let ejected = crate::ejection::ejected_mask(health_bits) as u8;
     let probing = (health_bits >> crate::ejection::PROBE_SHIFT) as u8;
-    usable & !ejected & !probing
+    let slow = (health_bits >> crate::ejection::SLOW_SHIFT) as u8;
+    usable & !ejected & !probing & !slow
 }
 
 /// `usable` without the members at or over `max_pending` pending requests

@@ -22,6 +22,7 @@ pub mod opaque;
 pub mod policy;
 pub mod reject;
 pub mod service;
+pub mod slowness;
 
 pub use descriptor::Descriptor;
 pub use maps::*;

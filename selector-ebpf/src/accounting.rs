@@ -5,7 +5,8 @@
 use core::intrinsics::{AtomicOrdering, atomic_xadd};
 
 use selector_common::{
-    BackendStats, MAX_GROUP_MEMBERS, latency, policy::GroupLoad, service, split_backend_id,
+    BackendStats, MAX_GROUP_MEMBERS, ejection, latency, policy::GroupLoad, service,
+    split_backend_id,
 };
 
 use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS, member_index};
@@ -16,8 +17,9 @@ pub fn group_load(group: u32) -> Option<GroupLoad> {
     let g = GROUPS.get(group)?;
     let counters = COUNTERS.get(group)?;
     let mut load = GroupLoad::of(g, counters);
-    // Ejected members are never chosen, as drained ones.
-    load.usable &= !(crate::health::ejected(group) as u8);
+    // Ejected members are never chosen, as drained ones; slow ones only
+    // when every other is slow too.
+    load.usable = ejection::eligible(load.usable, crate::health::word(group));
     Some(load)
 }
 

@@ -1,5 +1,6 @@
-//! Outlier ejection in the kernel (`selector_common::ejection`): the
-//! ejected members the policy skips, the half-open probe egress takes, and
+//! Outlier ejection and slowness in the kernel (`selector_common::ejection`,
+//! `selector_common::slowness`): the members the policy skips, the probe
+//! egress takes (a half-open or a slow member's), and
 //! the failures in a row and good replies the reply path counts. The agent
 //! decides; these only read its word and count.
 
@@ -9,15 +10,13 @@ use selector_common::{ejection, split_backend_id};
 
 use crate::maps::{HEALTH, member_index};
 
-/// Bit `p` set: member `p` of `group` is ejected (0 if the map is missing,
-/// which it never is).
+/// The health word of `group`: its ejected, failing and slow members
+/// (0 if the map is missing, which it never is).
 #[inline(always)]
-pub fn ejected(group: u32) -> u32 {
+pub fn word(group: u32) -> u64 {
     match HEALTH.get_ptr(group) {
         // SAFETY: a field of a live array element, written atomically.
-        Some(h) => {
-            ejection::ejected_mask(unsafe { core::ptr::read_volatile(&raw const (*h).bits) })
-        }
+        Some(h) => unsafe { core::ptr::read_volatile(&raw const (*h).bits) },
         None => 0,
     }
 }

@@ -16,6 +16,7 @@ pub mod netns;
 pub mod paged;
 pub mod pods;
 pub mod prometheus;
+pub mod slowdowns;
 pub mod topology;
 
 pub use memcached::{

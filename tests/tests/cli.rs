@@ -443,7 +443,7 @@ fn set_changes_show_in_the_json_status() {
         (code, out.trim()),
         (
             0,
-            "policy threshold, threshold 4, max-pending 5, max-pending-client 0, on-overload drop, budget 1 ms, tie-break random"
+            "policy threshold, threshold 4, max-pending 5, max-pending-client 0, on-overload drop, budget 1 ms, tie-break random, avoid-slow on"
         )
     );
     let (code, out) = run_ctl(&tb, &["status", "--iface", CLIENT_IFACE, "--json"]);
@@ -1054,7 +1054,7 @@ fn running_agent_takes_policy_threshold_and_drain_changes() {
         (code, out.trim()),
         (
             0,
-            "policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break first"
+            "policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break first, avoid-slow on"
         )
     );
     stalled_load(&tb);

@@ -633,7 +633,7 @@ fn check_validates_a_file_as_run_does_unprivileged_and_attaches_nothing() {
     assert_eq!(
         out,
         format!(
-            "{}: valid: iface {CLIENT_IFACE}, 1 group, 2 backends, policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break random, proto memcached, timeout 1000 ms, auto ingress (tc here; auto: a veth device, no native XDP worth its cost), not pinned (the programs go with the agent)\n",
+            "{}: valid: iface {CLIENT_IFACE}, 1 group, 2 backends, policy threshold, threshold 2, max-pending 0, max-pending-client 0, on-overload pass, budget 1 ms, tie-break random, avoid-slow on, proto memcached, timeout 1000 ms, auto ingress (tc here; auto: a veth device, no native XDP worth its cost), not pinned (the programs go with the agent)\n",
             file.arg()
         )
     );

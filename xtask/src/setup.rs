@@ -25,6 +25,8 @@ const PACKAGES: &[&str] = &[
     "ethtool",
     // The fault tests drop and duplicate datagrams at the switch with nft.
     "nftables",
+    // kube-proxy's iptables rules for a Service (random endpoint per flow).
+    "iptables",
     "nginx",
     "libnginx-mod-stream",
     // setpriv (the capability test) and systemd-analyze (the unit check).

@@ -348,6 +348,24 @@ impl Collector for StatusCollector {
         )?;
         per_backend(
             e,
+            "selector_slow",
+            "1 while the backend is slow: not chosen while another eligible member is not, until a probe read finds it fast.",
+            None,
+            MetricType::Gauge,
+            backends,
+            |b, m| ConstGauge::new(i64::from(b.ejection.slow)).encode(m),
+        )?;
+        per_backend(
+            e,
+            "selector_slowness",
+            "The memory of the backend's slowness: a peak-sensitive moving average of its replies' latency and of how long reads waited on it.",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+            backends,
+            |b, m| ConstGauge::new(b.ejection.slowness_ns as f64 / 1e9).encode(m),
+        )?;
+        per_backend(
+            e,
             "selector_service_time",
             "Recent time per completed request at the backend: the latency policy's service time (0 until measured).",
             Some(&Unit::Seconds),

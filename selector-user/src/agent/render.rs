@@ -102,7 +102,13 @@ pub fn state_labels(
             } else {
                 ejection
                     .get(i)
-                    .map_or("-", |e| e.ejection_state.as_str())
+                    .map_or("-", |e| {
+                        if e.slow && e.ejection_state == "healthy" {
+                            "slow"
+                        } else {
+                            e.ejection_state.as_str()
+                        }
+                    })
                     .to_string()
             }
         })
@@ -468,6 +474,24 @@ mod tests {
         let drained = [backends[3].addr];
         let states = state_labels(&backends, &ejection, &drained);
         assert_eq!(states, ["healthy", "ejected", "half_open", "drained"]);
+        // Slow shows where nothing stronger (ejection, drain) does.
+        let slow = |s: &str| EjectionState {
+            slow: true,
+            ..state(s)
+        };
+        assert_eq!(
+            state_labels(
+                &backends,
+                &[
+                    slow("healthy"),
+                    slow("ejected"),
+                    state("healthy"),
+                    slow("healthy")
+                ],
+                &drained
+            ),
+            ["slow", "ejected", "healthy", "drained"]
+        );
         let t0 = Instant::now();
         let mut before = snap(t0, 0, 0, &[]);
         let mut now = snap(t0 + Duration::from_secs(1), 0, 0, &[]);

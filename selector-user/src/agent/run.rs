@@ -61,6 +61,12 @@ const EJECTION_CHECK: Duration = Duration::from_millis(10);
 /// waits; and every wakeup of an idle agent costs a busy host's other
 /// traffic (100 a second cost TCP bulk about 3% on a 2-CPU VM).
 const EJECTION_IDLE_CHECK: Duration = Duration::from_millis(250);
+/// How often the memory of slowness measures the members while reads
+/// flow (`crate::datapath::slowness`): a stall is seen within two of
+/// these, and a probe's result within one.
+const SLOWNESS_CHECK: Duration = Duration::from_millis(10);
+/// ... and while nothing moves (no request issued or completed, none slow).
+const SLOWNESS_IDLE_CHECK: Duration = Duration::from_millis(250);
 /// How often a stopping agent checks whether the redirected reads are done.
 const STOP_POLL: Duration = Duration::from_millis(20);
 
@@ -474,6 +480,8 @@ impl Agent {
         let mut attachment_tick = ticks_after(ATTACHMENT_CHECK);
         let mut ejection_period = self.ejection_period();
         let mut ejection_tick = ticks_after(ejection_period);
+        let mut slowness_period = SLOWNESS_CHECK;
+        let mut slowness_tick = ticks_after(slowness_period);
         let until_deadline = async {
             match duration {
                 Some(duration) => sleep(duration).await,
@@ -556,11 +564,21 @@ impl Agent {
                 _ = tick_if_some(&mut watchdog_tick) => self.notifier.watchdog(),
                 _ = attachment_tick.tick() => self.check_attachment(),
                 _ = ejection_tick.tick() => self.check_ejection(),
+                _ = slowness_tick.tick() => self.check_slowness(),
             }
             let period = self.ejection_period();
             if period != ejection_period {
                 ejection_period = period;
                 ejection_tick = ticks_after(period);
+            }
+            let period = if self.selector.slowness_settled() {
+                SLOWNESS_IDLE_CHECK
+            } else {
+                SLOWNESS_CHECK
+            };
+            if period != slowness_period {
+                slowness_period = period;
+                slowness_tick = ticks_after(period);
             }
         }
     }
@@ -579,6 +597,14 @@ impl Agent {
     /// Outlier ejection's step (`crate::datapath::ejection`), its events logged.
     fn check_ejection(&mut self) {
         for line in self.selector.check_ejection(sys::monotonic_ns()) {
+            log::info!("{line}");
+        }
+    }
+
+    /// The memory of slowness's step (`crate::datapath::slowness`), its
+    /// events logged.
+    fn check_slowness(&mut self) {
+        for line in self.selector.check_slowness(sys::monotonic_ns()) {
             log::info!("{line}");
         }
     }

@@ -185,7 +185,12 @@ pub enum Reply {
 ///      "ejection_state": "healthy", healthy | ejected | half_open
 ///      "ejections": 0,             since start (a failed probe's too)
 ///      "ejected_ns": 0,            time ejected or half-open since start
-///      "failures_in_a_row": 0}     expired requests and error replies
+///      "failures_in_a_row": 0,     expired requests and error replies
+///      "slow": false,              not chosen while another member is not,
+///                                  until a probe read finds it fast
+///      "slowness_ns": 210000,      its memory of slowness: a peak-sensitive
+///                                  average of latency and of reads' waits
+///      "slow_probes": 0}           reads that probed it while slow
 ///   ],
 ///   "hedges": {...},               the hedge fields above, summed (delay null)
 ///   "config_reload_success": true, false if the last reload was refused

@@ -56,6 +56,30 @@ pub struct Tunables {
     /// How every policy picks among equally loaded members.
     #[serde(default = "bookkeepers_tie_break")]
     pub tie_break: TieBreak,
+    /// Whether members that were slow recently are left alone
+    /// (`crate::datapath::slowness`).
+    #[serde(default)]
+    pub avoid_slow: AvoidSlow,
+}
+
+/// `--avoid-slow`: the memory of slowness on or off.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AvoidSlow {
+    /// Slow replicas get no read while another is not slow
+    #[default]
+    On,
+    /// Pending counts alone
+    Off,
+}
+
+impl AvoidSlow {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::On => "on",
+            Self::Off => "off",
+        }
+    }
 }
 
 /// What an agent from before `--tie-break` did.
@@ -85,6 +109,9 @@ impl Default for Tunables {
             // Many client hosts with equal counts spread out (no herding);
             // `First` is BookKeeper's rule.
             tie_break: TieBreak::Random,
+            // Slowness is remembered: a replica throttled ten times a
+            // second is left, not chosen again after each stall.
+            avoid_slow: AvoidSlow::On,
         }
     }
 }
@@ -130,6 +157,7 @@ impl Tunables {
             ("hedge-budget", self.hedging.budget_percent.to_string()),
             ("budget", Millis(self.budget).to_string()),
             ("tie-break", self.tie_break.name().into()),
+            ("avoid-slow", self.avoid_slow.name().into()),
         ]
     }
 
@@ -137,14 +165,15 @@ impl Tunables {
     /// the status print).
     pub fn describe(&self) -> String {
         format!(
-            "policy {}, threshold {}, max-pending {}, max-pending-client {}, on-overload {}, budget {} ms, tie-break {}",
+            "policy {}, threshold {}, max-pending {}, max-pending-client {}, on-overload {}, budget {} ms, tie-break {}, avoid-slow {}",
             self.policy.name(),
             self.threshold,
             self.max_pending,
             self.max_pending_client,
             self.on_overload.name(),
             Millis(self.budget),
-            self.tie_break.name()
+            self.tie_break.name(),
+            self.avoid_slow.name()
         )
     }
 }
@@ -291,6 +320,16 @@ pub struct TunablesPatch {
     #[arg(long, value_enum)]
     #[serde(default, alias = "tie_break", skip_serializing_if = "Option::is_none")]
     pub tie_break: Option<TieBreak>,
+    /// Whether a replica that was slow recently is left alone: `on`, a
+    /// replica whose recent latency (or a read's wait on it) is over 1.5x
+    /// and 0.5 ms over the fastest member's is chosen for no read while
+    /// another is not slow, and single probe reads say when it is fast
+    /// again (a replica throttled at its CPU limit stalls ten times a
+    /// second, and the counts forget it between stalls); `off`, counts
+    /// alone [default: on].
+    #[arg(long, value_enum)]
+    #[serde(default, alias = "avoid_slow", skip_serializing_if = "Option::is_none")]
+    pub avoid_slow: Option<AvoidSlow>,
 }
 
 impl TunablesPatch {
@@ -321,6 +360,7 @@ impl TunablesPatch {
             budget: budget.or(under_budget),
             legacy_budget_us: None,
             tie_break: self.tie_break.or(under.tie_break),
+            avoid_slow: self.avoid_slow.or(under.avoid_slow),
         }
     }
 
@@ -348,6 +388,7 @@ impl TunablesPatch {
             },
             budget: self.budget_in_force().map_or(tunables.budget, |b| b.0),
             tie_break: self.tie_break.unwrap_or(tunables.tie_break),
+            avoid_slow: self.avoid_slow.unwrap_or(tunables.avoid_slow),
         }
     }
 

@@ -74,6 +74,11 @@ struct GroupRecord {
 }
 
 impl Ejection {
+    /// Group `group`'s members in service as the last check read them.
+    pub(crate) fn active_members(&self, group: u32) -> u32 {
+        self.active.get(group as usize).copied().unwrap_or(0)
+    }
+
     fn next_random(&mut self) -> u32 {
         if self.random == 0 {
             self.random = crate::host::sys::monotonic_ns() | 1;
@@ -110,7 +115,7 @@ impl Selector {
     }
 
     /// Changes group `group`'s health word: clears `clear`, then sets `set`.
-    fn change_bits(&self, group: u32, clear: u64, set: u64) {
+    pub(crate) fn change_bits(&self, group: u32, clear: u64, set: u64) {
         let h = self.health.ptr(group as usize);
         // SAFETY: a field of a live shared element, 8-byte aligned.
         let word = unsafe { atomic(&raw mut (*h).bits) };
@@ -315,12 +320,16 @@ impl Selector {
                     .map(|r| r.members[p])
                     .unwrap_or_default();
                 let h = self.health.ptr(group as usize);
+                let (slow, slowness_ns, slow_probes) = self.slowness_of(b.index);
                 EjectionState {
                     ejection_state: m.state.name().into(),
                     ejections: m.ejections,
                     ejected_ns: m.time_out_ns(now_ns),
                     // SAFETY: a field of a live shared element.
                     failures_in_a_row: unsafe { load(&raw mut (*h).failures[p]) },
+                    slow,
+                    slowness_ns,
+                    slow_probes,
                 }
             })
             .collect()

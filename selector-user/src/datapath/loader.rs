@@ -61,6 +61,8 @@ pub struct Selector {
     pub(crate) health: SharedArray<GroupHealth>,
     /// The agent's side of ejection (`crate::datapath::ejection`).
     pub(crate) ejection: crate::datapath::ejection::Ejection,
+    /// The agent's memory of slowness (`crate::datapath::slowness`).
+    pub(crate) slowness: crate::datapath::slowness::Slowness,
     /// The kernel's config, mapped for the heartbeat word alone.
     config: SharedArray<Config>,
     /// Shutting down: no new redirects.
@@ -457,6 +459,7 @@ impl Selector {
             service,
             health,
             ejection: Default::default(),
+            slowness: Default::default(),
             config,
             steering_off: false,
             #[cfg(feature = "testing")]
@@ -475,16 +478,19 @@ impl Selector {
         })
     }
 
-    /// Fills the maps for the settings and starts ejection afresh; adopted
-    /// maps keep the tables (see `attach_pinned`) and the ejections an
-    /// earlier agent wrote.
+    /// Fills the maps for the settings and starts ejection and slowness
+    /// afresh; adopted maps keep the tables (see `attach_pinned`) and the
+    /// ejections and slow members an earlier agent wrote.
     pub(crate) fn fill(&mut self) -> Result<()> {
         if self.adopted {
             self.write_config()?;
-            self.adopt_ejection(crate::host::sys::monotonic_ns());
+            let now_ns = crate::host::sys::monotonic_ns();
+            self.adopt_ejection(now_ns);
+            self.adopt_slowness(now_ns);
         } else {
             self.write_tables()?;
             self.reset_ejection();
+            self.reset_slowness();
         }
         Ok(())
     }

@@ -17,6 +17,7 @@ pub mod plant;
 #[cfg(feature = "testing")]
 pub mod recycle;
 pub mod regroup;
+pub mod slowness;
 pub mod snapshot;
 pub mod sweep;
 

@@ -437,6 +437,7 @@ impl Selector {
             }
         }
         self.forget_member(group, position);
+        self.forget_slowness(group, position);
         self.zero_hedge_counts(id)?;
         let cpus = aya::util::nr_cpus().map_err(|(what, e)| anyhow!("{what}: {e}"))?;
         let mut stats: PerCpuArray<_, BackendStats> =

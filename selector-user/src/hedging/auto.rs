@@ -41,6 +41,9 @@ pub struct AutoDelays {
     ids: Vec<u32>,
     /// After a failed read of the histograms: no refresh before this.
     retry_at: Option<Instant>,
+    /// Per backend position: its own p95 as last estimated (`None`: too
+    /// few replies in the last window).
+    own: Vec<Option<u64>>,
 }
 
 /// When `auto` began, when the last snapshot joined the history, and when
@@ -117,6 +120,7 @@ impl AutoDelays {
                 refreshed: now,
             });
             self.estimated = vec![false; n];
+            self.own = vec![None; n];
             self.ids = ids.to_vec();
             return vec![Some(ceiling_ns); n];
         };
@@ -135,23 +139,47 @@ impl AutoDelays {
             &cumulative
         };
         let oldest = &self.history[0];
-        (0..n)
-            .map(|i| {
-                // Between steps only backends without an estimate are looked at.
-                if !full_step && self.estimated[i] {
-                    return None;
-                }
-                let recent: Vec<u64> = newest[i]
-                    .iter()
-                    .zip(&oldest[i])
-                    .map(|(n, o)| n.saturating_sub(*o))
-                    .collect();
-                let delay = auto_delay_ns(&recent, ceiling_ns);
-                self.estimated[i] |= delay.is_some();
-                delay
-            })
-            .collect()
+        let mut looked = vec![false; n];
+        for i in 0..n {
+            // Between steps only backends without an estimate are looked at.
+            if !full_step && self.estimated[i] {
+                continue;
+            }
+            let recent: Vec<u64> = newest[i]
+                .iter()
+                .zip(&oldest[i])
+                .map(|(n, o)| n.saturating_sub(*o))
+                .collect();
+            let delay = auto_delay_ns(&recent, ceiling_ns);
+            self.estimated[i] |= delay.is_some();
+            // A full step replaces the estimate (gone if the window had too
+            // few replies); a warm-up look only adds one.
+            if full_step || delay.is_some() {
+                looked[i] = self.own[i] != delay || delay.is_some();
+                self.own[i] = delay;
+            }
+        }
+        group_delays(ids, &self.own, &looked)
     }
+}
+
+/// The delay each backend's reads get: the least own estimate in its
+/// group (`ids` are backend ids, `group * 8 + position`), so that a
+/// member slow for a while (a throttled replica, whose p95 is its stalls)
+/// does not make its reads wait that long before a copy leaves. `None`
+/// (keep the one in force) for a backend whose group had no estimate
+/// looked at (`looked`) this time, or has none at all.
+pub fn group_delays(ids: &[u32], own: &[Option<u64>], looked: &[bool]) -> Vec<Option<u64>> {
+    let group = |i: usize| selector_common::split_backend_id(ids[i]).0;
+    (0..ids.len())
+        .map(|i| {
+            let mates = (0..ids.len()).filter(|&j| group(j) == group(i));
+            if !mates.clone().any(|j| looked[j]) {
+                return None;
+            }
+            mates.filter_map(|j| own[j]).min()
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -307,5 +335,36 @@ mod tests {
         let t1 = t0 + AUTO_STEP + AUTO_WARMUP_STEP;
         auto.failed(t1);
         assert_eq!(auto.due(), Some(t1 + AUTO_STEP));
+    }
+
+    #[test]
+    fn a_slow_member_gets_its_groups_least_delay() {
+        // Backends 0 and 1 of group 0 (ids 0, 1), backend 0 of group 1 (8).
+        let ids = [0, 1, 8];
+        let own = [Some(60_000_000), Some(300_000), Some(5_000_000)];
+        assert_eq!(
+            group_delays(&ids, &own, &[true, false, false]),
+            [Some(300_000), Some(300_000), None]
+        );
+        assert_eq!(
+            group_delays(&ids, &own, &[false, false, true]),
+            [None, None, Some(5_000_000)]
+        );
+        // A group with no estimate keeps what is in force.
+        assert_eq!(
+            group_delays(&ids, &[None, None, Some(1)], &[true, true, true]),
+            [None, None, Some(1)]
+        );
+        // Through a refresh: a throttled member's replies (60 ms) and a
+        // fast one's (1 ms) in one group.
+        let t0 = Instant::now();
+        let mut auto = AutoDelays::default();
+        let mut h = vec![vec![0u64; latency::LATENCY_BUCKETS as usize]; 2];
+        auto.refresh(t0, &[0, 1], h.clone(), CEILING);
+        h[0][latency::bucket(60_000_000) as usize] = 100;
+        h[1][latency::bucket(1_000_000) as usize] = 100;
+        let delays = auto.refresh(t0 + AUTO_STEP, &[0, 1], h, CEILING);
+        assert_eq!(delays[0], delays[1]);
+        assert!(delays[0].unwrap() <= 1_250_000, "{delays:?}");
     }
 }

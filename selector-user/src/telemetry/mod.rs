@@ -56,6 +56,17 @@ pub struct EjectionState {
     /// Failures in a row now (expired requests, error replies).
     #[serde(default)]
     pub failures_in_a_row: u64,
+    /// Slow (`selector_common::slowness`): not chosen while another
+    /// eligible member is not, until a probe finds it fast.
+    #[serde(default)]
+    pub slow: bool,
+    /// The memory of its slowness: a peak-sensitive moving average of its
+    /// replies' latency and of how long reads waited on it, ns.
+    #[serde(default)]
+    pub slowness_ns: u64,
+    /// Reads that probed it while slow, since start.
+    #[serde(default)]
+    pub slow_probes: u64,
 }
 
 impl Snapshot {

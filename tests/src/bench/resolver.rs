@@ -255,16 +255,16 @@ fn segment(
 
 /// getaddrinfo(3) at `rate` for `duration`, glibc reading `resolv_conf` as
 /// its /etc/resolv.conf.
-struct LookupLoad {
-    resolv_conf: PathBuf,
-    rate: u32,
-    duration: Duration,
+pub struct LookupLoad {
+    pub resolv_conf: PathBuf,
+    pub rate: u32,
+    pub duration: Duration,
 }
 
-struct LookupReport {
-    lookups: u64,
-    failed: u64,
-    latency_us: Histogram<u64>,
+pub struct LookupReport {
+    pub lookups: u64,
+    pub failed: u64,
+    pub latency_us: Histogram<u64>,
 }
 
 /// Threads looking up at once: more than a stall holds at the rate (25 ms
@@ -277,7 +277,7 @@ const LOOKERS: usize = 32;
 /// as `ip netns exec` arranges for a process; the lookers it starts share
 /// both. Each lookup starts at its intended time (or as soon as a looker
 /// is free) and its latency counts from the intended time.
-fn run_lookups(spec: &LookupLoad) -> Result<LookupReport> {
+pub fn run_lookups(spec: &LookupLoad) -> Result<LookupReport> {
     private_resolv_conf(&spec.resolv_conf)?;
     let total = (f64::from(spec.rate) * spec.duration.as_secs_f64()) as u64;
     let interval = Duration::from_secs_f64(1.0 / f64::from(spec.rate.max(1)));

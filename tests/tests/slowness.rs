@@ -1,0 +1,140 @@
+//! The memory of slowness (issue 37), against real NSD replicas and
+//! glibc's resolver: a Service address that kube-proxy's iptables rules
+//! spread over three nameservers at random per lookup, one of them
+//! throttled at 30% of a CPU (a CFS quota with a busy process beside it,
+//! as a DNS pod at its CPU limit). At the agent's defaults for a DNS group
+//! the throttled replica is found slow: the lookups whose primary it is
+//! leave it, no other lookup is moved to it but the probes that ask
+//! whether it is well, and every answer is right. Once it is well its
+//! probe finds it fast and it keeps its own lookups again, within 10 s.
+
+use std::{
+    net::{Ipv4Addr, SocketAddr},
+    thread,
+    time::{Duration, Instant},
+};
+
+use selector_testbed::{
+    Testbed,
+    agent::{spawn_agent, status_json},
+    bench::resolver::{LookupLoad, run_lookups},
+    dns::{DNS_PORT, NetnsResolvConf, Nsd},
+    slowdowns::{CpuThrottle, install_kube_proxy},
+    topology::{CLIENT_IFACE, replica_addr},
+    wait_for,
+};
+use selector_user::{api::Status, telemetry::BackendTotals};
+
+/// The Service's address (inside the test's namespaces only).
+const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const THROTTLED: usize = 1;
+const RATE: u32 = 200;
+
+#[test]
+fn a_throttled_replica_gets_no_moved_lookup_and_loses_its_own_until_it_is_well() {
+    let tb = Testbed::new("slow", 3).unwrap();
+    let servers: Vec<Nsd> = (0..3)
+        .map(|i| {
+            let nsd = Nsd::start(&tb.replica_ns[i], (replica_addr(i), DNS_PORT)).unwrap();
+            nsd.wait_ready(&tb.replica_ns[i]).unwrap();
+            nsd
+        })
+        .collect();
+    let endpoints: Vec<Ipv4Addr> = (0..3).map(replica_addr).collect();
+    install_kube_proxy(&tb.client, CLIENT_IFACE, VIP, DNS_PORT, &endpoints).unwrap();
+    let conf = NetnsResolvConf::write(
+        &tb.client.name,
+        &format!("nameserver {VIP}\noptions timeout:2\n"),
+    )
+    .unwrap();
+    let group: Vec<String> = endpoints
+        .iter()
+        .map(|a| SocketAddr::from((*a, DNS_PORT)).to_string())
+        .collect();
+    let (mut agent, _lines) = spawn_agent(
+        &tb.client,
+        &[
+            "--iface",
+            CLIENT_IFACE,
+            "--group",
+            &group.join(","),
+            "--proto",
+            "dns",
+            "--quiet",
+        ],
+    );
+    let backend = |i: usize| -> BackendTotals {
+        let status: Status = status_json(&tb.client, CLIENT_IFACE);
+        status.backends[i].clone()
+    };
+    let lookups = |seconds: u64| {
+        let spec = LookupLoad {
+            resolv_conf: conf.path(),
+            rate: RATE,
+            duration: Duration::from_secs(seconds),
+        };
+        tb.client.spawn(move || run_lookups(&spec)).unwrap()
+    };
+
+    // Throttled while lookups run: found slow.
+    let mut throttle = CpuThrottle::start(&tb.replica_ns[THROTTLED], 30).unwrap();
+    let load = lookups(8);
+    assert!(
+        wait_for(Duration::from_secs(5), || backend(THROTTLED).ejection.slow),
+        "the throttled replica was never found slow: {:#?}",
+        backend(THROTTLED)
+    );
+    // From then on, over 3 s: its own lookups leave it, and none is moved
+    // to it but the reads that took its probes.
+    let before = backend(THROTTLED);
+    thread::sleep(Duration::from_secs(3));
+    let after = backend(THROTTLED);
+    let moved_to = after.stats.redirected_to - before.stats.redirected_to;
+    let probes = after.ejection.slow_probes - before.ejection.slow_probes;
+    assert!(
+        moved_to <= probes,
+        "{moved_to} reads moved to the slow replica, {probes} of them probes: {after:#?}"
+    );
+    let own = after.stats.requests - before.stats.requests;
+    let left = after.stats.redirected_away - before.stats.redirected_away;
+    assert!(own > 100, "too few lookups went to it to judge: {after:#?}");
+    assert!(
+        left * 10 >= own * 9,
+        "only {left} of its {own} reads left the slow replica: {after:#?}"
+    );
+    assert!(
+        throttle.throttled_periods().unwrap() > 10,
+        "the quota never throttled it"
+    );
+    let report = load.join().unwrap().unwrap();
+    assert_eq!(report.failed, 0, "a lookup failed or answered wrong");
+
+    // Well again: a probe finds it fast within 10 s, and it keeps its own
+    // lookups (at least 90% of them) from then on.
+    throttle.release().unwrap();
+    let load = lookups(14);
+    let well_at = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(10), || !backend(THROTTLED)
+            .ejection
+            .slow),
+        "still slow 10 s after it was well: {:#?}",
+        backend(THROTTLED)
+    );
+    eprintln!("fast again after {:?}", well_at.elapsed());
+    let before = backend(THROTTLED);
+    thread::sleep(Duration::from_secs(2));
+    let after = backend(THROTTLED);
+    let own = after.stats.requests - before.stats.requests;
+    let left = after.stats.redirected_away - before.stats.redirected_away;
+    assert!(own > 50, "too few lookups went to it to judge: {after:#?}");
+    assert!(
+        left * 10 <= own,
+        "{left} of its {own} reads still left it once it was well: {after:#?}"
+    );
+    let report = load.join().unwrap().unwrap();
+    assert_eq!(report.failed, 0, "a lookup failed or answered wrong");
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    agent.wait().unwrap();
+    drop(servers);
+}
