@@ -42,11 +42,27 @@ const TABLE: &str = "wire_faults";
 /// independently, of the replies (replicas to client), as they enter the
 /// switch. Only UDP to and from the replicas' service ports is touched.
 pub fn install_wire_fault(tb: &Testbed, fault: WireFault, percent: u32) -> Result<()> {
+    install_wire_fault_on(tb, fault, percent, &tb.replica_endpoints())
+}
+
+/// `install_wire_fault` on the datagrams to and from `endpoints` (replica
+/// addresses and service ports) alone.
+pub fn install_wire_fault_on(
+    tb: &Testbed,
+    fault: WireFault,
+    percent: u32,
+    endpoints: &[SocketAddrV4],
+) -> Result<()> {
     let client_port = switch_port(0);
     let pick = format!("numgen random mod 100 < {percent} counter");
     let mut requests = Vec::new();
     let mut replies = Vec::new();
-    for (i, replica) in tb.replica_endpoints().iter().enumerate() {
+    for replica in endpoints {
+        let Some(i) =
+            (0..tb.replica_ns.len()).find(|&i| crate::topology::replica_addr(i) == *replica.ip())
+        else {
+            bail!("{replica} is no replica of the testbed");
+        };
         let replica_port = switch_port(i + 1);
         // A copy goes straight out of the port towards its receiver.
         let (to_replica, to_client) = match fault {
@@ -308,6 +324,26 @@ impl DelayingRelay {
         backend: SocketAddrV4,
         max_delay: Duration,
     ) -> Result<Self> {
+        Self::start_with(ns, front, backend, Delay::Random(max_delay))
+    }
+
+    /// Serves `front` as `start` does, every reply held back by `delay`
+    /// exactly (in order): a server slower than the others by as much.
+    pub fn start_fixed(
+        ns: &Namespace,
+        front: SocketAddrV4,
+        backend: SocketAddrV4,
+        delay: Duration,
+    ) -> Result<Self> {
+        Self::start_with(ns, front, backend, Delay::Fixed(delay))
+    }
+
+    fn start_with(
+        ns: &Namespace,
+        front: SocketAddrV4,
+        backend: SocketAddrV4,
+        delay: Delay,
+    ) -> Result<Self> {
         // Sockets belong to the namespace they were made in.
         let (front, back) = ns.run(move || -> Result<(UdpSocket, UdpSocket)> {
             let front = UdpSocket::bind(front)?;
@@ -326,7 +362,7 @@ impl DelayingRelay {
         };
         let reply = {
             let stop = stop.clone();
-            std::thread::spawn(move || delay_replies(&back, &front, &clients, &stop, max_delay))
+            std::thread::spawn(move || delay_replies(&back, &front, &clients, &stop, delay))
         };
         Ok(Self {
             stop,
@@ -386,17 +422,29 @@ fn forward_requests(
     Ok(())
 }
 
-/// memcached to client, each reply held back by its own random delay.
+/// How long a relay holds each reply.
+#[derive(Clone, Copy, Debug)]
+enum Delay {
+    /// 0 to this, at random (replies overtake each other).
+    Random(Duration),
+    /// This, every time.
+    Fixed(Duration),
+}
+
+/// memcached to client, each reply held back by its delay.
 fn delay_replies(
     back: &UdpSocket,
     front: &UdpSocket,
     clients: &Mutex<HashMap<u16, SocketAddr>>,
     stop: &AtomicBool,
-    max_delay: Duration,
+    delay: Delay,
 ) -> Result<()> {
     let mut held = BinaryHeap::<HeldReply>::new();
     let mut random = XorShift::seeded();
-    let max_delay_us = max_delay.as_micros() as u64;
+    let mut hold = move || match delay {
+        Delay::Random(max) => Duration::from_micros(random.below(max.as_micros() as u64 + 1)),
+        Delay::Fixed(d) => d,
+    };
     let mut buf = [0u8; 2048];
     while !stop.load(Ordering::Relaxed) {
         let now = Instant::now();
@@ -416,7 +464,7 @@ fn delay_replies(
                     continue;
                 };
                 held.push(HeldReply {
-                    release: Instant::now() + Duration::from_micros(random.below(max_delay_us + 1)),
+                    release: Instant::now() + hold(),
                     to,
                     datagram: buf[..n].to_vec(),
                 });

@@ -16,6 +16,7 @@ pub mod resolver;
 pub mod rows;
 pub mod scale;
 pub mod scenario;
+pub mod slowdowns;
 pub mod steady;
 pub mod throughput;
 pub mod untouched;

@@ -83,7 +83,7 @@ impl Protocol {
         name == "steady" || Self::ALL.iter().any(|p| p.id() == name)
     }
 
-    fn port(self) -> u16 {
+    pub fn port(self) -> u16 {
         match self {
             Protocol::Dns => DNS_PORT,
             Protocol::Memcached => MEMCACHED_PORT,
@@ -108,7 +108,7 @@ impl Protocol {
         }
     }
 
-    fn request(self, id: u16) -> Vec<u8> {
+    pub fn request(self, id: u16) -> Vec<u8> {
         match self {
             Protocol::Dns => query(id, ZONE, QTYPE_A),
             Protocol::Memcached => frame(id, format!("get {}\r\n", key_for(0)).as_bytes()),
@@ -116,13 +116,13 @@ impl Protocol {
     }
 
     /// The request id `reply` answers, if it is a datagram of this protocol.
-    fn reply_id(reply: &[u8]) -> Option<u16> {
+    pub fn reply_id(reply: &[u8]) -> Option<u16> {
         (reply.len() >= 8).then(|| u16::from_be_bytes([reply[0], reply[1]]))
     }
 
     /// Whether `reply` is the right answer: NOERROR with an answer record,
     /// or the preloaded key's value.
-    fn answered(self, reply: &[u8]) -> bool {
+    pub fn answered(self, reply: &[u8]) -> bool {
         match self {
             Protocol::Dns => {
                 reply.len() >= 12

@@ -10,7 +10,10 @@
 //! steer, with and without the agent) write throughput.md, scale.md and
 //! untouched.md. `--only failures` (a dead primary and a broken replica,
 //! the agent at its defaults against primary only and ejection off)
-//! writes failures.md and failures.csv. `--only resolver` (glibc's
+//! writes failures.md and failures.csv. `--only slowdowns` (a replica
+//! CPU-throttled, persistently slower, lossy, or behind kube-proxy's random
+//! endpoint choice; DNS through glibc and memcached; or one case,
+//! `slowdowns_throttled_30`) writes slowdowns.md. `--only resolver` (glibc's
 //! getaddrinfo through a resolv.conf of two NSD nameservers, the first
 //! stalling: no agent, the agent's defaults and threshold 1, each with and
 //! without hedges) writes resolver.md. `--only steady` (one DNS query or
@@ -29,6 +32,7 @@ use selector_testbed::bench::{
     packet_cost::CostOptions,
     resolver::ResolverOptions,
     scale::ScaleOptions,
+    slowdowns::SlowdownOptions,
     steady::{self, SteadyOptions},
     throughput::ThroughputOptions,
     untouched::{Measure, UntouchedOptions},
@@ -105,7 +109,8 @@ struct Args {
     /// runs the rows it names at RATE reads/s, as rows of their own
     /// (`hedge@2000,no_stall@2000`), interleaved with the others.
     /// `throughput`, `scale`, `resolver` and `failures` (or `failures_dead`,
-    /// `failures_broken`, a row's id) select those measurements, `untouched`
+    /// `failures_broken`, a row's id) and `slowdowns` (or
+    /// `slowdowns_throttled_30`, a case's id) select those measurements, `untouched`
     /// the rows of traffic the selector does not steer (or one of them:
     /// `untouched_tcp_send`, `_tcp_receive`, `_tcp_rr`, `_udp_other`),
     /// `steady` the latency with nothing stalling (or `steady_dns`,
@@ -194,6 +199,15 @@ struct Args {
     /// Resolver: segments per row [default: 3, quick: 1].
     #[arg(long)]
     resolver_rounds: Option<u32>,
+    /// Slowdowns: reads (lookups) per second.
+    #[arg(long, default_value_t = 300)]
+    slowdown_rate: u32,
+    /// Slowdowns: seconds per segment [default: 10, quick: 3].
+    #[arg(long)]
+    slowdown_segment: Option<f64>,
+    /// Slowdowns: segments per row [default: 2, quick: 1].
+    #[arg(long)]
+    slowdown_rounds: Option<u32>,
     /// The `selector` binary the rows that run the agent start
     /// [default: the one beside this binary].
     #[arg(long)]
@@ -279,6 +293,7 @@ fn main() -> Result<()> {
     if args.all {
         opts.only = [
             "failures",
+            "slowdowns",
             "resolver",
             "throughput",
             "untouched",
@@ -324,6 +339,35 @@ fn main() -> Result<()> {
         )?;
         f.write(&out)?;
         println!("{}", f.markdown());
+    }
+    let slowdowns: Vec<String> = opts
+        .only
+        .iter()
+        .filter(|o| bench::slowdowns::is_slowdown_id(o))
+        .cloned()
+        .collect();
+    if !slowdowns.is_empty() {
+        let s = bench::slowdowns::measure(
+            &SlowdownOptions {
+                agent: agent.clone(),
+                rate: args.slowdown_rate.max(1),
+                segment: Duration::from_secs_f64(
+                    args.slowdown_segment.unwrap_or(pick(args.quick, 3.0, 10.0)),
+                ),
+                rounds: args
+                    .slowdown_rounds
+                    .unwrap_or(pick(args.quick, 1, 2))
+                    .max(1),
+                cases: slowdowns
+                    .iter()
+                    .filter_map(|o| o.strip_prefix("slowdowns_"))
+                    .map(String::from)
+                    .collect(),
+            },
+            &opts.command,
+        )?;
+        std::fs::write(out.join("slowdowns.md"), s.markdown())?;
+        println!("{}", s.markdown());
     }
     if selected("resolver") {
         let r = bench::resolver::measure(
@@ -434,6 +478,7 @@ fn main() -> Result<()> {
     opts.only.retain(|o| {
         !extra.contains(&o.as_str())
             && !bench::failures::is_failure_id(o)
+            && !bench::slowdowns::is_slowdown_id(o)
             && !Measure::is_name(o)
             && !steady::Protocol::is_name(o)
     });
