@@ -81,12 +81,19 @@ pub const SLOW_MASK: u64 = 0xff << SLOW_SHIFT;
 pub const SLOW_PROBE_SHIFT: u32 = 40;
 /// Every member's slow-probe bit.
 pub const SLOW_PROBE_MASK: u64 = 0xff << SLOW_PROBE_SHIFT;
+/// In [`crate::GroupHealth::bits`]: bit `EXPLORE_SHIFT + p` set by the
+/// agent to have one read sent to member `p`, whatever its primary: a
+/// member no read went to lately has no measure of its speed
+/// ([`crate::slowness`]). Egress takes it as it takes a probe.
+pub const EXPLORE_SHIFT: u32 = 48;
+/// Every member's explore bit.
+pub const EXPLORE_MASK: u64 = 0xff << EXPLORE_SHIFT;
 /// In [`crate::GroupHealth::bits`]: the agent's `eject_after` from bit
 /// `EJECT_AFTER_SHIFT` up (0: ejection off, or a run too long for the
 /// field, which the reply path then leaves to the agent).
-pub const EJECT_AFTER_SHIFT: u32 = 48;
+pub const EJECT_AFTER_SHIFT: u32 = 56;
 /// The `eject_after` field.
-pub const EJECT_AFTER_MASK: u64 = 0xffff << EJECT_AFTER_SHIFT;
+pub const EJECT_AFTER_MASK: u64 = 0xff << EJECT_AFTER_SHIFT;
 
 #[inline(always)]
 pub const fn failing_bit(position: usize) -> u64 {
@@ -108,6 +115,34 @@ pub const fn slow_probe_bit(position: usize) -> u64 {
     1 << (SLOW_PROBE_SHIFT as usize + position % MAX_GROUP_MEMBERS)
 }
 
+pub const fn explore_bit(position: usize) -> u64 {
+    1 << (EXPLORE_SHIFT as usize + position % MAX_GROUP_MEMBERS)
+}
+
+/// Where a read the policy sent to `chosen` goes, given the health word:
+/// to the first member of `usable` (the policy's eligible set) whose
+/// explore bit or slow-probe bit is set, unless `chosen`'s own is (this
+/// read measures it), else to `chosen`. A slow member's probe must reach
+/// it even when it is no read's primary. Without a branch per member, for
+/// the kernel verifier.
+#[inline(always)]
+pub fn explored(chosen: usize, usable: u8, bits: u64) -> usize {
+    use crate::policy::select;
+    let want = ((bits >> EXPLORE_SHIFT) | (bits >> SLOW_PROBE_SHIFT)) & 0xff & u64::from(usable);
+    let own = (want >> (chosen % MAX_GROUP_MEMBERS)) & 1;
+    let want = want & (0u64.wrapping_sub(1 - own));
+    let mut pick = chosen as u64;
+    let mut found = 0u64;
+    let mut pos = 0;
+    while pos < MAX_GROUP_MEMBERS {
+        let hit = (want >> pos) & 1 & (1 - found);
+        pick = select(hit, pos as u64, pick);
+        found |= hit;
+        pos += 1;
+    }
+    pick as usize % MAX_GROUP_MEMBERS
+}
+
 /// The members of `usable` the policy may choose, given the health word:
 /// none ejected or failing, and of those the ones not slow (or slow with
 /// a probe offered), unless every one of them is slow: then all of them
@@ -125,7 +160,7 @@ pub fn eligible(usable: u8, bits: u64) -> u8 {
 /// else 0 (the reply path marks nothing failing; the agent still ejects).
 #[inline(always)]
 pub const fn eject_after_field(eject_after: u64) -> u64 {
-    if eject_after > 0xffff {
+    if eject_after > 0xff {
         0
     } else {
         eject_after << EJECT_AFTER_SHIFT
@@ -171,12 +206,13 @@ pub fn ejectable(members: &[Member], seen: &[Seen], over_cap: bool, p: &Params) 
         .fold(0, |mask, i| mask | 1 << (EJECTABLE_SHIFT as usize + i))
 }
 
-/// The health word once `position`'s probe is taken: a half-open member
-/// ejected again, a slow one slow again, until the agent sees the result.
-/// `None` if there is no probe to take.
+/// The health word once a read to `position` took what was offered it: a
+/// half-open member's probe (ejected again until the agent sees the
+/// result), a slow member's probe (slow again), its explore bit. `None` if
+/// nothing was offered.
 #[inline(always)]
 pub const fn take_probe(bits: u64, position: usize) -> Option<u64> {
-    let offered = bits & (probe_bit(position) | slow_probe_bit(position));
+    let offered = bits & (probe_bit(position) | slow_probe_bit(position) | explore_bit(position));
     if offered == 0 {
         return None;
     }
@@ -873,9 +909,9 @@ mod tests {
         assert_eq!(ejected_mask(take_probe(failing, 0).unwrap()), 0b101);
         // Ejection off, or a run too long for the field: never marked.
         assert_eq!(failing_after(eject_after_field(0), 1, 0), 0);
-        assert_eq!(eject_after_field(70_000), 0);
-        assert_eq!(failing_after(eject_after_field(70_000), 1, 70_000), 0);
-        assert_eq!(eject_after_field(65_535) >> EJECT_AFTER_SHIFT, 65_535);
+        assert_eq!(eject_after_field(256), 0);
+        assert_eq!(failing_after(eject_after_field(256), 1, 256), 0);
+        assert_eq!(eject_after_field(255) >> EJECT_AFTER_SHIFT, 255);
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub const SLOW_RATIO_PERCENT: u64 = 150;
 pub const SLOW_FLOOR_NS: u64 = 500_000;
 /// A member's score counts as the group's measure of "fast" for this long
 /// after its last sample.
-pub const MEASURED_FOR_NS: u64 = 2_000_000_000;
+pub const MEASURED_FOR_NS: u64 = 5_000_000_000;
 /// The first probe of a slow member, after it became slow.
 pub const PROBE_FIRST_NS: u64 = 500_000_000;
 /// The longest wait between probes.
@@ -50,6 +50,23 @@ pub const PROBES_TO_RECOVER: u32 = 3;
 /// The wait after a probe that found it fast before the next: longer than
 /// a CFS period (100 ms), so the next falls in another.
 pub const PROBE_AGAIN_NS: u64 = 150_000_000;
+/// A latency sample is the mean of at least this many replies ...
+pub const SAMPLE_REPLIES: u64 = 8;
+/// ... or of those of this long a window (a slow member's probe is one
+/// reply; a stall is sampled apart, every step, while it lasts).
+pub const SAMPLE_WINDOW_NS: u64 = 100_000_000;
+
+/// Whether `replies` counted over `window_ns` make a latency sample: single
+/// replies of a busy member would make the peak-sensitive score follow
+/// their noise.
+pub const fn sample_ready(replies: u64, window_ns: u64) -> bool {
+    replies >= SAMPLE_REPLIES || (replies > 0 && window_ns >= SAMPLE_WINDOW_NS)
+}
+
+/// A member not measured for this long while its group has reads gets one
+/// (its explore bit): a primary slow for good is only found slow against
+/// replicas that were measured, and the count rule may move it none.
+pub const EXPLORE_AFTER_NS: u64 = 2_000_000_000;
 
 /// `value` after `elapsed_ns` of halving every [`HALF_LIFE_NS`]: whole
 /// halvings by shifts, the rest of one by the quadratic through 2^0, 2^-1
@@ -104,6 +121,8 @@ pub struct Seen {
     pub eligible: bool,
     /// Its slow-probe bit is still set (offered, not taken by a read).
     pub probe_offered: bool,
+    /// Its explore bit is still set.
+    pub explore_offered: bool,
 }
 
 impl Seen {
@@ -226,7 +245,18 @@ pub fn step_group(memory: &mut [Memory], seen: &[Seen], now_ns: u64, elapsed_ns:
     let (memory, seen) = (&mut memory[..n], &seen[..n]);
     for (m, s) in memory.iter_mut().zip(seen) {
         let sample = s.sample();
-        m.score_ns = next_score(m.score_ns, sample, elapsed_ns);
+        // With no sample a slow member's memory fades every step (towards
+        // a probe); any other's holds, the last measure of its speed, and
+        // its next sample weighs by the time since that measure.
+        if m.is_slow() {
+            m.score_ns = next_score(m.score_ns, sample, elapsed_ns);
+        } else if sample.is_some() {
+            let since = match m.measured_ns {
+                0 => elapsed_ns,
+                at => now_ns.saturating_sub(at),
+            };
+            m.score_ns = next_score(m.score_ns, sample, since);
+        }
         if sample.is_some() {
             m.measured_ns = now_ns;
         }
@@ -350,6 +380,25 @@ pub fn step_group(memory: &mut [Memory], seen: &[Seen], now_ns: u64, elapsed_ns:
     events
 }
 
+/// The members to offer a read to, as explore bits' positions: eligible,
+/// not slow, not measured for [`EXPLORE_AFTER_NS`] and none offered yet,
+/// while another member of the group was measured that recently (its
+/// group has reads).
+pub fn to_explore(memory: &[Memory], seen: &[Seen], now_ns: u64) -> u8 {
+    let recent =
+        |m: &Memory| m.measured_ns != 0 && now_ns.saturating_sub(m.measured_ns) <= EXPLORE_AFTER_NS;
+    if !memory.iter().any(recent) {
+        return 0;
+    }
+    memory
+        .iter()
+        .zip(seen)
+        .enumerate()
+        .take(MAX_GROUP_MEMBERS)
+        .filter(|(_, (m, s))| s.eligible && !m.is_slow() && !recent(m) && !s.explore_offered)
+        .fold(0, |mask, (p, _)| mask | 1 << p)
+}
+
 /// The slow and slow-probe bits of a group's health word as `memory`
 /// says they should be.
 pub fn bits(memory: &[Memory]) -> u64 {
@@ -417,6 +466,19 @@ mod tests {
         }
         assert_eq!(decayed(u64::MAX, 64 * HALF_LIFE_NS), 0);
         assert_eq!(decayed(0, 3), 0);
+    }
+
+    #[test]
+    fn a_sample_after_a_quiet_while_weighs_by_the_time_since_the_last() {
+        // A replica measured once at 12 ms (a first read's neighbour
+        // lookup), then 2 s later at 5 ms: its score follows the new
+        // measure (4 half-lives), not one step's worth of decay.
+        let mut memory = [Memory::default(); 2];
+        step_group(&mut memory, &[fast(10 * MS), fast(12 * MS)], STEP, STEP);
+        let later = STEP + 4 * HALF_LIFE_NS;
+        step_group(&mut memory, &[fast(10 * MS), fast(5 * MS)], later, STEP);
+        let expected = 5 * MS + 7 * MS / 16;
+        assert!(memory[1].score_ns.abs_diff(expected) < 50_000, "{memory:?}");
     }
 
     #[test]
@@ -709,6 +771,61 @@ mod tests {
             STEP,
         );
         assert_eq!(bits(&memory), 0);
+    }
+
+    #[test]
+    fn members_no_read_went_to_lately_are_explored_while_the_group_has_reads() {
+        let mut memory = [Memory::default(); 3];
+        // Nothing measured: an idle group explores nothing.
+        assert_eq!(to_explore(&memory, &[idle(); 3], STEP), 0);
+        // The primary measured, the replicas never: both offered one read.
+        step_group(&mut memory, &[fast(10 * MS), idle(), idle()], STEP, STEP);
+        assert_eq!(to_explore(&memory, &[idle(); 3], STEP), 0b110);
+        // Not while offered, nor when ejected or drained.
+        let offered = Seen {
+            explore_offered: true,
+            ..idle()
+        };
+        let out = Seen {
+            eligible: false,
+            ..idle()
+        };
+        assert_eq!(to_explore(&memory, &[idle(), offered, out], STEP), 0);
+        // Measured by the explored read: left alone for EXPLORE_AFTER_NS.
+        step_group(
+            &mut memory,
+            &[fast(10 * MS), fast(5 * MS), idle()],
+            2 * STEP,
+            STEP,
+        );
+        assert_eq!(to_explore(&memory, &[idle(); 3], 2 * STEP), 0b100);
+        let later = 2 * STEP + EXPLORE_AFTER_NS + STEP;
+        step_group(&mut memory, &[fast(10 * MS), idle(), idle()], later, STEP);
+        assert_eq!(to_explore(&memory, &[idle(); 3], later), 0b110);
+        // The 2x slower primary is slow against the explored replica.
+        assert!(memory[0].is_slow(), "{memory:?}");
+    }
+
+    #[test]
+    fn an_explore_bit_sends_one_read_to_its_member() {
+        use crate::ejection::{explore_bit, explored};
+        // No bit: the policy's choice.
+        assert_eq!(explored(0, 0b111, 0), 0);
+        // Member 2's bit: a read for 0 goes to 2, once taken no more.
+        let word = explore_bit(2);
+        assert_eq!(explored(0, 0b111, word), 2);
+        assert_eq!(take_probe(word, 2), Some(0));
+        // The chosen member's own bit: this read measures it.
+        assert_eq!(explored(1, 0b111, explore_bit(1) | explore_bit(2)), 1);
+        // Only an eligible member (slow, ejected or drained ones are not).
+        assert_eq!(explored(0, 0b011, word), 0);
+        assert_eq!(explored(0, 0b111, explore_bit(1) | explore_bit(2)), 1);
+        // A slow member's offered probe draws a read too (it is eligible
+        // while offered), whatever the read's primary.
+        let probing = slow_bit(2) | slow_probe_bit(2);
+        let usable = eligible(0b111, probing);
+        assert_eq!(explored(0, usable, probing), 2);
+        assert_eq!(explored(0, eligible(0b111, slow_bit(2)), slow_bit(2)), 0);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use selector_common::{
     BACKEND_RETIRING, Config, Direction, Endpoint, MAX_GROUP_MEMBERS, OnOverload, PassReason,
-    Policy, TieBreak, backend_id,
+    Policy, TieBreak, backend_id, ejection,
     inflight::{PHASE_LIVE, is_current},
     policy::{self, Admission, GroupLoad},
     split_backend_id,
@@ -171,8 +171,9 @@ pub fn try_egress(ctx: &TcContext) -> Result<i32, ()> {
     let hedge = if is_read && config.agent_alive(sent_ns) {
         // A half-open member is usable until one read goes to it: this
         // one, a tracked new read, if its compare-and-swap takes the probe
-        // (which ejects the member again until the agent sees the result).
-        // A write, junk or a retransmit never takes it.
+        // (which ejects the member again until the agent sees the result);
+        // so is a slow member's probe, and an explore bit. A write, junk or
+        // a retransmit never takes them.
         crate::health::take_probe(group, chosen_pos);
         hedge::offer(ctx, &dgram, &slot, primary, chosen, sent_ns)
     } else {
@@ -276,6 +277,9 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
     } else {
         primary_pos
     };
+    // A member the agent wants measured gets this read (one: egress takes
+    // its explore bit with the probe, after the slot is reserved).
+    let chosen = ejection::explored(chosen, load.usable, crate::health::word(group));
     Some(Proposal {
         chosen,
         best: best.map(|(pos, _)| pos),

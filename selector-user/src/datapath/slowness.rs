@@ -10,7 +10,10 @@ use std::collections::HashMap;
 
 use selector_common::{
     MAX_GROUP_MEMBERS,
-    ejection::{SLOW_MASK, SLOW_PROBE_MASK, ejected_mask, slow_bit, slow_probe_bit},
+    ejection::{
+        EXPLORE_MASK, SLOW_MASK, SLOW_PROBE_MASK, ejected_mask, explore_bit, slow_bit,
+        slow_probe_bit,
+    },
     latency::{bucket_edge_ns, bucket_lower_ns},
     pending_of,
     slowness::{self, Event, Memory, Probe, Seen, Standing},
@@ -53,13 +56,36 @@ fn offering(m: &Memory) -> bool {
 
 #[derive(Debug, Default, Clone)]
 struct BackendWatch {
+    /// The histogram when the current sample's window began, and when.
     histogram: Vec<u64>,
+    window_ns: u64,
     pending_since_ns: u64,
 }
 
-/// The mean latency of the replies counted in `now` and not in `before`
-/// (bucket midpoints; `None` if none).
-pub fn mean_of_new(before: &[u64], now: &[u64]) -> Option<u64> {
+impl BackendWatch {
+    /// The latency sample of the replies since the window began, once
+    /// there are enough of them or the window is long enough
+    /// (`slowness::sample_ready`); the next window begins then.
+    fn latency_sample(&mut self, now: &[u64], now_ns: u64) -> Option<u64> {
+        if self.window_ns == 0 {
+            // First sight: the history so far is no recent sample.
+            self.histogram.clone_from(&now.to_vec());
+            self.window_ns = now_ns;
+            return None;
+        }
+        let (replies, mean) = mean_of_new(&self.histogram, now);
+        if !slowness::sample_ready(replies, now_ns.saturating_sub(self.window_ns)) {
+            return None;
+        }
+        self.histogram.clone_from(&now.to_vec());
+        self.window_ns = now_ns;
+        mean
+    }
+}
+
+/// How many replies `now` counts that `before` does not, and their mean
+/// latency (bucket midpoints; `None` if none).
+pub fn mean_of_new(before: &[u64], now: &[u64]) -> (u64, Option<u64>) {
     let (mut count, mut sum) = (0u64, 0u128);
     for (i, &n) in now.iter().enumerate() {
         let new = n.saturating_sub(before.get(i).copied().unwrap_or(0));
@@ -71,7 +97,7 @@ pub fn mean_of_new(before: &[u64], now: &[u64]) -> Option<u64> {
         count += new;
         sum += u128::from(new) * u128::from(mid);
     }
-    (count > 0).then(|| (sum / u128::from(count)) as u64)
+    (count, (count > 0).then(|| (sum / u128::from(count)) as u64))
 }
 
 impl Selector {
@@ -118,8 +144,7 @@ impl Selector {
                 // SAFETY: as above.
                 let last_completion_ns = unsafe { load(&raw mut (*s).last_completion_ns[p]) };
                 let watch = self.slowness.backends.entry(b.index).or_default();
-                let latency_ns = mean_of_new(&watch.histogram, &histograms[i]);
-                watch.histogram.clone_from(&histograms[i]);
+                let latency_ns = watch.latency_sample(&histograms[i], now_ns);
                 watch.pending_since_ns = match (pending, watch.pending_since_ns) {
                     (0, _) => 0,
                     (_, 0) => now_ns,
@@ -135,6 +160,7 @@ impl Selector {
                     },
                     eligible: active & (1 << p) != 0 && ejected & (1 << p) == 0,
                     probe_offered: word & slow_probe_bit(p) != 0,
+                    explore_offered: word & explore_bit(p) != 0,
                 };
                 len = len.max(p + 1);
             }
@@ -150,6 +176,13 @@ impl Selector {
             for (p, was) in offered.into_iter().enumerate() {
                 // Offered before the step, taken by a read since.
                 record.probes[p] += u64::from(was && !seen[p].probe_offered);
+            }
+            let explore = slowness::to_explore(&record.members[..len], &seen[..len], now_ns);
+            if explore != 0 {
+                let set = (0..len)
+                    .filter(|p| explore & (1 << p) != 0)
+                    .fold(0, |w, p| w | explore_bit(p));
+                self.change_bits(group, 0, set);
             }
             let name = |p: usize| {
                 members.iter().find(|(q, _)| *q == p).map_or_else(
@@ -227,7 +260,7 @@ impl Selector {
     /// newcomer a reload puts there) and clears its bits.
     pub(crate) fn forget_slowness(&mut self, group: u32, position: usize) {
         let p = position % MAX_GROUP_MEMBERS;
-        self.change_bits(group, slow_bit(p) | slow_probe_bit(p), 0);
+        self.change_bits(group, slow_bit(p) | slow_probe_bit(p) | explore_bit(p), 0);
         if let Some(g) = self.slowness.groups.get_mut(&group) {
             g.members[p] = Memory::default();
         }
@@ -275,7 +308,7 @@ impl Selector {
     pub(crate) fn reset_slowness(&mut self) {
         self.slowness = Slowness::default();
         for g in 0..self.health.len() {
-            self.change_bits(g as u32, SLOW_MASK | SLOW_PROBE_MASK, 0);
+            self.change_bits(g as u32, SLOW_MASK | SLOW_PROBE_MASK | EXPLORE_MASK, 0);
         }
     }
 }
@@ -291,13 +324,37 @@ mod tests {
         let mut before = vec![0u64; LATENCY_BUCKETS as usize];
         before[bucket(100_000) as usize] = 1_000;
         let mut now = before.clone();
-        assert_eq!(mean_of_new(&before, &now), None);
+        assert_eq!(mean_of_new(&before, &now), (0, None));
         now[bucket(20_000_000) as usize] += 1;
         now[bucket(200_000) as usize] += 3;
-        let mean = mean_of_new(&before, &now).unwrap();
+        let (replies, mean) = mean_of_new(&before, &now);
+        assert_eq!(replies, 4);
+        let mean = mean.unwrap();
         // (20 ms + 3 x 0.2 ms) / 4, within the buckets' 25%.
         assert!((4_500_000..=6_500_000).contains(&mean), "{mean}");
         // A histogram seen for the first time counts whole.
-        assert!(mean_of_new(&[], &before).unwrap() >= 100_000);
+        assert!(mean_of_new(&[], &before).1.unwrap() >= 100_000);
+    }
+
+    #[test]
+    fn a_sample_waits_for_enough_replies_or_a_long_enough_window() {
+        const MS: u64 = 1_000_000;
+        let mut h = vec![0u64; LATENCY_BUCKETS as usize];
+        let mut watch = BackendWatch::default();
+        assert_eq!(watch.latency_sample(&h, 10 * MS), None, "first sight");
+        // Three replies of 5 ms in 10 ms: too few, too soon.
+        h[bucket(5_000_000) as usize] += 3;
+        assert_eq!(watch.latency_sample(&h, 20 * MS), None);
+        // Five more of 5 ms: eight, a sample of all eight.
+        h[bucket(5_000_000) as usize] += 5;
+        let mean = watch.latency_sample(&h, 30 * MS).unwrap();
+        assert!((4_000_000..=6_250_000).contains(&mean), "{mean}");
+        // One reply, then the window's length makes it a sample (a probe).
+        h[bucket(12_000_000) as usize] += 1;
+        assert_eq!(watch.latency_sample(&h, 40 * MS), None);
+        let probe = watch
+            .latency_sample(&h, 30 * MS + slowness::SAMPLE_WINDOW_NS)
+            .unwrap();
+        assert!(probe >= 10_000_000, "{probe}");
     }
 }

@@ -286,6 +286,9 @@ impl Attached {
                     {
                         s.refresh_hedge_delays()?;
                     }
+                    // The memory of slowness, at the agent's step while
+                    // reads flow (`--avoid-slow`, on by default).
+                    s.check_slowness(monotonic_ns());
                 }
                 Ok(())
             })

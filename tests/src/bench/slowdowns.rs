@@ -7,7 +7,7 @@
 //!   CFS quota of 30% (60%) of a CPU per 100 ms period and a busy process
 //!   beside it, as a pod at its CPU limit: ten stalls a second;
 //! - `slower`: every replica behind a relay that holds each reply, the
-//!   primary's 10 ms and the others' 5 ms (a server persistently twice as
+//!   primary's 40 ms and the others' 20 ms (a server persistently twice as
 //!   slow; its limit row reads from a fast replica);
 //! - `loss`: 5% of the datagrams to and from the primary lost at the
 //!   switch;
@@ -70,8 +70,8 @@ pub enum Case {
 /// The Service address of the `kube_proxy` case (inside the testbed).
 const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 /// The `slower` case's delays: the others', and the primary's.
-const FAST_DELAY: Duration = Duration::from_millis(5);
-const SLOW_DELAY: Duration = Duration::from_millis(10);
+const FAST_DELAY: Duration = Duration::from_millis(20);
+const SLOW_DELAY: Duration = Duration::from_millis(40);
 /// Loss of the `loss` case, each way, percent.
 const LOSS_PERCENT: u32 = 5;
 /// The replica throttled in the `kube_proxy` case.
@@ -479,7 +479,7 @@ fn segment(
 /// connected socket, open loop (each at its intended time, latency from
 /// then), ids in order; a read unanswered 2 s after the last send failed.
 /// (reads, failed, latency in microseconds).
-fn paced_reads(
+pub fn paced_reads(
     protocol: Protocol,
     target: SocketAddr,
     rate: u32,
