@@ -707,7 +707,9 @@ fn adoption_keeps_the_ejections_and_a_failed_one_touches_no_heartbeat() {
     use selector_common::ejection::ejected_bit;
     let tb = testbed("pe");
     let bpffs = Bpffs::mount();
-    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    // Ejection alone: at the defaults the dead member is slow first and
+    // never ejected (tests/tests/slowness.rs).
+    let args = run_args(&tb.group_arg(), &bpffs.arg(), &["--avoid-slow", "off"]);
     let (mut first, _) = spawn(&tb, &args);
     // Replica 1 dead: reads addressed to it, one at a time (a read sent
     // while another is pending there would be moved), expire until it is

@@ -494,6 +494,7 @@ mod tests {
         let flags = TunablesPatch::flags();
         assert_eq!(flags.first().map(String::as_str), Some("--policy"));
         assert!(flags.contains(&"--tie-break".to_string()), "{flags:?}");
-        assert_eq!(flags.len(), 9, "{flags:?}");
+        assert!(flags.contains(&"--avoid-slow".to_string()), "{flags:?}");
+        assert_eq!(flags.len(), 10, "{flags:?}");
     }
 }
