@@ -127,20 +127,17 @@ pub const fn explore_bit(position: usize) -> u64 {
 /// the kernel verifier.
 #[inline(always)]
 pub fn explored(chosen: usize, usable: u8, bits: u64) -> usize {
-    use crate::policy::select;
+    use crate::policy::{is_zero, select};
     let want = ((bits >> EXPLORE_SHIFT) | (bits >> SLOW_PROBE_SHIFT)) & 0xff & u64::from(usable);
     let own = (want >> (chosen % MAX_GROUP_MEMBERS)) & 1;
-    let want = want & (0u64.wrapping_sub(1 - own));
-    let mut pick = chosen as u64;
-    let mut found = 0u64;
-    let mut pos = 0;
-    while pos < MAX_GROUP_MEMBERS {
-        let hit = (want >> pos) & 1 & (1 - found);
-        pick = select(hit, pos as u64, pick);
-        found |= hit;
-        pos += 1;
-    }
-    pick as usize % MAX_GROUP_MEMBERS
+    let want = want & 0u64.wrapping_sub(1 - own);
+    // The lowest set bit's position: the bits below it, counted (a
+    // popcount of at most 7 bits, by halves).
+    let below = (want & want.wrapping_neg()).wrapping_sub(1) & 0xff;
+    let v = below - ((below >> 1) & 0x55);
+    let v = (v & 0x33) + ((v >> 2) & 0x33);
+    let position = (v + (v >> 4)) & 0x0f;
+    select(is_zero(want), chosen as u64, position) as usize % MAX_GROUP_MEMBERS
 }
 
 /// The members of `usable` the policy may choose, given the health word:

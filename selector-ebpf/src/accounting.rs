@@ -14,13 +14,20 @@ use crate::maps::{CLIENT_PENDING, COUNTERS, GROUPS, LATENCY, SERVICE, STATS, mem
 /// The load of group `group`: one lookup per map, no branch per member.
 #[inline(always)]
 pub fn group_load(group: u32) -> Option<GroupLoad> {
+    group_load_and_health(group).map(|(load, _)| load)
+}
+
+/// `group_load`, and the group's health word it read.
+#[inline(always)]
+pub fn group_load_and_health(group: u32) -> Option<(GroupLoad, u64)> {
     let g = GROUPS.get(group)?;
     let counters = COUNTERS.get(group)?;
     let mut load = GroupLoad::of(g, counters);
+    let health = crate::health::word(group);
     // Ejected members are never chosen, as drained ones; slow ones only
     // when every other is slow too.
-    load.usable = ejection::eligible(load.usable, crate::health::word(group));
-    Some(load)
+    load.usable = ejection::eligible(load.usable, health);
+    Some((load, health))
 }
 
 #[inline(always)]

@@ -255,7 +255,7 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
             best: None,
         });
     }
-    let mut load = accounting::group_load(group)?;
+    let (mut load, health) = accounting::group_load_and_health(group)?;
     if config.tie_break == TieBreak::Random as u32 {
         load.tie_break = TieBreak::Random;
         load.random = unsafe { bpf_get_prandom_u32() };
@@ -279,7 +279,7 @@ fn propose(config: &Config, group: u32, primary_pos: usize) -> Option<Proposal> 
     };
     // A member the agent wants measured gets this read (one: egress takes
     // its explore bit with the probe, after the slot is reserved).
-    let chosen = ejection::explored(chosen, load.usable, crate::health::word(group));
+    let chosen = ejection::explored(chosen, load.usable, health);
     Some(Proposal {
         chosen,
         best: best.map(|(pos, _)| pos),

@@ -322,7 +322,7 @@ pub struct TunablesPatch {
     pub tie_break: Option<TieBreak>,
     /// Whether a replica that was slow recently is left alone: `on`, a
     /// replica whose recent latency (or a read's wait on it) is over 1.5x
-    /// and 0.5 ms over the fastest member's is chosen for no read while
+    /// and 2 ms over the fastest member's is chosen for no read while
     /// another is not slow, and single probe reads say when it is fast
     /// again (a replica throttled at its CPU limit stalls ten times a
     /// second, and the counts forget it between stalls); `off`, counts

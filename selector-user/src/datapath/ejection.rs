@@ -132,6 +132,23 @@ impl Selector {
         }
         // Every group's drained members in one system call (one lookup
         // per backend, every 10 ms, was most of an idle agent's CPU).
+        let layout = std::mem::take(&mut self.ejection.layout);
+        let lines = match self.read_active_members() {
+            Ok(()) => {
+                let active = std::mem::take(&mut self.ejection.active);
+                let lines = self.check_groups(&layout, &active, now_ns);
+                self.ejection.active = active;
+                lines
+            }
+            Err(_) => Vec::new(),
+        };
+        self.ejection.layout = layout;
+        lines
+    }
+
+    /// Reads every group's members in service (`Ejection::active_members`),
+    /// in one system call.
+    pub(crate) fn read_active_members(&mut self) -> anyhow::Result<()> {
         let groups = self.backends.iter().map(|b| b.group + 1).max().unwrap_or(0);
         let mut active = std::mem::take(&mut self.ejection.active);
         active.clear();
@@ -143,14 +160,8 @@ impl Selector {
                 }
             })
         });
-        let layout = std::mem::take(&mut self.ejection.layout);
-        let lines = match read {
-            Ok(()) => self.check_groups(&layout, &active, now_ns),
-            Err(_) => Vec::new(),
-        };
-        self.ejection.layout = layout;
         self.ejection.active = active;
-        lines
+        read
     }
 
     /// `check_ejection` of each group in `layout`, `active` its members

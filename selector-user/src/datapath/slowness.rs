@@ -114,6 +114,11 @@ impl Selector {
         let (Ok(accounting), Ok(histograms)) = (self.accounting(), self.latency()) else {
             return Vec::new();
         };
+        // Which members are in service: not left to ejection's last check,
+        // which may be 250 ms old or (an embedding without it) never ran.
+        if self.read_active_members().is_err() {
+            return Vec::new();
+        }
         let any_slow = self
             .slowness
             .groups
