@@ -19,7 +19,10 @@
 //! passed, then after a backoff doubling up to [`PROBE_MOST_NS`] while
 //! probes find it slow, so a recovered primary regains its reads within
 //! seconds (data affinity) and a still-slow one costs a read every few
-//! seconds.
+//! seconds. A member slow again soon after it recovered (its probes fell
+//! in the share of each period a throttled pod runs) must pass twice the
+//! probes the next time, up to [`MAX_RELAPSES`] doublings: each relapse
+//! strands the reads sent to it before the stall is seen.
 //!
 //! The agent runs [`step_group`] every few milliseconds on what the kernel
 //! counted and writes the slow and probe bits of the group's health word;
@@ -45,13 +48,45 @@ pub const PROBE_FIRST_NS: u64 = 500_000_000;
 /// The longest wait between probes.
 pub const PROBE_MOST_NS: u64 = 4_000_000_000;
 /// Probes in a row that must find a slow member fast before it is fast
-/// again: a CPU-throttled replica answers one read fast in the share of
-/// each period it runs (30% at a quota of 30%), three in a row in
-/// different periods about 3% of the time.
-pub const PROBES_TO_RECOVER: u32 = 3;
+/// again. A CPU-throttled replica answers most single reads fast: its
+/// cgroup runs out of quota in some periods, not all (on this machine,
+/// memcached at a quota of 30% with a busy process stalled about one read
+/// in five), so a short run of fast probes is no proof: five in a row come
+/// a third of the time, and each relapse doubles the run it must pass
+/// next ([`probes_to_recover`]).
+pub const PROBES_TO_RECOVER: u32 = 5;
+/// Slow again within this long of recovering is a relapse ...
+pub const RELAPSE_WINDOW_NS: u64 = 10_000_000_000;
+/// ... and each doubles the probes the next recovery takes, this many
+/// times at most (5, 10, 20, 40, 80: 80 probes take 12 to 20 seconds).
+pub const MAX_RELAPSES: u32 = 4;
+
+/// The fast probes in a row a member slow after `relapses` relapses must
+/// pass to be fast again.
+pub const fn probes_to_recover(relapses: u32) -> u32 {
+    let r = if relapses < MAX_RELAPSES {
+        relapses
+    } else {
+        MAX_RELAPSES
+    };
+    PROBES_TO_RECOVER << r
+}
+
 /// The wait after a probe that found it fast before the next: longer than
-/// a CFS period (100 ms), so the next falls in another.
+/// a CFS period (100 ms), so the next falls in another, plus up to
+/// [`PROBE_JITTER_NS`], so that probes do not keep one phase of the
+/// period (the share a throttled pod runs in).
 pub const PROBE_AGAIN_NS: u64 = 150_000_000;
+pub const PROBE_JITTER_NS: u64 = 100_000_000;
+
+/// A wait under [`PROBE_JITTER_NS`] drawn from `now_ns` (splitmix64's
+/// finaliser: the low bits of a step's time are no draw of their own).
+const fn jitter(now_ns: u64) -> u64 {
+    let mut z = now_ns.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) % PROBE_JITTER_NS
+}
 /// A latency sample is the mean of at least this many replies ...
 pub const SAMPLE_REPLIES: u64 = 8;
 /// ... or of those of this long a window (a slow member's probe is one
@@ -172,6 +207,11 @@ pub struct Memory {
     pub standing: Standing,
     /// Probes in a row that found it fast while slow.
     pub fast_probes: u32,
+    /// When its probes last found it fast again (0: never).
+    pub recovered_ns: u64,
+    /// Times in a row it was slow again within [`RELAPSE_WINDOW_NS`] of
+    /// recovering (see [`probes_to_recover`]).
+    pub relapses: u32,
 }
 
 impl Memory {
@@ -270,6 +310,13 @@ pub fn step_group(memory: &mut [Memory], seen: &[Seen], now_ns: u64, elapsed_ns:
         match (m.standing, fastest) {
             (Standing::Fine, Some(fastest_ns)) => {
                 if s.eligible && sample.is_some() && m.score_ns > limit(fastest_ns) {
+                    let relapsed = m.recovered_ns != 0
+                        && now_ns.saturating_sub(m.recovered_ns) <= RELAPSE_WINDOW_NS;
+                    m.relapses = if relapsed {
+                        (m.relapses + 1).min(MAX_RELAPSES)
+                    } else {
+                        0
+                    };
                     m.standing = Standing::Slow {
                         next_probe_ns: now_ns + PROBE_FIRST_NS,
                         backoff_ns: PROBE_FIRST_NS,
@@ -326,9 +373,13 @@ pub fn step_group(memory: &mut [Memory], seen: &[Seen], now_ns: u64, elapsed_ns:
                             _ => None,
                         };
                         match verdict {
-                            Some(x) if x <= slow && m.fast_probes + 1 >= PROBES_TO_RECOVER => {
+                            Some(x)
+                                if x <= slow
+                                    && m.fast_probes + 1 >= probes_to_recover(m.relapses) =>
+                            {
                                 m.standing = Standing::Fine;
                                 m.fast_probes = 0;
+                                m.recovered_ns = now_ns;
                                 events.push(Event::Fine {
                                     position,
                                     sample_ns: x,
@@ -340,7 +391,7 @@ pub fn step_group(memory: &mut [Memory], seen: &[Seen], now_ns: u64, elapsed_ns:
                                 // probe, in another period.
                                 m.fast_probes += 1;
                                 m.standing = Standing::Slow {
-                                    next_probe_ns: now_ns + PROBE_AGAIN_NS,
+                                    next_probe_ns: now_ns + PROBE_AGAIN_NS + jitter(now_ns),
                                     backoff_ns,
                                     probe: Probe::Waiting,
                                 };
@@ -643,8 +694,18 @@ mod tests {
             t += STEP;
             step_group(&mut memory, &[idle(), fast(200_000), idle()], t, STEP);
         }
-        // Taken, then answered in 250 us: slow still, until the third
+        // Taken, then answered in 250 us: slow still, until the fifth
         // probe in a row does as well, each in another CFS period.
+        let (_, answered) = probe_until_fast(&mut memory, t);
+        assert_eq!(answered.len(), PROBES_TO_RECOVER as usize);
+        assert!(answered.windows(2).all(|w| w[1] - w[0] >= PROBE_AGAIN_NS));
+        assert_eq!(bits(&memory), 0);
+    }
+
+    /// Steps a slow primary (position 0 of three) whose every probe is
+    /// answered in 250 us until it is fast; (the time then, the times its
+    /// probes were answered).
+    fn probe_until_fast(memory: &mut [Memory; 3], mut t: u64) -> (u64, Vec<u64>) {
         let taken = Seen {
             probe_offered: false,
             ..fast(250_000)
@@ -656,7 +717,7 @@ mod tests {
             if primary == taken {
                 answered.push(t);
             }
-            let e = step_group(&mut memory, &[primary, fast(200_000), idle()], t, STEP);
+            let e = step_group(memory, &[primary, fast(200_000), idle()], t, STEP);
             if !memory[0].is_slow() {
                 assert_eq!(
                     e.iter().collect::<Vec<_>>(),
@@ -667,9 +728,41 @@ mod tests {
                 );
             }
         }
-        assert_eq!(answered.len(), PROBES_TO_RECOVER as usize);
-        assert!(answered.windows(2).all(|w| w[1] - w[0] >= PROBE_AGAIN_NS));
-        assert_eq!(bits(&memory), 0);
+        (t, answered)
+    }
+
+    /// A throttled member whose probes fell in the share of each period it
+    /// runs is slow again at once: each relapse within the window doubles
+    /// the probes its next recovery takes (up to the cap); one a while
+    /// after its recovery is a fresh slowness.
+    #[test]
+    fn a_member_slow_again_soon_after_recovering_takes_twice_the_probes() {
+        let mut memory = [Memory::default(); 3];
+        run(&mut memory, STEP, 5, |_| fast(200_000));
+        let mut t = 6 * STEP;
+        let mut needed = Vec::new();
+        for fine_for in [STEP, STEP, STEP, STEP, STEP, RELAPSE_WINDOW_NS + STEP] {
+            // Fine this long (measured all along), then a stall.
+            let fine_until = t + fine_for;
+            while t < fine_until {
+                t += STEP;
+                step_group(&mut memory, &[fast(200_000); 3], t, STEP);
+            }
+            t += STEP;
+            step_group(
+                &mut memory,
+                &[fast(50 * MS), fast(200_000), idle()],
+                t,
+                STEP,
+            );
+            assert!(memory[0].is_slow(), "{memory:?}");
+            let (end, answered) = probe_until_fast(&mut memory, t);
+            needed.push(answered.len() as u32);
+            t = end;
+        }
+        let p = PROBES_TO_RECOVER;
+        assert_eq!(needed, [p, 2 * p, 4 * p, 8 * p, 16 * p, p], "{memory:?}");
+        assert_eq!(probes_to_recover(MAX_RELAPSES + 3), 16 * p);
     }
 
     fn offering(m: &Memory) -> bool {
