@@ -9,6 +9,7 @@ pub mod bench;
 pub mod bpffs;
 pub mod dns;
 pub mod faults;
+pub mod foreign;
 pub mod frames;
 pub mod loaded;
 pub mod memcached;

@@ -19,6 +19,7 @@ use selector_testbed::{
     LoadSpec, Namespace, Testbed,
     agent::{Attached, attached, selector_binary, totals_rows},
     bpffs::Bpffs,
+    foreign::{FOREIGN_NAME, ForeignTcx, tcx_program_names},
     netns::unique_tag,
     prometheus::http_get,
     run_load,
@@ -110,6 +111,49 @@ fn as_the_unit(ns: &Namespace, binary: &Path, caps: &[String], args: &[&str]) ->
     c
 }
 
+/// `selector run` on the testbed's group, pinning under `pin`.
+fn pinned_run(pin: &str) -> [&str; 10] {
+    [
+        "run",
+        "--iface",
+        CLIENT_IFACE,
+        "--group",
+        GROUP,
+        "--threshold",
+        "1",
+        "--quiet",
+        "--pin",
+        pin,
+    ]
+}
+
+/// `selector run ARGS` as the unit would start it: the agent, the rest of
+/// its output, and its first line (the start line), or a panic with what
+/// it said on stderr when it printed none.
+fn start_as_the_unit(
+    ns: &Namespace,
+    binary: &Path,
+    caps: &[String],
+    args: &[&str],
+) -> (
+    std::process::Child,
+    std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    String,
+) {
+    let mut agent = as_the_unit(ns, binary, caps, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
+    let first = lines.next().map(Result::unwrap).unwrap_or_else(|| {
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
+        panic!("the agent did not start: {stderr}")
+    });
+    (agent, lines, first)
+}
+
 #[test]
 fn the_unit_file_verifies() {
     let binary = PublicBinary::new();
@@ -173,29 +217,8 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     let caps = unit_capabilities();
     let bpffs = Bpffs::mount();
     let pin = bpffs.arg();
-    let mut agent = as_the_unit(
-        &tb.client,
-        &binary.path(),
-        &caps,
-        &[
-            "run",
-            "--iface",
-            CLIENT_IFACE,
-            "--group",
-            GROUP,
-            "--threshold",
-            "1",
-            "--quiet",
-            "--pin",
-            &pin,
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
-    let first = lines.next().unwrap().unwrap();
+    let run = pinned_run(&pin);
+    let (mut agent, _lines, first) = start_as_the_unit(&tb.client, &binary.path(), &caps, &run);
     assert!(first.starts_with("selector: attached to"), "{first}");
     assert_eq!(
         attached(&tb.client, CLIENT_IFACE),
@@ -207,19 +230,7 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
         "`--ingress auto` on a veth: TC"
     );
 
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: 2000,
-        duration: Duration::from_millis(800),
-        keys: 100,
-        drain: Duration::from_millis(500),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    tb.replicas[0].stop();
-    std::thread::sleep(Duration::from_millis(60));
-    tb.replicas[0].resume();
-    let report = load.join().unwrap().unwrap();
+    let report = stalled_load(&tb);
     assert_eq!(report.lost(), 0, "every reply arrives");
 
     // The operator's status command (full root) talks to the agent.
@@ -240,33 +251,7 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
     assert_eq!(attached(&tb.client, CLIENT_IFACE).tcx_egress, 1);
 
     // A restart (an upgrade) adopts the pins with the same capabilities.
-    let mut agent = as_the_unit(
-        &tb.client,
-        &binary.path(),
-        &caps,
-        &[
-            "run",
-            "--iface",
-            CLIENT_IFACE,
-            "--group",
-            GROUP,
-            "--threshold",
-            "1",
-            "--quiet",
-            "--pin",
-            &pin,
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(agent.stdout.take().unwrap()));
-    let first = lines.next().map(Result::unwrap).unwrap_or_else(|| {
-        let mut stderr = String::new();
-        std::io::Read::read_to_string(&mut agent.stderr.take().unwrap(), &mut stderr).unwrap();
-        panic!("the restarted agent did not attach: {stderr}")
-    });
+    let (mut agent, _lines, first) = start_as_the_unit(&tb.client, &binary.path(), &caps, &run);
     assert!(
         first.starts_with("selector: attached to") && first.contains("adopted the pins"),
         "{first}"
@@ -288,6 +273,90 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(attached(&tb.client, CLIENT_IFACE), Attached::NOTHING);
+}
+
+/// Another component's TCX programs on the interface (a CNI's on 6.6+, an
+/// observability agent's): the agent, with only the unit's capabilities,
+/// cannot name them (that takes CAP_SYS_ADMIN), yet it attaches by TCX
+/// (as the shipped `pin` needs), steers, and stops and detaches without
+/// touching them.
+#[test]
+fn beside_another_components_tcx_programs_the_unit_attaches_by_tcx_and_leaves_them() {
+    let mut tb = Testbed::new("seldf", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), 100).unwrap();
+    let foreign = ForeignTcx::attach(&tb.client, CLIENT_IFACE).unwrap();
+    let binary = PublicBinary::new();
+    let caps = unit_capabilities();
+    let bpffs = Bpffs::mount();
+    let pin = bpffs.arg();
+    let run = pinned_run(&pin);
+    let (mut agent, _lines, first) = start_as_the_unit(&tb.client, &binary.path(), &caps, &run);
+    assert!(
+        first.starts_with("selector: attached to") && first.contains("tc by tcx"),
+        "{first}"
+    );
+    let mut names = tcx_program_names(&tb.client, CLIENT_IFACE);
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            FOREIGN_NAME,
+            FOREIGN_NAME,
+            "selector_egress",
+            "selector_ingres"
+        ],
+        "both components in both chains"
+    );
+
+    let report = stalled_load(&tb);
+    assert_eq!(report.lost(), 0, "every reply arrives");
+    assert_eq!(report.wrong_values, 0);
+    let status: selector_user::api::Status =
+        selector_testbed::agent::status_json(&tb.client, CLIENT_IFACE);
+    assert!(
+        status.backends[0].stats.redirected_away > 0,
+        "the stall moved reads"
+    );
+
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    assert!(agent.wait().unwrap().success());
+    let out = as_the_unit(
+        &tb.client,
+        &binary.path(),
+        &caps,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &pin],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        tcx_program_names(&tb.client, CLIENT_IFACE),
+        [FOREIGN_NAME, FOREIGN_NAME],
+        "the other component's programs stay"
+    );
+    drop(foreign);
+}
+
+/// Reads at 2000/s to the primary, which stops 60 ms in the middle.
+fn stalled_load(tb: &Testbed) -> selector_testbed::LoadReport {
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0].into(),
+        rate: 2000,
+        duration: Duration::from_millis(800),
+        keys: 100,
+        drain: Duration::from_millis(500),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    tb.replicas[0].stop();
+    std::thread::sleep(Duration::from_millis(60));
+    tb.replicas[0].resume();
+    load.join().unwrap().unwrap()
 }
 
 /// The next notification on `socket` other than `WATCHDOG=1`, and how

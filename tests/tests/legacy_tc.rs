@@ -25,13 +25,13 @@ use selector_user::{
 const GROUP: &str = "10.77.0.10:11211,10.77.0.11:11211,10.77.0.12:11211";
 const KEYS: usize = 100;
 
-/// Starts `selector run` on legacy tc; (the agent and the rest of its
-/// output, its first line).
-fn spawn_on_legacy_tc(ns: &Namespace) -> (Agent, String) {
+/// Starts `selector run` on legacy tc with `--ingress INGRESS`; (the agent
+/// and the rest of its output, its first line).
+fn spawn_on_legacy_tc(ns: &Namespace, ingress: &str) -> (Agent, String) {
     let mut child = ns
         .command(selector_binary().to_str().unwrap())
         .args(["run", "--iface", CLIENT_IFACE, "--group", GROUP])
-        .args(["--threshold", "1", "--quiet", "--ingress", "tc"])
+        .args(["--threshold", "1", "--quiet", "--ingress", ingress])
         .env(OVERRIDE_VAR, "netlink")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -124,7 +124,7 @@ fn legacy_tc_filters_steer_beside_other_filters_and_go_with_the_agent() {
     tb.start_memcached().unwrap();
     selector_testbed::preload(&tb.client, &tb.replica_endpoints(), KEYS).unwrap();
     add_foreign_filter(&tb);
-    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client);
+    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client, "tc");
     assert!(first.contains("tc by netlink"), "{first}");
     let egress = filters(&tb, "egress");
     assert!(ours(&egress, "selector_egress"), "{egress}");
@@ -160,38 +160,72 @@ fn legacy_tc_filters_steer_beside_other_filters_and_go_with_the_agent() {
     tb.replicas.clear();
 }
 
+/// Filters outlive a killed agent (SIGKILL, an OOM kill), and with the
+/// reply path a filter too (`--ingress auto` on legacy tc) the reads it
+/// had moved are still answered; a restart (the unit's, the DaemonSet's)
+/// replaces the filters and steers; `selector detach` removes what a
+/// killed agent left.
 #[test]
-fn a_killed_agents_filters_refuse_a_second_agent_until_detached() {
-    let tb = Testbed::new("ltcb", 3).unwrap();
+fn a_killed_agents_filters_answer_its_moved_reads_and_a_restart_replaces_them() {
+    let mut tb = Testbed::new("ltcb", 3).unwrap();
+    tb.start_memcached().unwrap();
+    selector_testbed::preload(&tb.client, &tb.replica_endpoints(), KEYS).unwrap();
     add_foreign_filter(&tb);
-    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client);
+    let ((mut agent, _lines), first) = spawn_on_legacy_tc(&tb.client, "auto");
     assert!(first.contains("tc by netlink"), "{first}");
+    assert!(ours(&filters(&tb, "ingress"), "selector_ingress_tc"));
+
+    // Killed while the primary stalls and its reads are being moved.
+    let spec = LoadSpec {
+        target: tb.replica_endpoints()[0].into(),
+        rate: 2000,
+        duration: Duration::from_millis(1200),
+        keys: KEYS,
+        drain: Duration::from_secs(2),
+    };
+    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
+    thread::sleep(Duration::from_millis(500));
+    tb.replicas[0].stop();
+    thread::sleep(Duration::from_millis(30));
     agent.kill().unwrap();
     agent.wait().unwrap();
-    // Filters outlive their process, unlike links.
+    thread::sleep(Duration::from_millis(30));
+    tb.replicas[0].resume();
+    let report = load.join().unwrap().expect("load");
+    assert_eq!(
+        report.lost(),
+        0,
+        "{} of {} answered after the kill",
+        report.received,
+        report.sent
+    );
+    assert_eq!(report.wrong_values, 0);
     assert!(ours(&filters(&tb, "egress"), "selector_egress"));
 
-    let refused = tb
-        .client
-        .command(selector_binary().to_str().unwrap())
-        .args([
-            "run",
-            "--iface",
-            CLIENT_IFACE,
-            "--group",
-            GROUP,
-            "--ingress",
-            "tc",
-        ])
-        .env(OVERRIDE_VAR, "netlink")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&refused.stderr);
-    assert!(!refused.status.success());
+    // Started again: it replaces them and steers.
+    let ((mut agent, mut lines), first) = spawn_on_legacy_tc(&tb.client, "auto");
     assert!(
-        text.contains("already attached") && text.contains("selector detach"),
-        "{text}"
+        first.contains("removed tc filter selector_egress and tc filter selector_ingress_tc"),
+        "{first}"
     );
+    let attached = lines.next().and_then(Result::ok).unwrap_or_default();
+    assert!(
+        attached.contains("attached to") && attached.contains("tc by netlink"),
+        "the restart must start: {attached}"
+    );
+    let egress = filters(&tb, "egress");
+    assert_eq!(
+        egress.matches(" selector_egress direct-action").count(),
+        1,
+        "{egress}"
+    );
+    assert!(egress.contains("5e1ec7ed"), "{egress}");
+    let report = stalled_load(&tb);
+    assert_eq!(report.lost(), 0);
+    let status: Status = agent::status_json(&tb.client, CLIENT_IFACE);
+    assert!(status.backends[0].stats.redirected_away > 0, "{status:?}");
+    agent.kill().unwrap();
+    agent.wait().unwrap();
 
     let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
     assert_eq!(code, 0, "{out}");
@@ -202,4 +236,5 @@ fn a_killed_agents_filters_refuse_a_second_agent_until_detached() {
     assert!(!filters(&tb, "ingress").contains("selector_"));
     let (code, out) = agent::run_selector(&tb.client, &["detach", "--iface", CLIENT_IFACE]);
     assert_ne!(code, 0, "nothing left to detach: {out}");
+    tb.replicas.clear();
 }

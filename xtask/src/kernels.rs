@@ -121,8 +121,9 @@ const fn minutes(m: u64) -> Duration {
 
 /// The guests' steps, in order. The namespace tests are the smoke tests: a
 /// stalled primary's reads moved and every reply rewritten back, nothing
-/// lost, through TC and XDP ingress, and the agent on legacy tc filters
-/// beside another component's filter.
+/// lost, through TC and XDP ingress; the agent on legacy tc filters beside
+/// another component's filter, and killed there; beside another
+/// component's TCX programs; and the shipped configuration files.
 const STEPS: &[Step] = &[
     Step {
         name: "verifier",
@@ -208,6 +209,24 @@ const STEPS: &[Step] = &[
         plans: FULL,
         threads: 1,
         limit: minutes(8),
+    },
+    // Beside another component's TCX programs, with the unit's
+    // capabilities (6.1's coexistence with a foreign filter is legacy_tc).
+    Step {
+        name: "coexistence_tcx",
+        suite: Some("deploy"),
+        tests: &["beside_another_components_tcx_programs_the_unit_attaches_by_tcx_and_leaves_them"],
+        plans: &[Plan::Smoke],
+        threads: 1,
+        limit: minutes(8),
+    },
+    Step {
+        name: "shipped",
+        suite: Some("shipped"),
+        tests: &[],
+        plans: BOTH,
+        threads: 1,
+        limit: minutes(5),
     },
     // Ignored on the host, whose kernel has no 802.1Q.
     Step {

@@ -27,8 +27,10 @@ use selector_common::{
 
 use crate::{
     datapath::pinning::{LinkSlot, PinDir, remove_if_present},
+    host::interface,
     host::shared::{SharedArray, load},
     host::sys,
+    host::tcx::{self, TcxSide},
 };
 
 /// Names of the selector's programs (the kernel keeps 15 characters).
@@ -36,23 +38,65 @@ fn is_selector_program(p: &ProgramInfo) -> bool {
     p.name_as_str().is_some_and(|n| n.starts_with("selector_"))
 }
 
-/// The selector programs attached to `iface` through TCX in direction
-/// `attach`. Empty on kernels without TCX.
-pub fn tcx_programs_at(iface: &str, attach: TcAttachType) -> Vec<ProgramInfo> {
-    match SchedClassifier::query_tcx(iface, attach) {
-        Ok((_, programs)) => programs.into_iter().filter(is_selector_program).collect(),
-        Err(e) => {
-            log::debug!("TCX query of {iface}: {e}");
-            Vec::new()
+/// The TCX chain `side` of `ifindex` as the agent can see it with its
+/// capabilities: the ids of programs named as the selector's, and those
+/// it could not name (opening a program by id takes CAP_SYS_ADMIN).
+/// Empty on kernels without TCX.
+#[derive(Debug, Default)]
+pub struct TcxChain {
+    pub selector: Vec<u32>,
+    pub unnamed: Vec<u32>,
+}
+
+pub fn tcx_chain(ifindex: u32, side: TcxSide) -> Result<TcxChain> {
+    let mut chain = TcxChain::default();
+    let ids = match tcx::program_ids(ifindex, side) {
+        Ok(ids) => ids,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(chain),
+        Err(e) => return Err(e).context("querying a TCX chain (BPF_PROG_QUERY)"),
+    };
+    for id in ids {
+        match tcx::program_name(id) {
+            Ok(name) if name.starts_with("selector_") => chain.selector.push(id),
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EPERM) => chain.unnamed.push(id),
+            // Detached and freed since the query.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => return Err(e).with_context(|| format!("naming TCX program {id}")),
         }
     }
+    Ok(chain)
+}
+
+/// The selector programs attached to `iface` through TCX in direction
+/// `attach` (empty on kernels without TCX), to detach them: this opens
+/// every program of the chain, which takes CAP_SYS_ADMIN once another
+/// component's program is there; a refusal is an error, never "none".
+pub fn tcx_programs_at(iface: &str, attach: TcAttachType) -> Result<Vec<ProgramInfo>> {
+    let side = match attach {
+        TcAttachType::Egress => TcxSide::Egress,
+        _ => TcxSide::Ingress,
+    };
+    let ifindex = interface::index(iface)?;
+    let ids = match tcx::program_ids(ifindex, side) {
+        Ok(ids) => ids,
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => return Ok(Vec::new()),
+        Err(e) => return Err(e).with_context(|| format!("querying the TCX programs of {iface}")),
+    };
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let (_, programs) = SchedClassifier::query_tcx(iface, attach).with_context(|| {
+        format!("naming the TCX programs of {iface} (opening a program by id needs CAP_SYS_ADMIN)")
+    })?;
+    Ok(programs.into_iter().filter(is_selector_program).collect())
 }
 
 /// The selector programs attached to `iface` through TCX (egress, then
 /// ingress).
 pub fn tcx_programs_on(iface: &str) -> Result<Vec<ProgramInfo>> {
-    let mut out = tcx_programs_at(iface, TcAttachType::Egress);
-    out.extend(tcx_programs_at(iface, TcAttachType::Ingress));
+    let mut out = tcx_programs_at(iface, TcAttachType::Egress)?;
+    out.extend(tcx_programs_at(iface, TcAttachType::Ingress)?);
     Ok(out)
 }
 
@@ -240,6 +284,10 @@ pub fn member_addresses(iface: &str, pins: Option<&PinDir>) -> Vec<IpAddr> {
     let map = match pins {
         Some(pins) => MapData::from_pin(pins.map_path(names::BACKENDS)).ok(),
         None => tcx_programs_at(iface, TcAttachType::Egress)
+            .unwrap_or_else(|e| {
+                log::debug!("{e:#}");
+                Vec::new()
+            })
             .iter()
             .filter_map(|p| p.map_ids().ok().flatten())
             .flatten()

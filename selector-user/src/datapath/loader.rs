@@ -38,6 +38,7 @@ use crate::{
     datapath::regroup::{GroupChanges, GroupTable, plan_groups},
     host::shared::{SharedArray, atomic, load},
     host::tc_attach::TcAttach,
+    host::tcx::TcxSide,
 };
 
 /// A loaded, configured and attached selector. Dropping it detaches.
@@ -166,22 +167,43 @@ fn unless_interrupted(mut load: impl FnMut() -> Result<(), ProgramError>) -> Res
 /// Refuses to attach next to selector programs already on `iface` (left
 /// pinned by an agent with `--pin`, say): both would count and steer.
 fn refuse_if_attached(iface: &str) -> Result<()> {
-    if !crate::datapath::detach::tcx_programs_on(iface)?.is_empty() {
-        bail!(
-            "selector programs are already attached to {iface} (pinned by a `selector run --pin DIR`?): adopt them with the same --pin DIR, or remove them with `selector detach --iface {iface} [--pin DIR]`"
-        );
+    for side in [TcxSide::Egress, TcxSide::Ingress] {
+        if !chain_seen(iface, side)?.is_empty() {
+            bail!(
+                "selector programs are already attached to {iface} (pinned by a `selector run --pin DIR`?): adopt them with the same --pin DIR, or remove them with `selector detach --iface {iface} [--pin DIR]`"
+            );
+        }
     }
     Ok(())
 }
 
+/// The selector programs in `iface`'s TCX chain `side`. Programs the
+/// agent cannot name without CAP_SYS_ADMIN are taken as another
+/// component's (a CNI's, an observability agent's), and said so: a second
+/// agent is refused by the first's lock, and one left pinned is adopted
+/// with its `--pin DIR`. Said in the debug log.
+fn chain_seen(iface: &str, side: TcxSide) -> Result<Vec<u32>> {
+    let chain = crate::datapath::detach::tcx_chain(crate::host::interface::index(iface)?, side)
+        .with_context(|| format!("reading {iface}'s TCX chain"))?;
+    if !chain.unnamed.is_empty() {
+        // On every start of a node with a CNI's programs: not worth a
+        // line of its own.
+        log::debug!(
+            "{iface}: TCX {side:?} programs {:?} are not named without CAP_SYS_ADMIN; taken as another component's, ours attach beside them",
+            chain.unnamed
+        );
+    }
+    Ok(chain.selector)
+}
+
 /// As [`refuse_if_attached`], for the TCX direction of one missing link.
 fn refuse_if_attached_at(iface: &str, slot: LinkSlot) -> Result<()> {
-    let attach = match slot {
-        LinkSlot::Egress => TcAttachType::Egress,
-        LinkSlot::IngressTc => TcAttachType::Ingress,
+    let side = match slot {
+        LinkSlot::Egress => TcxSide::Egress,
+        LinkSlot::IngressTc => TcxSide::Ingress,
         LinkSlot::IngressXdp => return Ok(()), // the kernel refuses a second XDP program
     };
-    if !crate::datapath::detach::tcx_programs_at(iface, attach).is_empty() {
+    if !chain_seen(iface, side)?.is_empty() {
         bail!(
             "a selector program is attached to {iface} without a pinned link in the pin directory: run `selector detach --iface {iface}` first"
         );
@@ -205,7 +227,8 @@ pub(crate) fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<
     }
     let ifindex = crate::host::interface::index(&settings.iface)?;
     let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
-    let (path, why) = crate::host::interface::auto_ingress(kind.as_deref());
+    let legacy_tc = TcAttach::probe(&settings.iface)? == TcAttach::Netlink;
+    let (path, why) = crate::host::interface::auto_ingress(kind.as_deref(), legacy_tc);
     Ok((path, Some(why)))
 }
 
@@ -245,6 +268,17 @@ impl Selector {
     ) -> Result<(Self, GroupChanges)> {
         crate::host::interface::index(&settings.iface)?;
         crate::host::preflight::check_host()?;
+        if TcAttach::probe(&settings.iface)? == TcAttach::Netlink {
+            // The shipped files pin, and must start on every kernel the
+            // docs list.
+            log::warn!(
+                "not pinned under {}: pinning needs TCX links (Linux 6.6 or later), and this kernel attaches through legacy tc filters; they stay attached if the agent is killed, and the next agent replaces them (its counts start afresh)",
+                dir.display()
+            );
+            let selector = Self::attach(settings)?;
+            let table = GroupTable::from_start(&settings.groups, names);
+            return Ok((selector, GroupChanges::none(table)));
+        }
         let pins = PinDir::prepare(dir, &settings.iface)?;
         if pins.has_maps() {
             // `auto` adopts whichever reply path the earlier agent pinned.
@@ -314,10 +348,41 @@ impl Selector {
         // round, 0 this way). Steering stays off until both are in place.
         self.steering_off = true;
         self.write_config()?;
+        self.remove_stale_filters()?;
         self.attach_programs()?;
         self.steering_off = false;
         self.write_config()?;
         Ok(self)
+    }
+
+    /// On legacy tc, the filters a killed agent left (see
+    /// [`crate::host::tc_attach::remove_stale_filters`]), said in the log.
+    fn remove_stale_filters(&mut self) -> Result<()> {
+        let iface = self.settings.iface.clone();
+        if self.tc_how(&iface)? != TcAttach::Netlink {
+            return Ok(());
+        }
+        let removed = crate::host::tc_attach::remove_stale_filters(
+            &iface,
+            programs::EGRESS,
+            programs::INGRESS_TC,
+            self.settings.timeout,
+        )?;
+        if !removed.is_empty() {
+            log::warn!(
+                "removed {} that an agent no longer running left on {iface} (legacy tc filters outlive a killed agent)",
+                removed.join(" and ")
+            );
+        }
+        Ok(())
+    }
+
+    /// How TC programs attach to `iface` on this kernel (probed once).
+    fn tc_how(&mut self, iface: &str) -> Result<TcAttach> {
+        Ok(match self.tc_attach {
+            Some(how) => how,
+            None => *self.tc_attach.insert(TcAttach::probe(iface)?),
+        })
     }
 
     /// Swaps this agent's programs into the links an earlier agent pinned
@@ -522,10 +587,7 @@ impl Selector {
                     LinkSlot::Egress => (TcAttachType::Egress, "egress"),
                     _ => (TcAttachType::Ingress, "ingress"),
                 };
-                let how = match self.tc_attach {
-                    Some(how) => how,
-                    None => *self.tc_attach.insert(TcAttach::probe(&iface)?),
-                };
+                let how = self.tc_how(&iface)?;
                 if pinned && how != TcAttach::Tcx {
                     bail!(
                         "--pin needs TCX links (Linux 6.6 or later); this kernel attaches through legacy tc filters, which cannot be pinned: run without --pin"

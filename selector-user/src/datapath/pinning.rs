@@ -41,7 +41,7 @@ use selector_common::{
 
 use crate::{
     config::settings::{ReplyPath, Settings},
-    datapath::attachment::{TcxSide, tcx_program_ids},
+    host::tcx::{TcxSide, program_ids as tcx_program_ids},
 };
 
 /// Where `--pin` without a value pins.

@@ -29,14 +29,21 @@ pub fn name(index: u32) -> Option<String> {
 /// XDP worth its cost: XDP there puts the device on an XDP receive path that
 /// costs more than the program, so TC ingress. A device a hardware driver
 /// made gets XDP in native (driver) mode, falling back to TC ingress at
-/// attach if the driver has none.
-pub fn auto_ingress(kind: Option<&str>) -> (ReplyPath, String) {
-    match kind {
-        Some(kind) => (
+/// attach if the driver has none; but not where the request path is a
+/// legacy tc filter (`legacy_tc`): a filter outlives a killed agent and an XDP
+/// link does not, and a request moved with no reply path left to rewrite
+/// its reply is lost, so the reply path is a filter too.
+pub fn auto_ingress(kind: Option<&str>, legacy_tc: bool) -> (ReplyPath, String) {
+    match (kind, legacy_tc) {
+        (Some(kind), _) => (
             ReplyPath::Tc,
             format!("auto: a {kind} device, no native XDP worth its cost"),
         ),
-        None => (ReplyPath::Xdp, "auto: a driver's device, native XDP".into()),
+        (None, true) => (
+            ReplyPath::Tc,
+            "auto: legacy tc filters outlive a crash, an XDP link would not".into(),
+        ),
+        (None, false) => (ReplyPath::Xdp, "auto: a driver's device, native XDP".into()),
     }
 }
 
@@ -110,10 +117,20 @@ mod tests {
     #[test]
     fn auto_ingress_is_tc_on_virtual_devices_and_native_xdp_on_drivers() {
         for kind in ["veth", "bridge", "vlan", "macvlan", "dummy"] {
-            let (mode, why) = auto_ingress(Some(kind));
-            assert_eq!(mode, ReplyPath::Tc);
-            assert!(why.contains(kind), "{why}");
+            for legacy_tc in [false, true] {
+                let (mode, why) = auto_ingress(Some(kind), legacy_tc);
+                assert_eq!(mode, ReplyPath::Tc);
+                assert!(why.contains(kind), "{why}");
+            }
         }
-        assert_eq!(auto_ingress(None).0, ReplyPath::Xdp);
+        assert_eq!(auto_ingress(None, false).0, ReplyPath::Xdp);
+    }
+
+    /// Legacy tc filters stay attached after a SIGKILL; an XDP link goes
+    /// with the process. The reply path must stay with the request path.
+    #[test]
+    fn auto_ingress_beside_legacy_tc_filters_is_a_filter_too() {
+        let (mode, why) = auto_ingress(None, true);
+        assert_eq!(mode, ReplyPath::Tc, "{why}");
     }
 }

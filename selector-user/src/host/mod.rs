@@ -11,3 +11,4 @@ pub mod shared;
 pub mod stdout;
 pub mod sys;
 pub mod tc_attach;
+pub mod tcx;

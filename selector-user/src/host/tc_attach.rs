@@ -51,22 +51,28 @@ impl TcAttach {
     }
 
     /// What this kernel offers on `iface`: TCX when a TCX query succeeds
-    /// there (kernels without TCX refuse the attach type), unless
-    /// overridden by [`OVERRIDE_VAR`].
+    /// there, legacy tc when the kernel refuses the attach type (before
+    /// 6.6), unless overridden by [`OVERRIDE_VAR`]. Another component's
+    /// TCX programs there change nothing (the query reads ids only), and a
+    /// query refused otherwise (no CAP_NET_ADMIN) is an error, not a
+    /// reason to fall back.
     pub fn probe(iface: &str) -> Result<Self> {
         if let Ok(name) = std::env::var(OVERRIDE_VAR) {
             return Self::from_name(&name)
                 .with_context(|| format!("{OVERRIDE_VAR}={name}: expected tcx or netlink"));
         }
-        Ok(
-            match SchedClassifier::query_tcx(iface, TcAttachType::Ingress) {
-                Ok(_) => TcAttach::Tcx,
-                Err(e) => {
-                    log::debug!("no TCX on {iface} ({e}): legacy tc filters");
-                    TcAttach::Netlink
-                }
-            },
-        )
+        let ifindex = crate::host::interface::index(iface)?;
+        let offered = crate::host::tcx::offered(ifindex).with_context(|| {
+            format!(
+                "asking the kernel for {iface}'s TCX chains (BPF_PROG_QUERY needs CAP_NET_ADMIN)"
+            )
+        })?;
+        Ok(if offered {
+            TcAttach::Tcx
+        } else {
+            log::debug!("no TCX on {iface}: legacy tc filters");
+            TcAttach::Netlink
+        })
     }
 
     /// Attaches `program` to `iface` in direction `attach` this way.
@@ -115,6 +121,26 @@ fn is_exists(e: &aya::programs::ProgramError) -> bool {
         source = err.source();
     }
     format!("{e:?}").contains("File exists")
+}
+
+/// Removes filters of ours that an agent now gone left on `iface`
+/// (filters outlive their process: a SIGKILL, an OOM kill, a watchdog's
+/// abort), so that a restart can attach: the caller holds the interface's
+/// running lock, so no agent here made them. The request filter goes
+/// first; the reads it moved get `drain` to be answered through the reply
+/// filter before that goes too. What was removed.
+pub fn remove_stale_filters(
+    iface: &str,
+    egress: &str,
+    ingress: &str,
+    drain: std::time::Duration,
+) -> Result<Vec<String>> {
+    let mut removed = detach_filters(iface, &[(egress, TcAttachType::Egress)])?;
+    if !removed.is_empty() {
+        std::thread::sleep(drain);
+    }
+    removed.extend(detach_filters(iface, &[(ingress, TcAttachType::Ingress)])?);
+    Ok(removed)
 }
 
 /// Removes the selector's legacy tc filters from `iface` (both
