@@ -227,7 +227,11 @@ pub(crate) fn resolve_ingress(settings: &Settings) -> Result<(ReplyPath, Option<
     }
     let ifindex = crate::host::interface::index(&settings.iface)?;
     let kind = crate::host::neighbours::Netlink::open()?.link_kind(ifindex)?;
-    let legacy_tc = TcAttach::probe(&settings.iface)? == TcAttach::Netlink;
+    // Only a driver's device depends on how TC attaches. A probe refused
+    // (`selector check` unprivileged) counts as TCX here: the attach
+    // probes again, and fails in words.
+    let legacy_tc = kind.is_none()
+        && TcAttach::probe(&settings.iface).is_ok_and(|how| how == TcAttach::Netlink);
     let (path, why) = crate::host::interface::auto_ingress(kind.as_deref(), legacy_tc);
     Ok((path, Some(why)))
 }
