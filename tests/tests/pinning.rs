@@ -93,7 +93,8 @@ fn run_args(group: &str, pin: &str, extra: &[&str]) -> Vec<String> {
     args
 }
 
-/// Starts `selector run ARGS`; returns it and its "attached" line.
+/// Starts `selector run ARGS`; returns it and its "attached" line (after
+/// any warnings).
 fn spawn(tb: &Testbed, args: &[String]) -> (Running, String) {
     let mut child = tb
         .client
@@ -107,7 +108,12 @@ fn spawn(tb: &Testbed, args: &[String]) -> (Running, String) {
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut stderr = child.stderr.take().unwrap();
     let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
+    // Past its warnings (a slot freed on adoption, say).
+    while {
+        line.clear();
+        stdout.read_line(&mut line).unwrap();
+        line.starts_with("selector: warning:")
+    } {}
     if !line.starts_with("selector: attached to") {
         let mut error = String::new();
         let _ = stderr.read_to_string(&mut error);
@@ -774,4 +780,43 @@ fn adoption_keeps_the_ejections_and_a_failed_one_touches_no_heartbeat() {
         "the failed start changed the heartbeat or the ejections"
     );
     lose_requests(&tb, 1, false);
+}
+
+/// An agent killed inside its hold of a free slot (its mark cleared, the
+/// slot not yet released) leaves it held and unmarked in the pinned maps:
+/// no sweep sees it and no request can take it. The next agent frees it
+/// when it adopts the pins.
+#[test]
+fn a_slot_an_agent_was_killed_holding_is_freed_by_the_next() {
+    use selector_common::inflight::{AGENT_HOLD, FREE, InflightSlot};
+    let tb = testbed("ph");
+    let bpffs = Bpffs::mount();
+    let args = run_args(&tb.group_arg(), &bpffs.arg(), &[]);
+    let (mut agent, _) = spawn(&tb, &args);
+    assert!(agent.signal(libc::SIGTERM).success());
+    let maps = bpffs.dir().join(CLIENT_IFACE).join("maps");
+    let slots = |i: u32| -> u64 {
+        let map = MapData::from_pin(maps.join(names::INFLIGHT)).unwrap();
+        let slots: Array<_, InflightSlot> = Array::try_from(Map::Array(map)).unwrap();
+        slots.get(&i, 0).unwrap().state
+    };
+    {
+        let map = MapData::from_pin(maps.join(names::INFLIGHT)).unwrap();
+        let mut table: Array<_, InflightSlot> = Array::try_from(Map::Array(map)).unwrap();
+        let held = InflightSlot {
+            state: AGENT_HOLD,
+            ..Default::default()
+        };
+        table.set(77, held, 0).unwrap();
+    }
+    assert_eq!(slots(77), AGENT_HOLD);
+    let (mut agent, line) = spawn(&tb, &args);
+    assert!(line.contains("adopted the pins"), "{line}");
+    assert_eq!(slots(77), FREE, "the adopting agent frees it");
+    assert!(agent.signal(libc::SIGTERM).success());
+    let (code, out) = agent::run_selector(
+        &tb.client,
+        &["detach", "--iface", CLIENT_IFACE, "--pin", &bpffs.arg()],
+    );
+    assert_eq!(code, 0, "{out}");
 }

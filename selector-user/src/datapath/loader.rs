@@ -292,6 +292,10 @@ impl Selector {
             };
             let mut selector = Self::load_with(settings, reply_path, Some(pins))?;
             selector.ingress_choice = choice;
+            let freed = selector.free_stale_holds();
+            if freed > 0 {
+                log::warn!("freed {freed} in-flight slots the earlier agent was killed holding");
+            }
             let pinned = selector.table_in_maps()?;
             let changes = plan_groups(&pinned, &settings.groups, names, Instant::now())
                 .context("applying the groups over the pinned ones")?;

@@ -83,6 +83,28 @@ impl Selector {
         }
     }
 
+    /// Frees the slots an agent killed inside its hold left held: between
+    /// clearing a free slot's mark and releasing it ([`Self::occupied_in`]),
+    /// a slot is held and unmarked, so no sweep visits it (the sweep frees
+    /// a hold it sees stuck, but sees marked slots only) and no inserter
+    /// can take it: lost to the table for as long as its pinned maps live.
+    /// For a new agent adopting pinned maps, before it holds any itself
+    /// (the hold is the agent's alone: a program's writing state carries a
+    /// sequence). How many it freed.
+    pub(crate) fn free_stale_holds(&self) -> usize {
+        (0..self.slots.len())
+            .filter(|&i| {
+                // SAFETY: the state word of a live shared element, 8-byte
+                // aligned.
+                let state = unsafe { atomic(&raw mut (*self.slots.ptr(i)).state) };
+                state.load(Ordering::Relaxed) == AGENT_HOLD
+                    && state
+                        .compare_exchange(AGENT_HOLD, FREE, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+            })
+            .count()
+    }
+
     /// Calls `visit` with every occupied slot, one mark word at a time.
     pub(crate) fn for_each_occupied(&self, mut visit: impl FnMut(Occupied)) {
         let mut found = Vec::with_capacity(MARK_BITS as usize);
