@@ -2,7 +2,12 @@
 
 use std::{io, os::fd::RawFd};
 
-/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+/// CLOCK_MONOTONIC in nanoseconds as the kernel keeps it: the clock of
+/// `bpf_ktime_get_ns`, which no time namespace offsets. An agent started
+/// in a time namespace (CRIU, some container runtimes) reads its own
+/// clock moved by the namespace's offset; taken back here, else every
+/// pending read would look that much older (or younger) and the heartbeat
+/// would lie to the programs.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
@@ -10,7 +15,29 @@ pub fn monotonic_ns() -> u64 {
     };
     // SAFETY: valid pointer to a timespec.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    let own = ts.tv_sec as i128 * 1_000_000_000 + ts.tv_nsec as i128;
+    (own - i128::from(monotonic_offset_ns())).max(0) as u64
+}
+
+/// This process's time namespace's CLOCK_MONOTONIC offset, ns (0 outside
+/// one, or on a kernel without time namespaces); read once.
+pub fn monotonic_offset_ns() -> i64 {
+    static OFFSET: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *OFFSET.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/timens_offsets")
+            .ok()
+            .and_then(|text| parse_monotonic_offset(&text))
+            .unwrap_or(0)
+    })
+}
+
+/// The `monotonic SECS NSECS` line of `/proc/PID/timens_offsets`, in ns.
+fn parse_monotonic_offset(text: &str) -> Option<i64> {
+    let line = text.lines().find(|l| l.starts_with("monotonic"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let secs: i64 = words.next()?.parse().ok()?;
+    let nsecs: i64 = words.next()?.parse().ok()?;
+    Some(secs * 1_000_000_000 + nsecs)
 }
 
 const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
@@ -198,5 +225,21 @@ pub(crate) fn delete_all(map_fd: RawFd, key_size: usize) -> io::Result<usize> {
         // SAFETY: `key` is a key of the map's size.
         unsafe { bpf(BPF_MAP_DELETE_ELEM, &mut attr) }?;
         deleted += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_time_namespaces_monotonic_offset_is_read() {
+        let text = "monotonic      86400         5\nboottime            0         0\n";
+        assert_eq!(parse_monotonic_offset(text), Some(86_400_000_000_005));
+        assert_eq!(
+            parse_monotonic_offset("monotonic -3 0\nboottime 0 0\n"),
+            Some(-3_000_000_000)
+        );
+        assert_eq!(parse_monotonic_offset(""), None);
     }
 }
