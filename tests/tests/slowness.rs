@@ -39,6 +39,30 @@ const VIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 const THROTTLED: usize = 1;
 const RATE: u32 = 200;
 
+/// What one member did over a window: its own reads, those that left it,
+/// reads moved to it and the probes among them, and its totals after.
+struct Window {
+    own: u64,
+    left: u64,
+    moved_to: u64,
+    probes: u64,
+    after: BackendTotals,
+}
+
+/// Reads `member`'s totals, waits `window`, and reads them again.
+fn over(window: Duration, member: impl Fn() -> BackendTotals) -> Window {
+    let before = member();
+    thread::sleep(window);
+    let after = member();
+    Window {
+        own: after.stats.requests - before.stats.requests,
+        left: after.stats.redirected_away - before.stats.redirected_away,
+        moved_to: after.stats.redirected_to - before.stats.redirected_to,
+        probes: after.ejection.slow_probes - before.ejection.slow_probes,
+        after,
+    }
+}
+
 #[test]
 fn a_throttled_replica_gets_no_moved_lookup_and_loses_its_own_until_it_is_well() {
     let tb = Testbed::new("slow", 3).unwrap();
@@ -95,17 +119,17 @@ fn a_throttled_replica_gets_no_moved_lookup_and_loses_its_own_until_it_is_well()
     );
     // From then on, over 3 s: its own lookups leave it, and none is moved
     // to it but the reads that took its probes.
-    let before = backend(THROTTLED);
-    thread::sleep(Duration::from_secs(3));
-    let after = backend(THROTTLED);
-    let moved_to = after.stats.redirected_to - before.stats.redirected_to;
-    let probes = after.ejection.slow_probes - before.ejection.slow_probes;
+    let Window {
+        own,
+        left,
+        moved_to,
+        probes,
+        after,
+    } = over(Duration::from_secs(3), || backend(THROTTLED));
     assert!(
         moved_to <= probes,
         "{moved_to} reads moved to the slow replica, {probes} of them probes: {after:#?}"
     );
-    let own = after.stats.requests - before.stats.requests;
-    let left = after.stats.redirected_away - before.stats.redirected_away;
     assert!(own > 100, "too few lookups went to it to judge: {after:#?}");
     assert!(
         left * 10 >= own * 9,
@@ -131,11 +155,9 @@ fn a_throttled_replica_gets_no_moved_lookup_and_loses_its_own_until_it_is_well()
         backend(THROTTLED)
     );
     eprintln!("fast again after {:?}", well_at.elapsed());
-    let before = backend(THROTTLED);
-    thread::sleep(Duration::from_secs(2));
-    let after = backend(THROTTLED);
-    let own = after.stats.requests - before.stats.requests;
-    let left = after.stats.redirected_away - before.stats.redirected_away;
+    let Window {
+        own, left, after, ..
+    } = over(Duration::from_secs(2), || backend(THROTTLED));
     assert!(own > 50, "too few lookups went to it to judge: {after:#?}");
     assert!(
         left * 10 <= own,
@@ -222,11 +244,9 @@ fn reads_leave_a_replica_twice_as_slow_and_come_back_when_it_is_not() {
         "a primary twice as slow was never found slow: (slow, slowness_ns, completed, [(us, replies)]) {:?}",
         memory()
     );
-    let before = primary();
-    thread::sleep(Duration::from_secs(2));
-    let after = primary();
-    let own = after.stats.requests - before.stats.requests;
-    let left = after.stats.redirected_away - before.stats.redirected_away;
+    let Window {
+        own, left, after, ..
+    } = over(Duration::from_secs(2), primary);
     assert!(own > 60, "too few reads to judge: {after:#?}");
     assert!(
         left * 10 >= own * 9,
@@ -247,11 +267,9 @@ fn reads_leave_a_replica_twice_as_slow_and_come_back_when_it_is_not() {
         primary()
     );
     eprintln!("fast again after {:?}", well_at.elapsed());
-    let before = primary();
-    thread::sleep(Duration::from_secs(2));
-    let after = primary();
-    let own = after.stats.requests - before.stats.requests;
-    let left = after.stats.redirected_away - before.stats.redirected_away;
+    let Window {
+        own, left, after, ..
+    } = over(Duration::from_secs(2), primary);
     assert!(own > 60, "too few reads to judge: {after:#?}");
     assert!(
         left * 10 <= own,

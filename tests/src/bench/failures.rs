@@ -20,7 +20,7 @@ use std::{
     net::{SocketAddr, UdpSocket},
     path::{Path, PathBuf},
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     thread::{self, JoinHandle},
@@ -33,7 +33,7 @@ use selector_user::api::Status;
 
 use super::{
     agent_process::{AgentChild, agent_status, check_agent, start_agent},
-    client::histogram,
+    open_loop::{OpenLoopReport, open_loop},
     report::format_us,
     scenario::check_interrupted,
 };
@@ -604,104 +604,18 @@ struct DnsLoad {
     drain: Duration,
 }
 
-/// What a DNS load saw; latency from the intended send time.
-struct DnsLoadReport {
-    sent: u64,
-    /// NOERROR or NXDOMAIN answers.
-    good: u64,
-    /// Answers with any other rcode.
-    errors: u64,
-    /// Latency of the good answers, microseconds.
-    latency_us: Histogram<u64>,
-}
-
-/// Queries for the zone's apex A at `rate`, the id the query's sequence
-/// number (the load must stay under 65536 queries); must be called on a
-/// thread inside the client namespace.
-fn run_dns_load(spec: &DnsLoad) -> Result<DnsLoadReport> {
-    let total = (f64::from(spec.rate) * spec.duration.as_secs_f64()) as u64;
-    ensure!(
-        total <= u64::from(u16::MAX) + 1,
-        "{total} queries: ids would wrap"
-    );
-    let sender = UdpSocket::bind("0.0.0.0:0")?;
-    sender.connect(spec.target)?;
-    let socket = sender.try_clone()?;
-    socket.set_read_timeout(Some(Duration::from_millis(20)))?;
-    let table: Arc<Mutex<Vec<Option<Instant>>>> =
-        Arc::new(Mutex::new(vec![None; u16::MAX as usize + 1]));
-    let send_end = Arc::new(Mutex::new(None::<Instant>));
-    let receiver = {
-        let (table, send_end, drain) = (table.clone(), send_end.clone(), spec.drain);
-        thread::spawn(move || -> Result<(u64, u64, Histogram<u64>)> {
-            let (mut good, mut errors, mut hist) = (0u64, 0u64, histogram());
-            let mut buf = [0u8; 4096];
-            loop {
-                match socket.recv(&mut buf) {
-                    Ok(n) if n >= 12 => {
-                        let now = Instant::now();
-                        let id = u16::from_be_bytes([buf[0], buf[1]]) as usize;
-                        // A second answer to one query (none expected) is
-                        // not counted.
-                        let Some(intended) = table.lock().unwrap()[id].take() else {
-                            continue;
-                        };
-                        if matches!(buf[3] & 0x0f, 0 | 3) {
-                            good += 1;
-                            let us = now.duration_since(intended).as_micros() as u64;
-                            hist.saturating_record(us.max(1));
-                        } else {
-                            errors += 1;
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            ErrorKind::WouldBlock
-                                | ErrorKind::TimedOut
-                                | ErrorKind::ConnectionRefused
-                        ) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                if let Some(end) = *send_end.lock().unwrap() {
-                    let all_in = table.lock().unwrap().iter().all(Option::is_none);
-                    if all_in || end.elapsed() >= drain {
-                        return Ok((good, errors, hist));
-                    }
-                }
-            }
-        })
-    };
-    let start = Instant::now();
-    let interval = Duration::from_secs_f64(1.0 / f64::from(spec.rate.max(1)));
-    let mut sent = 0u64;
-    for seq in 0..total {
-        let intended = start + interval.mul_f64(seq as f64);
-        if let Some(wait) = intended.checked_duration_since(Instant::now()) {
-            thread::sleep(wait);
-        }
-        let id = seq as u16;
-        table.lock().unwrap()[id as usize] = Some(intended);
-        match sender.send(&dns::query(id, dns::ZONE, dns::QTYPE_A)) {
-            // A pending ICMP error instead of a send: the query is lost.
-            Err(e) if e.kind() == ErrorKind::ConnectionRefused => sent += 1,
-            r => {
-                r?;
-                sent += 1;
-            }
-        }
-    }
-    *send_end.lock().unwrap() = Some(Instant::now());
-    let (good, errors, latency_us) = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("the receiver panicked"))??;
-    Ok(DnsLoadReport {
-        sent,
-        good,
-        errors,
-        latency_us,
-    })
+/// Queries for the zone's apex A at `rate`, open loop ([`open_loop`]): an
+/// answer NOERROR or NXDOMAIN is good, any other rcode an error; must be
+/// called on a thread inside the client namespace.
+fn run_dns_load(spec: &DnsLoad) -> Result<OpenLoopReport> {
+    open_loop(
+        spec.target,
+        spec.rate,
+        spec.duration,
+        spec.drain,
+        |id| dns::query(id, dns::ZONE, dns::QTYPE_A),
+        |reply| reply.len() >= 12 && matches!(reply[3] & 0x0f, 0 | 3),
+    )
 }
 
 #[derive(Clone, Debug)]
@@ -1004,6 +918,7 @@ fn flags(row: FailureRow) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::client::histogram;
 
     #[test]
     fn rows_are_selected_by_id_or_prefix() {

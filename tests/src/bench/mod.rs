@@ -9,6 +9,7 @@ pub mod agent_process;
 pub mod client;
 pub mod failures;
 pub mod nginx;
+pub mod open_loop;
 pub mod packet_cost;
 pub mod plots;
 pub mod report;

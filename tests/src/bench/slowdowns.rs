@@ -27,15 +27,12 @@
 
 use std::{
     fmt::Write as _,
-    io::ErrorKind,
-    net::{Ipv4Addr, SocketAddr, SocketAddrV4, UdpSocket},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     path::PathBuf,
-    sync::{Arc, Mutex},
-    thread,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use anyhow::{Context as _, Result, ensure};
+use anyhow::{Context as _, Result};
 use hdrhistogram::Histogram;
 use selector_user::api::Status;
 
@@ -43,6 +40,7 @@ use super::{
     agent_process::{agent_status, check_agent, start_agent},
     client::histogram,
     median,
+    open_loop::open_loop,
     report::format_us,
     resolver::{LookupLoad, run_lookups},
     scenario::check_interrupted,
@@ -475,9 +473,8 @@ fn segment(
     })
 }
 
-/// Reads of `protocol` to `target` at `rate` for `duration` on one
-/// connected socket, open loop (each at its intended time, latency from
-/// then), ids in order; a read unanswered 2 s after the last send failed.
+/// Reads of `protocol` to `target` at `rate` for `duration`, open loop
+/// ([`open_loop`]); a read unanswered 2 s after the last send failed.
 /// (reads, failed, latency in microseconds).
 pub fn paced_reads(
     protocol: Protocol,
@@ -485,73 +482,15 @@ pub fn paced_reads(
     rate: u32,
     duration: Duration,
 ) -> Result<(u64, u64, Histogram<u64>)> {
-    let total = (f64::from(rate) * duration.as_secs_f64()) as u64;
-    ensure!(total <= 65_536, "{total} reads: ids would wrap");
-    let sender = UdpSocket::bind("0.0.0.0:0")?;
-    sender.connect(target)?;
-    let socket = sender.try_clone()?;
-    socket.set_read_timeout(Some(Duration::from_millis(20)))?;
-    let table: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; 65_536]));
-    let sent_all = Arc::new(Mutex::new(None::<Instant>));
-    let receiver = {
-        let (table, sent_all) = (table.clone(), sent_all.clone());
-        thread::spawn(move || -> Result<(u64, Histogram<u64>)> {
-            let (mut good, mut hist) = (0u64, histogram());
-            let mut buf = [0u8; 4096];
-            loop {
-                match socket.recv(&mut buf) {
-                    Ok(n) => {
-                        let reply = &buf[..n];
-                        let Some(id) = Protocol::reply_id(reply) else {
-                            continue;
-                        };
-                        let Some(intended) = table.lock().unwrap()[id as usize].take() else {
-                            continue;
-                        };
-                        if protocol.answered(reply) {
-                            good += 1;
-                            hist.saturating_record((intended.elapsed().as_micros() as u64).max(1));
-                        }
-                    }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            ErrorKind::WouldBlock
-                                | ErrorKind::TimedOut
-                                | ErrorKind::ConnectionRefused
-                        ) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                if let Some(end) = *sent_all.lock().unwrap() {
-                    let all_in = table.lock().unwrap().iter().all(Option::is_none);
-                    if all_in || end.elapsed() >= Duration::from_secs(2) {
-                        return Ok((good, hist));
-                    }
-                }
-            }
-        })
-    };
-    let start = Instant::now();
-    let interval = Duration::from_secs_f64(1.0 / f64::from(rate.max(1)));
-    for seq in 0..total {
-        let intended = start + interval.mul_f64(seq as f64);
-        if let Some(wait) = intended.checked_duration_since(Instant::now()) {
-            thread::sleep(wait);
-        }
-        let id = seq as u16;
-        table.lock().unwrap()[id as usize] = Some(intended);
-        match sender.send(&protocol.request(id)) {
-            Err(e) if e.kind() == ErrorKind::ConnectionRefused => {}
-            r => {
-                r?;
-            }
-        }
-    }
-    *sent_all.lock().unwrap() = Some(Instant::now());
-    let (good, hist) = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("the receiver panicked"))??;
-    Ok((total, total - good, hist))
+    let r = open_loop(
+        target,
+        rate,
+        duration,
+        Duration::from_secs(2),
+        |id| protocol.request(id),
+        move |reply| protocol.answered(reply),
+    )?;
+    Ok((r.sent, r.failed(), r.latency_us))
 }
 
 impl SlowdownReport {
