@@ -1,5 +1,6 @@
 //! What the host must offer before anything is loaded, each missing piece
-//! named in one line: the capabilities to load programs and attach them.
+//! named in one line: an architecture it is tested on, and the
+//! capabilities to load programs and attach them.
 //! The kernel is not judged by its version: the programs load on every
 //! kernel from 6.1 (the matrix `cargo xtask test-kernels` runs), how they
 //! attach is probed (`crate::host::tc_attach`), and a kernel that lacks something
@@ -55,8 +56,27 @@ pub fn check(effective: u64) -> Result<()> {
     Ok(())
 }
 
+/// The architectures the agent is tested on: the in-flight slots' mark
+/// protocol (compare-and-swap between the programs and the agent, with
+/// the orderings it relies on) is checked on x86-64 only (`tests/races.rs`).
+pub const TESTED_ARCHES: [&str; 1] = ["x86_64"];
+/// `SELECTOR_UNTESTED_ARCH=1` runs it elsewhere anyway.
+pub const UNTESTED_ARCH_VAR: &str = "SELECTOR_UNTESTED_ARCH";
+
+/// Refuses an architecture the agent is not tested on, unless `allowed`.
+pub fn check_arch(arch: &str, allowed: bool) -> Result<()> {
+    if TESTED_ARCHES.contains(&arch) || allowed {
+        return Ok(());
+    }
+    bail!(
+        "{arch}: the selector is built and tested on x86-64 only (the in-flight slots' protocol between the programs and the agent is checked there); set {UNTESTED_ARCH_VAR}=1 to run it anyway"
+    )
+}
+
 /// Checks this process.
 pub fn check_host() -> Result<()> {
+    let allowed = std::env::var_os(UNTESTED_ARCH_VAR).is_some_and(|v| v == "1");
+    check_arch(std::env::consts::ARCH, allowed)?;
     check(effective_capabilities()?)
 }
 
@@ -156,6 +176,17 @@ mod tests {
 
     fn err(caps: u64) -> String {
         check(caps).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn an_untested_architecture_is_refused_unless_asked_for() {
+        assert!(check_arch("x86_64", false).is_ok());
+        let refused = check_arch("aarch64", false).unwrap_err().to_string();
+        assert!(
+            refused.starts_with("aarch64:") && refused.contains(UNTESTED_ARCH_VAR),
+            "{refused}"
+        );
+        assert!(check_arch("aarch64", true).is_ok());
     }
 
     #[test]
