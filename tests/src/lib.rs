@@ -17,6 +17,7 @@ pub mod netns;
 pub mod paged;
 pub mod pods;
 pub mod prometheus;
+pub mod receive;
 pub mod slowdowns;
 pub mod topology;
 

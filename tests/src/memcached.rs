@@ -417,20 +417,11 @@ pub fn run_load_on(spec: &LoadSpec, kind: ClientSocket) -> Result<LoadReport> {
                         r.latency_us.saturating_record(us.max(1));
                     }
                     Ok(_) => {}
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            ErrorKind::WouldBlock
-                                | ErrorKind::TimedOut
-                                | ErrorKind::ConnectionRefused
-                        ) => {}
+                    Err(e) if crate::receive::nothing_yet(&e) => {}
                     Err(e) => return Err(e.into()),
                 }
-                if let Some(end) = *send_end.lock().unwrap() {
-                    let all_in = table.lock().unwrap().iter().all(Option::is_none);
-                    if all_in || end.elapsed() >= drain {
-                        return Ok(r);
-                    }
+                if crate::receive::done(&send_end, &table, drain) {
+                    return Ok(r);
                 }
             }
         })

@@ -83,20 +83,11 @@ pub fn open_loop(
                             errors += 1;
                         }
                     }
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            ErrorKind::WouldBlock
-                                | ErrorKind::TimedOut
-                                | ErrorKind::ConnectionRefused
-                        ) => {}
+                    Err(e) if crate::receive::nothing_yet(&e) => {}
                     Err(e) => return Err(e.into()),
                 }
-                if let Some(end) = *send_end.lock().unwrap() {
-                    let all_in = table.lock().unwrap().iter().all(Option::is_none);
-                    if all_in || end.elapsed() >= drain {
-                        return Ok((good_replies, errors, hist));
-                    }
+                if crate::receive::done(&send_end, &table, drain) {
+                    return Ok((good_replies, errors, hist));
                 }
             }
         })
