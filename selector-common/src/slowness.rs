@@ -100,6 +100,13 @@ pub const fn sample_ready(replies: u64, window_ns: u64) -> bool {
     replies >= SAMPLE_REPLIES || (replies > 0 && window_ns >= SAMPLE_WINDOW_NS)
 }
 
+/// A wait shorter than this is no sample of its own (its reply's latency
+/// will be): a healthy member's reads wait a couple of milliseconds now
+/// and then on a busy host (DNS through glibc on this machine: about one
+/// lookup in a thousand), and each such wait would mark it slow until its
+/// probes. A stall (a throttled period, a pause, a loss) lasts longer.
+pub const MIN_STALL_NS: u64 = 5_000_000;
+
 /// A member not measured for this long while its group has reads gets one
 /// (its explore bit): a primary slow for good is only found slow against
 /// replicas that were measured, and the count rule may move it none.
@@ -163,11 +170,17 @@ pub struct Seen {
 }
 
 impl Seen {
-    /// The sample this step: the worse of the two measures, if any.
+    /// The sample this step: the worse of the two measures, if any (a
+    /// wait under [`MIN_STALL_NS`] is none).
     pub const fn sample(&self) -> Option<u64> {
+        let stalled = if self.stalled_ns >= MIN_STALL_NS {
+            self.stalled_ns
+        } else {
+            0
+        };
         match self.latency_ns {
-            Some(l) if l >= self.stalled_ns => Some(l),
-            _ if self.stalled_ns > 0 => Some(self.stalled_ns),
+            Some(l) if l >= stalled => Some(l),
+            _ if stalled > 0 => Some(stalled),
             _ => None,
         }
     }
@@ -551,6 +564,20 @@ mod tests {
         assert_eq!(s.sample(), Some(30 * MS));
         assert_eq!(fast(MS).sample(), Some(MS));
         assert_eq!(idle().sample(), None);
+        // A short wait is no sample: its reply's latency will be.
+        let hiccup = Seen {
+            stalled_ns: 3 * MS,
+            ..idle()
+        };
+        assert_eq!(hiccup.sample(), None);
+        assert_eq!(
+            Seen {
+                latency_ns: Some(MS),
+                ..hiccup
+            }
+            .sample(),
+            Some(MS)
+        );
     }
 
     /// A throttled primary (position 0): stalls of 70 ms every 100 ms while
