@@ -79,13 +79,10 @@ pub const fn probes_to_recover(relapses: u32) -> u32 {
 pub const PROBE_AGAIN_NS: u64 = 150_000_000;
 pub const PROBE_JITTER_NS: u64 = 100_000_000;
 
-/// A wait under [`PROBE_JITTER_NS`] drawn from `now_ns` (splitmix64's
-/// finaliser: the low bits of a step's time are no draw of their own).
+/// A wait under [`PROBE_JITTER_NS`] drawn from `now_ns` (mixed: the low
+/// bits of a step's time are no draw of their own).
 const fn jitter(now_ns: u64) -> u64 {
-    let mut z = now_ns.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) % PROBE_JITTER_NS
+    crate::inflight::mix(now_ns.wrapping_add(0x9e37_79b9_7f4a_7c15)) % PROBE_JITTER_NS
 }
 /// A latency sample is the mean of at least this many replies ...
 pub const SAMPLE_REPLIES: u64 = 8;

@@ -53,7 +53,7 @@ impl ForeignTcx {
     pub fn attach(ns: &Namespace, iface: &str) -> Result<Self> {
         let iface = iface.to_owned();
         ns.run(move || -> Result<Self> {
-            let ifindex = ifindex_of(&iface)?;
+            let ifindex = selector_user::host::interface::index(&iface)?;
             let program = load_pass_program().context("loading the foreign TCX program")?;
             let mut links = Vec::new();
             for attach_type in [BPF_TCX_INGRESS, BPF_TCX_EGRESS] {
@@ -74,14 +74,6 @@ impl ForeignTcx {
             })
         })?
     }
-}
-
-fn ifindex_of(iface: &str) -> Result<u32> {
-    let name = std::ffi::CString::new(iface)?;
-    // SAFETY: a valid C string.
-    let index = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    anyhow::ensure!(index != 0, "no interface {iface}");
-    Ok(index)
 }
 
 /// The names of the programs in `iface`'s TCX chains in `ns` (egress,

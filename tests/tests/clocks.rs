@@ -8,14 +8,12 @@
 use std::{
     io::{BufRead as _, BufReader},
     process::Stdio,
-    thread,
-    time::Duration,
 };
 
 use selector_testbed::{
-    LoadSpec, Testbed,
+    Testbed,
     agent::{AgentProcess, selector_binary, status_json},
-    preload, run_load,
+    preload,
     topology::CLIENT_IFACE,
 };
 use selector_user::api::Status;
@@ -55,19 +53,7 @@ fn an_agent_in_a_time_namespace_keeps_the_kernels_clock() {
     let mut agent = AgentProcess(child);
     assert!(first.starts_with("selector: attached to"), "{first}");
 
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: 2000,
-        duration: Duration::from_millis(1200),
-        keys: KEYS,
-        drain: Duration::from_secs(1),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    thread::sleep(Duration::from_millis(500));
-    tb.replicas[0].stop();
-    thread::sleep(Duration::from_millis(60));
-    tb.replicas[0].resume();
-    let report = load.join().unwrap().expect("load");
+    let report = selector_testbed::pods::load_with_stall(&tb, KEYS);
     let status: Status = status_json(&tb.client, CLIENT_IFACE);
     assert_eq!(
         report.lost(),

@@ -16,13 +16,12 @@ use std::{
 };
 
 use selector_testbed::{
-    LoadSpec, Namespace, Testbed,
+    Namespace, Testbed,
     agent::{Attached, attached, selector_binary, totals_rows},
     bpffs::Bpffs,
     foreign::{FOREIGN_NAME, ForeignTcx, tcx_program_names},
     netns::unique_tag,
     prometheus::http_get,
-    run_load,
     topology::CLIENT_IFACE,
 };
 
@@ -230,7 +229,7 @@ fn the_agent_steers_pins_and_detaches_with_only_the_units_capabilities() {
         "`--ingress auto` on a veth: TC"
     );
 
-    let report = stalled_load(&tb);
+    let report = selector_testbed::pods::load_with_stall(&tb, 100);
     assert_eq!(report.lost(), 0, "every reply arrives");
 
     // The operator's status command (full root) talks to the agent.
@@ -309,7 +308,7 @@ fn beside_another_components_tcx_programs_the_unit_attaches_by_tcx_and_leaves_th
         "both components in both chains"
     );
 
-    let report = stalled_load(&tb);
+    let report = selector_testbed::pods::load_with_stall(&tb, 100);
     assert_eq!(report.lost(), 0, "every reply arrives");
     assert_eq!(report.wrong_values, 0);
     let status: selector_user::api::Status =
@@ -340,23 +339,6 @@ fn beside_another_components_tcx_programs_the_unit_attaches_by_tcx_and_leaves_th
         "the other component's programs stay"
     );
     drop(foreign);
-}
-
-/// Reads at 2000/s to the primary, which stops 60 ms in the middle.
-fn stalled_load(tb: &Testbed) -> selector_testbed::LoadReport {
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: 2000,
-        duration: Duration::from_millis(800),
-        keys: 100,
-        drain: Duration::from_millis(500),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    std::thread::sleep(Duration::from_millis(300));
-    tb.replicas[0].stop();
-    std::thread::sleep(Duration::from_millis(60));
-    tb.replicas[0].resume();
-    load.join().unwrap().unwrap()
 }
 
 /// The next notification on `socket` other than `WATCHDOG=1`, and how

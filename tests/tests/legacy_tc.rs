@@ -102,22 +102,6 @@ fn ours(listing: &str, program: &str) -> bool {
     listing.contains(program) && listing.contains(&format!("pref {FILTER_PRIORITY} "))
 }
 
-fn stalled_load(tb: &Testbed) -> selector_testbed::LoadReport {
-    let spec = LoadSpec {
-        target: tb.replica_endpoints()[0].into(),
-        rate: 2000,
-        duration: Duration::from_millis(1200),
-        keys: KEYS,
-        drain: Duration::from_secs(1),
-    };
-    let load = tb.client.spawn(move || run_load(&spec)).unwrap();
-    thread::sleep(Duration::from_millis(500));
-    tb.replicas[0].stop();
-    thread::sleep(Duration::from_millis(60));
-    tb.replicas[0].resume();
-    load.join().unwrap().expect("load")
-}
-
 #[test]
 fn legacy_tc_filters_steer_beside_other_filters_and_go_with_the_agent() {
     let mut tb = Testbed::new("ltca", 3).unwrap();
@@ -136,7 +120,7 @@ fn legacy_tc_filters_steer_beside_other_filters_and_go_with_the_agent() {
     );
     assert_eq!(tcx_programs(&tb), 0, "filters, not TCX links");
 
-    let report = stalled_load(&tb);
+    let report = selector_testbed::pods::load_with_stall(&tb, KEYS);
     let status: Status = agent::status_json(&tb.client, CLIENT_IFACE);
     assert_eq!(status.tc_attach, "netlink");
     let away = status.backends[0].stats.redirected_away;
@@ -220,7 +204,7 @@ fn a_killed_agents_filters_answer_its_moved_reads_and_a_restart_replaces_them() 
         "{egress}"
     );
     assert!(egress.contains("5e1ec7ed"), "{egress}");
-    let report = stalled_load(&tb);
+    let report = selector_testbed::pods::load_with_stall(&tb, KEYS);
     assert_eq!(report.lost(), 0);
     let status: Status = agent::status_json(&tb.client, CLIENT_IFACE);
     assert!(status.backends[0].stats.redirected_away > 0, "{status:?}");
